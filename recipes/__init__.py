@@ -1,0 +1,1 @@
+"""Calibration recipes shipped as package data (YAML files beside this module)."""
