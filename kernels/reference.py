@@ -1,0 +1,394 @@
+"""Pure-torch CPU reference of oscar's INT2 KV format: the specification every fast path answers to.
+
+This module imports no Triton and runs anywhere torch runs. Kernels, the transformers cache and the
+evaluation all call it (or are tested against it), so accuracy results and kernels cannot drift apart.
+
+Shape alphabet: ``B`` batch, ``H_q`` query heads, ``H_kv`` KV heads, ``g = H_q / H_kv``, ``T`` tokens,
+``D`` head_dim, ``G`` quantization group size along D (``D % G == 0``; default ``G = D``).
+
+Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic in float32)
+-------------------------------------------------------------------------------------------
+1. Rotate: ``y = x @ R`` with ``R`` float32 ``[D, D]`` orthogonal (omitted: identity).
+2. Center: ``y = y - mu`` with ``mu`` float32 ``[D]`` in the rotated space (omitted: zeros).
+3. Clip (symmetric about 0, per row, over the whole row even when ``G < D``):
+   ``idx = min(int(ratio * D), D - 1)``; ``tau = sort(|y|)[idx]`` (ascending); ``y = clamp(y, -tau, tau)``.
+   ``ratio <= 0`` disables clipping (output identical to the unclipped path). Ratio 0.96 at D = 128 gives
+   idx 122 (the 5 largest distinct magnitudes are clipped), 0.92 gives idx 117 (10 clipped).
+4. Per group of ``G`` consecutive channels: ``mn = min(y)``, ``mx = max(y)``,
+   ``s = max(mx - mn, 1e-8) / 3``. Metadata is stored in ``meta_dtype`` (bfloat16 | float16 | float32),
+   rounded to nearest: ``scale = s.to(meta_dtype)``, ``zero = mn.to(meta_dtype)``.
+   **``zero`` is the group minimum (offset form)**, so ``x_hat = zero + code * scale``. method.md's
+   float zero-point ``z = -min / s`` carries the same information; the offset form is what a decode kernel
+   consumes (``scores = s·(q·c) + m·Σq``).
+5. Codes, from the *stored* metadata so that encoder and decoder agree:
+   ``code = clamp(floor((y - float(zero)) / float(scale) + 0.5), 0, 3)`` — round half up, IEEE float32
+   division (Triton: ``tl.math.div_rn``; plain ``/`` is approximate on GPUs), then ``floor``.
+6. Quarter packing: byte ``i`` (``0 <= i < D/4``) holds
+   ``c[i] | c[i + D/4] << 2 | c[i + D/2] << 4 | c[i + 3D/4] << 6`` — the first quarter of the row sits in
+   bits 0-1 (lowest), the last quarter in bits 6-7.
+7. Dequantize: ``x_hat = float(zero) + code * float(scale)`` in float32 (``code`` as float32; one multiply,
+   one add, no fma), then cast to the requested dtype.
+
+Attention over the three tiers (sink: absolute positions ``[0, S0)``; history: INT2; recent: the last
+tokens) computes one partial ``(o_t, lse_t)`` per tier — softmax attention restricted to that tier, with
+``lse = m + log(Σ exp(s - m))`` in the natural-log domain — and merges them:
+``o = Σ_t exp(lse_t - M) · o_t / Σ_t exp(lse_t - M)``, ``M = max_t lse_t``. An empty tier has
+``lse = -inf`` and contributes nothing; a row with no keys at all yields zeros, never NaN. The merge equals
+single-pass softmax attention over the concatenated (dequantized) keys and values.
+
+Bits per element (per stored K or V element, all tiers, method.md §8):
+``BPE(L) = [(L - S0 - W)·(2 + 2·b_meta/G) + (S0 + W)·16] / L`` (for ``L <= S0 + W`` everything is 16-bit).
+
+What can be asserted
+--------------------
+- **Bitwise** (``atol = rtol = 0``): codes, ``scale``, ``zero`` and packed bytes of any fast quantizer fed the
+  same float32 rotated rows; ``unpack_int2(pack_int2(c)) == c``; codes lie in ``{0, 1, 2, 3}``.
+- **Exact by construction**: a group's minimum decodes to ``float(zero)`` exactly (code 0); with float32
+  metadata its maximum decodes to ``mn + 3·s`` which equals ``mx`` up to float32 rounding of ``s`` (≤ 2 ulp of
+  ``mx``); with 16-bit metadata the extremes are reproduced to the metadata's rounding.
+- **Bounded**: for clipped rows, ``|x_hat - y| <= scale/2 + |zero - mn| + 3·|scale - s| + tiny`` elementwise;
+  with float32 metadata that is ``scale/2`` up to float32 rounding.
+- **Tolerance only**: attention outputs. Fast paths follow the flash-attention error budget
+  ``|fast - ref64| <= 2·|ref_same_dtype - ref64| + floor`` where both references dequantize the same codes.
+- ``merge_partials`` over any split of the keys equals ``attention_partial`` over all of them (float64:
+  ≤ 1e-12 relative).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "QuantizedRows",
+    "attention_partial",
+    "bits_per_element",
+    "clip_rows",
+    "clip_threshold",
+    "decode_attention_reference",
+    "dequantize_int2",
+    "dequantize_rows",
+    "fake_quantize_rows",
+    "hadamard",
+    "merge_partials",
+    "pack_int2",
+    "quantize_int2",
+    "quantize_rows",
+    "rotate",
+    "unpack_int2",
+]
+
+_META_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """INT2 rows as stored: ``packed`` uint8 ``[..., D/4]``, ``scale`` and ``zero`` ``[..., D/G]``.
+
+    ``zero`` is the group minimum (offset form): ``x_hat = zero + code * scale``.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.packed.shape[-1]) * 4
+
+    @property
+    def group_size(self) -> int:
+        return self.head_dim // int(self.scale.shape[-1])
+
+
+def _check_rows(name: str, x: torch.Tensor) -> int:
+    if x.dim() < 1 or x.shape[-1] % 4 != 0 or x.shape[-1] == 0:
+        raise ValueError(
+            f"{name}: expected [..., D] with D a positive multiple of 4, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    return int(x.shape[-1])
+
+
+def hadamard(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Normalised Sylvester Hadamard matrix of size ``d`` (a power of two), natural order, symmetric.
+
+    ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]] / sqrt(2)``.
+    """
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard: size must be a power of two, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(dtype)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """``x @ R`` in float32. ``x [..., D]``; ``R`` ``[D, D]`` or per KV head ``[H_kv, D, D]``.
+
+    With a per-head ``R``, ``x`` must be ``[B, H_kv, T, D]`` (head axis at -3).
+    """
+    x32 = x.float()
+    if rotation is None:
+        return x32
+    r = rotation.float()
+    if r.dim() == 2:
+        return x32 @ r
+    if r.dim() == 3 and x32.dim() >= 3 and x32.shape[-3] == r.shape[0]:
+        return torch.einsum("...htd,hde->...hte", x32, r)
+    raise ValueError(
+        f"rotation: expected [D, D] or [H_kv, D, D] matching x {tuple(x.shape)}, got {tuple(rotation.shape)}"
+    )
+
+
+def clip_threshold(y: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Per-row clip threshold ``tau = sort(|y|)[min(int(ratio * D), D - 1)]``, shape ``[..., 1]``."""
+    d = _check_rows("y", y)
+    idx = min(int(ratio * d), d - 1)
+    return torch.kthvalue(y.float().abs(), idx + 1, dim=-1, keepdim=True).values
+
+
+def clip_rows(y: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Clip each row symmetrically to ``[-tau, tau]`` (float32). ``ratio <= 0`` returns ``y`` unchanged."""
+    y32 = y.float()
+    if ratio <= 0:
+        return y32
+    tau = clip_threshold(y32, ratio)
+    return torch.minimum(torch.maximum(y32, -tau), tau)
+
+
+def quantize_int2(
+    y: torch.Tensor, group_size: int | None = None, meta_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max INT2 per group of ``G`` channels.
+
+    Args:
+        y: ``[..., D]`` rows (already rotated, centred and clipped), any float dtype; computed in float32.
+        group_size: ``G`` dividing ``D`` (default ``D``).
+        meta_dtype: storage dtype of scale and zero.
+
+    Returns:
+        ``codes`` uint8 ``[..., D]`` in ``{0..3}``, ``scale`` and ``zero`` ``meta_dtype [..., D/G]``.
+    """
+    d = _check_rows("y", y)
+    g = d if group_size is None else int(group_size)
+    if g <= 0 or d % g:
+        raise ValueError(f"group_size: must divide D={d}, got {group_size}")
+    if meta_dtype not in _META_DTYPES:
+        raise ValueError(f"meta_dtype: expected one of {_META_DTYPES}, got {meta_dtype}")
+    y32 = y.float().reshape(*y.shape[:-1], d // g, g)
+    mn = y32.amin(dim=-1)
+    mx = y32.amax(dim=-1)
+    s = torch.clamp(mx - mn, min=1e-8) / 3.0
+    scale = s.to(meta_dtype)
+    zero = mn.to(meta_dtype)
+    sf = scale.float().unsqueeze(-1)
+    zf = zero.float().unsqueeze(-1)
+    codes = torch.floor((y32 - zf) / sf + 0.5).clamp_(0, 3).to(torch.uint8)
+    return codes.reshape(*y.shape[:-1], d), scale, zero
+
+
+def pack_int2(codes: torch.Tensor) -> torch.Tensor:
+    """Quarter packing: ``uint8 [..., D] -> uint8 [..., D/4]``; first quarter in the lowest bits."""
+    d = _check_rows("codes", codes)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes: expected uint8, got {codes.dtype} {tuple(codes.shape)} on {codes.device}")
+    q = d // 4
+    c = codes.to(torch.int32)
+    out = c[..., :q] | (c[..., q : 2 * q] << 2) | (c[..., 2 * q : 3 * q] << 4) | (c[..., 3 * q :] << 6)
+    return out.to(torch.uint8)
+
+
+def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int2`: ``uint8 [..., D/4] -> uint8 [..., D]``."""
+    if packed.dtype != torch.uint8 or packed.dim() < 1:
+        raise ValueError(f"packed: expected uint8 [..., D/4], got {packed.dtype} {tuple(packed.shape)} on {packed.device}")
+    p = packed.to(torch.int32)
+    parts = [(p >> shift) & 3 for shift in (0, 2, 4, 6)]
+    return torch.cat(parts, dim=-1).to(torch.uint8)
+
+
+def dequantize_int2(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``x_hat = float(zero) + code * float(scale)`` per group; returns ``out_dtype [..., D]``."""
+    codes = unpack_int2(packed).float()
+    d = codes.shape[-1]
+    n_groups = scale.shape[-1]
+    if d % n_groups or zero.shape != scale.shape:
+        raise ValueError(
+            f"scale/zero: expected [..., D/G] with G dividing D={d}, got scale {tuple(scale.shape)} zero {tuple(zero.shape)}"
+        )
+    g = d // n_groups
+    c = codes.reshape(*codes.shape[:-1], n_groups, g)
+    x = zero.float().unsqueeze(-1) + c * scale.float().unsqueeze(-1)
+    return x.reshape(*codes.shape[:-1], d).to(out_dtype)
+
+
+def _transform(
+    x: torch.Tensor, rotation: torch.Tensor | None, mean: torch.Tensor | None, clip_ratio: float
+) -> torch.Tensor:
+    y = rotate(x, rotation)
+    if mean is not None:
+        m = mean.float()
+        if m.dim() == 2 and y.dim() >= 3:  # per KV head [H_kv, D]
+            m = m.unsqueeze(-2)
+        y = y - m
+    return clip_rows(y, clip_ratio)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None = None,
+    mean: torch.Tensor | None = None,
+    clip_ratio: float = 0.0,
+    group_size: int | None = None,
+    meta_dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedRows:
+    """The whole write path: rotate → center → clip → quantize → pack.
+
+    Args:
+        x: ``[..., D]`` rows (e.g. post-RoPE keys ``[B, H_kv, T, D]``), any float dtype.
+        rotation: ``[D, D]`` or ``[H_kv, D, D]`` float32 (None: identity).
+        mean: ``[D]`` or ``[H_kv, D]`` in the rotated space (None: no centering).
+        clip_ratio: see :func:`clip_rows`.
+    """
+    y = _transform(x, rotation, mean, clip_ratio)
+    codes, scale, zero = quantize_int2(y, group_size, meta_dtype)
+    return QuantizedRows(pack_int2(codes), scale, zero)
+
+
+def dequantize_rows(q: QuantizedRows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize stored rows back to the rotated, centred space (no inverse rotation)."""
+    return dequantize_int2(q.packed, q.scale, q.zero, out_dtype)
+
+
+def fake_quantize_rows(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None = None,
+    mean: torch.Tensor | None = None,
+    clip_ratio: float = 0.0,
+    group_size: int | None = None,
+    meta_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``dequantize_rows(quantize_rows(...))`` in float32: rotated, centred space, like the cache stores it."""
+    return dequantize_rows(quantize_rows(x, rotation, mean, clip_ratio, group_size, meta_dtype))
+
+
+def attention_partial(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention restricted to one set of keys, returning the partial output and its LSE.
+
+    Args:
+        q: ``[B, H_q, Tq, D]``; k, v: ``[B, H_kv, T, D]`` with ``H_q % H_kv == 0`` (GQA, contiguous groups).
+        scale: softmax scale (usually ``D ** -0.5``).
+        mask: optional bool ``[Tq, T]`` or broadcastable to ``[B, H_q, Tq, T]``; True = attend.
+
+    Returns:
+        ``out [B, H_q, Tq, D]`` (zeros where a query sees no key) and ``lse [B, H_q, Tq]`` (``-inf`` there).
+        Computed in float64 if any input is float64, else float32.
+    """
+    dt = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
+    b, hq, tq, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    if hq % max(hkv, 1) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"attention_partial: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} incompatible")
+    if t == 0:
+        return q.new_zeros(b, hq, tq, v.shape[-1], dtype=dt), q.new_full((b, hq, tq), -math.inf, dtype=dt)
+    g = hq // hkv
+    kk = k.to(dt).repeat_interleave(g, dim=1)
+    vv = v.to(dt).repeat_interleave(g, dim=1)
+    s = (q.to(dt) @ kk.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask.to(torch.bool), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    p = torch.where(finite.unsqueeze(-1), p, torch.zeros_like(p))
+    return p @ vv, lse
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of partial attentions ``[(out [..., D], lse [...]), ...]``.
+
+    Empty partials (``lse = -inf``) are skipped; a row where every partial is empty yields zeros and -inf.
+    """
+    if not parts:
+        raise ValueError("merge_partials: need at least one partial")
+    lses = torch.stack([lse for _, lse in parts], dim=0)
+    outs = torch.stack([o for o, _ in parts], dim=0)
+    m = lses.amax(dim=0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lses - m_safe.unsqueeze(0))  # exp(-inf) = 0 for empty partials
+    denom = w.sum(dim=0)
+    out = (w.unsqueeze(-1) * outs).sum(dim=0) / torch.where(denom > 0, denom, torch.ones_like(denom)).unsqueeze(-1)
+    lse = m_safe + torch.log(denom)  # log(0) = -inf for fully empty rows
+    return out, torch.where(denom > 0, lse, torch.full_like(lse, -math.inf))
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    hist_k: QuantizedRows,
+    hist_v: QuantizedRows,
+    recent_k: torch.Tensor,
+    recent_v: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode attention over sink (BF16) + history (INT2) + recent (BF16), merged by log-sum-exp.
+
+    Everything is in the rotated (and centred) space: ``q`` must already be ``q @ R_K``; the output is in
+    the rotated value space (the caller adds ``mu_V`` and multiplies by ``R_Vᵀ``).
+
+    Args:
+        q: ``[B, H_q, Tq, D]``.
+        sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` (``T_tier`` may be 0).
+        hist_k, hist_v: :class:`QuantizedRows` with ``packed [B, H_kv, T_hist, D/4]``.
+        scale: softmax scale.
+        compute_dtype: float32 or float64 (the float64 oracle of the kernel error budget).
+
+    Returns:
+        ``[B, H_q, Tq, D]`` in ``compute_dtype``.
+    """
+    kh = dequantize_rows(hist_k, compute_dtype)
+    vh = dequantize_rows(hist_v, compute_dtype)
+    qc = q.to(compute_dtype)
+    parts = [
+        attention_partial(qc, sink_k.to(compute_dtype), sink_v.to(compute_dtype), scale),
+        attention_partial(qc, kh, vh, scale),
+        attention_partial(qc, recent_k.to(compute_dtype), recent_v.to(compute_dtype), scale),
+    ]
+    out, _ = merge_partials(parts)
+    return out
+
+
+def bits_per_element(
+    context_len: int,
+    head_dim: int = 128,
+    group_size: int | None = None,
+    meta_bits: int = 16,
+    sink: int = 64,
+    recent: int = 256,
+    hp_bits: int = 16,
+) -> float:
+    """Average stored bits per K (or V) element at context length ``L`` (method.md §8).
+
+    ``BPE(L) = [(L - S0 - W)·(2 + 2·b_meta/G) + (S0 + W)·16] / L``; tokens that fit in sink + recent are
+    all 16-bit. Example: L = 131072, D = G = 128, 16-bit metadata, S0 = 64, W = 256 → 2.2836.
+    """
+    if context_len <= 0:
+        raise ValueError(f"context_len must be positive, got {context_len}")
+    g = head_dim if group_size is None else group_size
+    if g <= 0 or head_dim % g:
+        raise ValueError(f"group_size must divide head_dim={head_dim}, got {group_size}")
+    hp = min(context_len, sink + recent)
+    hist = context_len - hp
+    return (hist * (2 + 2 * meta_bits / g) + hp * hp_bits) / context_len
