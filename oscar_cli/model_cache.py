@@ -1,0 +1,202 @@
+"""oscar's on-disk cache: content hashes of model files and converted (GGUF -> safetensors) models.
+
+Layout under :func:`cache_dir` (``$OSCAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/oscar``, else ``~/.cache/oscar``)::
+
+    hashes.json                      {abs path: {size, mtime_ns, sha256}}: skip re-hashing unchanged files
+    converted/<sha256 of source>/    config.json, model.safetensors, tokenizer files, generation_config.json,
+                                     oscar-cache.json (written last: the entry is complete only with it)
+
+A converted entry is built in a temporary sibling directory and renamed into place, so readers never see a
+half-written entry. Every use re-checks it (sizes and sha256 of every file against ``oscar-cache.json``); an
+entry that fails the check is deleted and rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "OSCAR_CACHE_DIR"
+ENTRY_FORMAT = 1
+META_NAME = "oscar-cache.json"
+
+
+def cache_dir() -> Path:
+    """The root of oscar's cache (created on demand by the writers, not here)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "oscar"
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` through a temp file + rename (readers see the old or the new file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _hash_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_sha256(path: Path, *, use_index: bool = True) -> str:
+    """sha256 (hex) of a file's bytes, remembered in ``hashes.json`` keyed by (path, size, mtime_ns).
+
+    A file whose size or modification time changed is hashed again. An unreadable or corrupt index is
+    ignored (and rewritten), never fatal.
+    """
+    path = path.resolve()
+    st = path.stat()
+    key = str(path)
+    index_path = cache_dir() / "hashes.json"
+    index: dict[str, Any] = {}
+    if use_index:
+        try:
+            loaded = json.loads(index_path.read_text())
+            index = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            index = {}
+        hit = index.get(key)
+        if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
+            sha = hit.get("sha256")
+            if isinstance(sha, str) and len(sha) == 64:
+                return sha
+    t0 = time.perf_counter()
+    sha = _hash_file(path)
+    logger.debug("sha256 %s (%d bytes) in %.2f s", path, st.st_size, time.perf_counter() - t0)
+    if use_index:
+        index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+        try:
+            _write_json_atomic(index_path, index)
+        except OSError as exc:  # a read-only cache must not stop a load
+            logger.debug("could not update %s: %s", index_path, exc)
+    return sha
+
+
+def tree_sha256(root: Path) -> str:
+    """One sha256 for a model directory: over sorted ``"<relative path>\\0<file sha256>\\n"`` lines.
+
+    Counts every regular file except hidden ones (any path part starting with ``.``) and ``*.md`` (model
+    cards), so editing a README does not change a model's identity but any weight, config or tokenizer
+    change does.
+    """
+    lines = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or p.suffix.lower() == ".md" or not p.is_file():
+            continue
+        lines.append(f"{rel.as_posix()}\0{file_sha256(p)}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def converted_path(source_sha256: str) -> Path:
+    """Where the converted copy of the source with this sha256 lives (it may not exist yet)."""
+    return cache_dir() / "converted" / source_sha256
+
+
+def check_entry(entry: Path, source_sha256: str) -> str | None:
+    """Why the converted entry at ``entry`` cannot be used, or None when it is complete and intact.
+
+    Checks: ``oscar-cache.json`` parses, has this format and source sha, and lists files that all exist with
+    the recorded size and sha256 (about 0.5 s for the embedded model's 538 MB).
+    """
+    meta_path = entry / META_NAME
+    if not entry.is_dir():
+        return "missing"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"unreadable {META_NAME} ({type(exc).__name__})"
+    if not isinstance(meta, dict) or meta.get("format") != ENTRY_FORMAT:
+        return f"{META_NAME} has another format"
+    if meta.get("source_sha256") != source_sha256:
+        return "made from another source file"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"{META_NAME} lists no files"
+    for name, rec in files.items():
+        p = entry / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if not isinstance(rec, dict) or p.stat().st_size != rec.get("size"):
+            return f"{name} has the wrong size"
+        if _hash_file(p) != rec.get("sha256"):
+            return f"{name} has the wrong sha256"
+    return None
+
+
+def remove_entry(entry: Path) -> None:
+    """Delete a converted entry (ignoring one that is already gone)."""
+    shutil.rmtree(entry, ignore_errors=True)
+
+
+def build_entry(source_sha256: str, build: Callable[[Path], None], info: dict[str, Any] | None = None) -> Path:
+    """Build the converted entry for ``source_sha256`` with ``build(tmp_dir)`` and publish it atomically.
+
+    ``build`` writes the model files into the empty directory it is given. The files are hashed into
+    ``oscar-cache.json`` (written last), then the directory is renamed into place. If another process
+    published a valid entry meanwhile, that one is kept. Returns the entry's path.
+    """
+    final = converted_path(source_sha256)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{source_sha256[:16]}-", suffix=".tmp"))
+    try:
+        build(tmp)
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": _hash_file(p)}
+            for p in sorted(tmp.iterdir())
+            if p.is_file() and p.name != META_NAME
+        }
+        if not files:
+            raise RuntimeError("conversion wrote no files")
+        meta = {"format": ENTRY_FORMAT, "source_sha256": source_sha256, "files": files, **(info or {})}
+        _write_json_atomic(tmp / META_NAME, meta)
+        if final.exists():
+            if check_entry(final, source_sha256) is None:
+                logger.info("another process converted %s first; using its copy", source_sha256[:12])
+                return final
+            remove_entry(final)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # lost a race: another process renamed its entry into place first
+            if check_entry(final, source_sha256) is not None:
+                raise
+        return final
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_entry(
+    source_sha256: str, build: Callable[[Path], None], info: dict[str, Any] | None = None
+) -> tuple[Path, bool]:
+    """Return ``(entry path, built_now)``: the valid converted entry, rebuilding a bad one with ``build``."""
+    entry = converted_path(source_sha256)
+    problem = check_entry(entry, source_sha256)
+    if problem is None:
+        return entry, False
+    if problem != "missing":
+        logger.warning("conversion cache %s is unusable (%s): rebuilding it", entry, problem)
+        remove_entry(entry)
+    return build_entry(source_sha256, build, info), True

@@ -1,0 +1,118 @@
+"""Hub model references -> a snapshot directory in the local Hugging Face cache, and its commit sha.
+
+The cache is tried first (``local_files_only``), so a cached model resolves without the network; a missing
+or incomplete snapshot is downloaded (config, tokenizer and safetensors files only) unless offline mode
+(``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1``) is on. Each failure maps to one actionable line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+from oscar_cli.errors import HubError, ModelResolutionError
+
+logger = logging.getLogger(__name__)
+
+# What a causal LM needs; no *.bin / *.pt / *.gguf / *.onnx duplicates of the same weights.
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+_SNAPSHOT_RE = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
+
+
+def snapshot_identity(path: Path) -> str | None:
+    """``ORG/NAME@sha`` when ``path`` is an HF-cache snapshot (``.../models--ORG--NAME/snapshots/<sha>``)."""
+    if path.parent.name != "snapshots" or not _SHA_RE.match(path.name):
+        return None
+    m = _SNAPSHOT_RE.match(path.parent.parent.name)
+    return f"{m['org']}/{m['name']}@{path.name}" if m else None
+
+
+def missing_files(snapshot: Path) -> str | None:
+    """What a snapshot lacks to be loadable (None when it has config.json and every weight shard)."""
+    if not (snapshot / "config.json").is_file():
+        return "config.json"
+    index = snapshot / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            return "a readable model.safetensors.index.json"
+        absent = sorted(s for s in shards if not (snapshot / s).is_file())
+        return f"{len(absent)} of {len(shards)} weight shards" if absent else None
+    if not any(snapshot.glob("*.safetensors")):
+        return "safetensors weights"
+    return None
+
+
+def _is_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str) -> tuple[Path, str]:
+    """Return ``(snapshot directory, commit sha)`` for ``repo_id`` at ``revision`` (default ``main``).
+
+    Raises:
+        ModelResolutionError: not cached while offline, unknown repo or revision, gated, no safetensors.
+        HubError: the Hub could not be reached or answered with another error.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    shown = f"{repo_id}@{revision}" if revision else repo_id
+    problem = "not in the local Hugging Face cache"
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        lack = missing_files(path)
+        if lack is None:
+            return path, path.name
+        problem = f"incomplete in the local Hugging Face cache (missing {lack})"
+    except LocalEntryNotFoundError:
+        pass
+    if _is_offline():
+        raise ModelResolutionError(
+            f"{shown} is {problem} and offline mode is on (HF_HUB_OFFLINE)",
+            hint=f"download it once online, or use another form: {forms_hint}",
+        )
+    logger.info("downloading %s from the Hugging Face Hub", shown)
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS))
+    except GatedRepoError:
+        raise ModelResolutionError(
+            f"{repo_id} is gated: accept its license on huggingface.co first",
+            hint="then log in: hf auth login (or set HF_TOKEN)",
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelResolutionError(
+            f"no model repo {repo_id} on the Hub (or it is private)",
+            hint=f"check the spelling; private repos need HF_TOKEN. Other forms: {forms_hint}",
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelResolutionError(f"revision {revision!r} not found in {repo_id}") from None
+    except LocalEntryNotFoundError:
+        raise HubError(
+            f"{shown} is {problem} and the Hub cannot be reached",
+            hint="check the network, or set HF_HUB_OFFLINE=1 and use a cached model, local directory or .gguf",
+        ) from None
+    except HfHubHTTPError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise HubError(f"the Hub failed while fetching {shown}: {first}") from None
+    lack = missing_files(path)
+    if lack is not None:
+        raise ModelResolutionError(
+            f"{shown} has no loadable transformers model (missing {lack})",
+            hint="oscar loads safetensors repos; for GGUF repos download the .gguf and pass its path",
+        )
+    if not _SHA_RE.match(path.name):
+        raise HubError(f"unexpected snapshot path for {shown}: {path}")
+    return path, path.name

@@ -1,0 +1,129 @@
+"""transformers calls behind :func:`oscar_cli.models.load_model`: directory loads and GGUF conversion.
+
+Failures a user can cause (missing ``gguf``/``accelerate``, an architecture transformers cannot build, a
+directory without weights) become one-line :class:`~oscar_cli.errors.OscarError` subclasses.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oscar_cli._output import progress_enabled
+from oscar_cli.errors import MissingDependencyError, ModelResolutionError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def hf_progress() -> Iterator[None]:
+    """Let transformers / huggingface_hub draw their progress bars only when oscar would (TTY, no --json).
+
+    transformers' GGUF reader uses a bare ``tqdm`` that ignores its own switch; it is silenced through its
+    module attribute for the duration (and restored after).
+    """
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as tf_logging
+
+    tf_was = tf_logging.is_progress_bar_enabled()
+    hub_was = not hub_utils.are_progress_bars_disabled()
+    gguf_mod = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_mod is None:
+        try:
+            gguf_mod = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+        except ImportError:  # no gguf support in this transformers: nothing to silence
+            gguf_mod = None
+    gguf_tqdm = getattr(gguf_mod, "tqdm", None)
+    if not progress_enabled():
+        tf_logging.disable_progress_bar()
+        hub_utils.disable_progress_bars()
+        if gguf_tqdm is not None:
+            gguf_mod.tqdm = functools.partial(gguf_tqdm, disable=True)  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if tf_was:
+            tf_logging.enable_progress_bar()
+        if hub_was:
+            hub_utils.enable_progress_bars()
+        if gguf_tqdm is not None:
+            gguf_mod.tqdm = gguf_tqdm  # type: ignore[union-attr]
+
+
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _require(module: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise MissingDependencyError(f"{why} needs the {module} package", hint=f"Run: pip install {module}")
+
+
+def load_directory(path: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load ``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local directory onto ``device`` in ``dtype``.
+
+    Never runs remote code. CUDA loads go straight to the GPU (``device_map``), CPU loads stay on the host.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if device.type == "cuda":
+        _require("accelerate", "loading onto a GPU")
+        kwargs["device_map"] = str(device)
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except ValueError as exc:  # unknown model_type / config class, remote code required
+        raise UnsupportedModelError(f"transformers cannot build the model in {path}: {_first_line(exc)}") from exc
+    except OSError as exc:  # missing weights or tokenizer files
+        raise ModelResolutionError(f"cannot load a model from {path}: {_first_line(exc)}") from exc
+    if device.type != "cuda":
+        model = model.to(device)
+    return model, tokenizer
+
+
+def _read_gguf(gguf: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """transformers' GGUF path: dequantize every tensor into a dense model (the slow part, ~30 s for 135M)."""
+    _require("gguf", "reading GGUF files")
+    _require("accelerate", "reading GGUF files")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise UnsupportedModelError(f"transformers cannot read {gguf.name}: {_first_line(exc)}") from exc
+    return model, tokenizer
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF once and write float32 safetensors, config and tokenizer files into ``out``.
+
+    The dequantized weights are the GGUF's values exactly (float32 holds every ``scale * q + min``), so a
+    model loaded from ``out`` equals one loaded from the GGUF. transformers refuses to save a GGUF-loaded
+    model while it carries its GGUF quantizer; the weights are already dense, so it is dropped first.
+    """
+    logger.info("converting %s to safetensors (first use only)", gguf.name)
+    model, tokenizer = _read_gguf(gguf, torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def load_gguf_direct(gguf: Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load a GGUF without the conversion cache (for GGUFs too large to keep a dense copy of)."""
+    model, tokenizer = _read_gguf(gguf, dtype)
+    moved: Any = model.to(device)
+    return moved, tokenizer
