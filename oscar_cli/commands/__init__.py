@@ -11,7 +11,8 @@ import importlib
 import typer
 
 COMMANDS: list[str] = [
-
+    "export",
+    "pull",
 ]
 
 

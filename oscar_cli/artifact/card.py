@@ -1,0 +1,203 @@
+"""The model card (``README.md``) of a published oscar artifact, rendered from its manifest.
+
+The card is a pure function of the manifest and the repo id, so re-exporting an identical artifact renders a
+byte-identical card (and the Hub sees no change). It carries YAML metadata the Hub indexes
+(``library_name: oscar-kv``, ``base_model``, ``tags``, ``model-index`` when the artifact carries evaluation
+results, and an ``oscar:`` block with the quantization settings and bits per element), then a human body:
+what the artifact is, how to pull it pinned, the quantization table, evaluation results, provenance and
+file hashes. No token, path or host name ever enters it.
+
+``ModelCard.validate()`` is deliberately not called: it POSTs to the Hub (``/api/validate-yaml``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCardData
+
+LIBRARY_NAME = "oscar-kv"
+BASE_TAGS = ["oscar", "kv-cache", "kv-cache-quantization", "int2", "2-bit"]
+# Upstream Hub repos of oscar's built-in model aliases (the embedded GGUF is a conversion of this model).
+ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# Context lengths at which the card states bits per element (method.md §8).
+BPE_CONTEXTS = (4096, 32768, 131072)
+_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def base_model_of(manifest: Mapping[str, Any]) -> str | None:
+    """The Hub repo id of the model the artifact was calibrated for, or None when it has none.
+
+    ``model.resolved`` is ``"ORG/NAME@sha"`` for Hub models and ``"sha256:<hex>"`` for files; built-in
+    aliases map to their upstream repo.
+    """
+    model = manifest.get("model") or {}
+    resolved = str(model.get("resolved") or "")
+    if "@" in resolved and _REPO_RE.match(resolved.split("@", 1)[0]):
+        return resolved.split("@", 1)[0]
+    reference = str(model.get("reference") or "")
+    if reference.lower() in ALIAS_BASE_MODELS:
+        return ALIAS_BASE_MODELS[reference.lower()]
+    if _REPO_RE.match(reference.split("@", 1)[0]) and not reference.startswith((".", "/")):
+        return reference.split("@", 1)[0]
+    return None
+
+
+def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
+    """Bits per K/V element at 4k, 32k and 128k tokens for the artifact's quant settings (sink/recent in BF16).
+
+    Returns ``{"4k": 2.9, ...}`` rounded to 4 decimals; empty when the manifest lacks ``head_dim``.
+    """
+    from oscar_kernels.reference import bits_per_element
+
+    quant = manifest.get("quant") or {}
+    arch = manifest.get("architecture") or {}
+    head_dim = arch.get("head_dim") or quant.get("head_dim")
+    if not head_dim:
+        return {}
+    meta_bits = {"bfloat16": 16, "float16": 16, "float32": 32}.get(str(quant.get("meta_dtype", "bfloat16")), 16)
+    out = {}
+    for ctx in BPE_CONTEXTS:
+        bpe = bits_per_element(
+            ctx,
+            head_dim=int(head_dim),
+            group_size=quant.get("group_size") or None,
+            meta_bits=meta_bits,
+            sink=int(quant.get("sink", 64)),
+            recent=int(quant.get("recent", 256)),
+        )
+        out[f"{ctx // 1024}k"] = round(bpe, 4)
+    return out
+
+
+def evaluation_rows(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The artifact's evaluation results as flat rows ``{task, metric, value, ...}`` (may be empty).
+
+    Accepts ``evaluation`` as a list of result dicts, or a dict whose ``results`` is such a list, or a plain
+    ``{task: score}`` mapping. A row needs a numeric ``value`` (``score`` / ``accuracy`` are accepted too).
+    """
+    ev = manifest.get("evaluation")
+    if not ev:
+        return []
+    items: list[Any]
+    if isinstance(ev, Mapping) and isinstance(ev.get("results"), list):
+        items = list(ev["results"])
+    elif isinstance(ev, list):
+        items = ev
+    elif isinstance(ev, Mapping):
+        items = [{"task": k, "value": v} for k, v in ev.items() if isinstance(v, int | float)]
+    else:
+        return []
+    rows = []
+    for item in items:
+        if not isinstance(item, Mapping):
+            continue
+        value = next((item[k] for k in ("value", "score", "accuracy") if isinstance(item.get(k), int | float)), None)
+        if value is None:
+            continue
+        row = {"task": str(item.get("task") or item.get("name") or "eval"),
+               "metric": str(item.get("metric") or "score"), "value": float(value)}
+        for key in ("ctx", "context", "method", "dataset", "samples"):
+            if key in item:
+                row[key] = item[key]
+        rows.append(row)
+    return rows
+
+
+def card_data(manifest: Mapping[str, Any], repo_id: str) -> ModelCardData:
+    """The YAML metadata block (``ModelCardData``) of the card."""
+    arch = manifest.get("architecture") or {}
+    method = str(manifest.get("method") or "oscar")
+    tags = BASE_TAGS + [t for t in (method, arch.get("model_type")) if t and t not in BASE_TAGS]
+    rows = evaluation_rows(manifest)
+    evals = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=str(r.get("dataset") or r["task"]),
+            dataset_name=_row_label(r),
+            metric_type=r["metric"],
+            metric_value=r["value"],
+        )
+        for r in rows
+    ]
+    oscar_block = {
+        "format_version": manifest.get("format_version"),
+        "oscar_version": manifest.get("oscar_version"),
+        "method": method,
+        "model": (manifest.get("model") or {}).get("resolved"),
+        "quant": dict(manifest.get("quant") or {}),
+        "bits_per_element": bpe_table(manifest),
+    }
+    return ModelCardData(
+        library_name=LIBRARY_NAME,
+        base_model=base_model_of(manifest),
+        tags=tags,
+        license=manifest.get("license") or None,
+        model_name=repo_id.split("/", 1)[1] if evals else None,
+        eval_results=evals or None,
+        oscar={k: v for k, v in oscar_block.items() if v not in (None, {}, "")},
+    )
+
+
+def _row_label(row: Mapping[str, Any]) -> str:
+    ctx = row.get("ctx", row.get("context"))
+    return f"{row['task']} @ {ctx}" if ctx is not None else str(row["task"])
+
+
+def render_model_card(manifest: Mapping[str, Any], repo_id: str) -> str:
+    """The whole ``README.md``: ``---`` YAML metadata ``---`` then the Markdown body (deterministic)."""
+    meta = card_data(manifest, repo_id).to_yaml()
+    model = manifest.get("model") or {}
+    quant = manifest.get("quant") or {}
+    data = manifest.get("data") or {}
+    base = base_model_of(manifest)
+    lines = [
+        "---", meta, "---", "",
+        f"# {repo_id.split('/', 1)[1]}: OSCAR 2-bit KV-cache artifact",
+        "",
+        f"Calibrated rotations, means and clip ratios that let [oscar](https://pypi.org/project/{LIBRARY_NAME}/) "
+        f"store the KV cache of `{model.get('reference', base or 'the model')}` in INT2 "
+        f"(method `{manifest.get('method', 'oscar')}`). It holds no model weights: load the base model as usual.",
+        "",
+        "## Use it (pin a revision)",
+        "",
+        "```bash",
+        f"pip install {LIBRARY_NAME}",
+        f"oscar pull hf://{repo_id}@<tag-or-commit-sha>     # prints {repo_id}@<sha> and the local path",
+        "```",
+        "",
+        "```python",
+        "from oscar_cli.artifact import open_artifact",
+        f'artifact = open_artifact("hf://{repo_id}@<tag-or-commit-sha>")   # validated (hashes, format)',
+        "```",
+        "",
+        "Tags name releases; a 40-hex commit sha is immutable and is what reproducible pipelines should pin.",
+        "",
+        "## Quantization",
+        "",
+        "| setting | value |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | `{v}` |" for k, v in quant.items()]
+    bpe = bpe_table(manifest)
+    if bpe:
+        lines += ["", "Bits per K/V element (INT2 history, BF16 sink + recent windows):", "",
+                  "| context | " + " | ".join(bpe) + " |", "|---|" + "---|" * len(bpe),
+                  "| bits/element | " + " | ".join(f"{v:.3f}" for v in bpe.values()) + " |"]
+    rows = evaluation_rows(manifest)
+    if rows:
+        lines += ["", "## Evaluation", "", "| task | metric | value |", "|---|---|---|"]
+        lines += [f"| {_row_label(r)} | {r['metric']} | {r['value']:.4f} |" for r in rows]
+    lines += [
+        "", "## Provenance", "",
+        f"- model: `{model.get('resolved', model.get('reference', '?'))}`",
+        f"- calibration data: `{data.get('source', '?')}` ({data.get('tokens', '?')} tokens, "
+        f"sha256 `{str(data.get('sha256', '?'))[:16]}`), seed {manifest.get('seed', '?')}",
+        f"- oscar {manifest.get('oscar_version', '?')}, artifact format v{manifest.get('format_version', '?')}, "
+        f"created {manifest.get('created', '?')}",
+        "", "## Files", "", "| file | sha256 |", "|---|---|",
+    ]
+    lines += [f"| `{name}` | `{digest}` |" for name, digest in sorted((manifest.get("files") or {}).items())]
+    return "\n".join(lines) + "\n"

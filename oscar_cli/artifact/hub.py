@@ -1,0 +1,420 @@
+"""oscar artifacts on the Hugging Face Hub: publish (``push_artifact``), fetch (``pull_artifact``), ``hf://`` refs.
+
+A reference is ``hf://ORG/NAME@REV`` (``REV`` = a tag, a branch or a 40-hex commit sha; the sha is the only
+immutable pin). ``oscar pull`` also accepts it without the scheme. Publishing is
+
+1. validate the artifact (manifest, format version, sha256 of every file) and render its model card;
+2. stage the files plus ``README.md`` in a temporary directory (the artifact directory is never modified);
+3. ``create_repo`` if missing; refuse early if ``--tag`` exists with other content;
+4. ``upload_folder`` to ``main`` (``parent_commit`` = the head seen in 3, ``delete_patterns="*"`` so the repo
+   mirrors the artifact); unchanged files are skipped by the client, and an identical artifact makes no commit;
+5. ``create_tag(revision=<that commit>)``: the tag names exactly the uploaded commit, never a later ``main``.
+
+A failure before 5 leaves no tag; every Hub/network failure becomes one :class:`HubError` line. The token
+(``--token``, else ``HF_TOKEN``, else the ``hf auth login`` file) is passed to ``huggingface_hub`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oscar_cli.errors import ArtifactError, HubError
+
+logger = logging.getLogger(__name__)
+
+HF_SCHEME = "hf://"
+SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_REPO_ID_RE = re.compile(rf"^{_PART}/{_PART}$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+CARD_NAME = "README.md"
+TOKEN_HINT = "pass --token, set HF_TOKEN, or run: hf auth login"
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A parsed artifact reference on the Hub: ``repo_id`` (``ORG/NAME``) and an optional ``revision``."""
+
+    repo_id: str
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        return f"{HF_SCHEME}{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+    @property
+    def pinned(self) -> bool:
+        """True when the revision is a full commit sha (immutable)."""
+        return self.revision is not None and SHA_RE.match(self.revision) is not None
+
+
+def is_hub_ref(ref: object) -> bool:
+    """True for ``hf://...`` strings: the form ``open_artifact`` hands to :func:`pull_artifact`."""
+    return isinstance(ref, str) and ref.startswith(HF_SCHEME)
+
+
+def validate_repo_id(repo_id: str) -> str:
+    """Return ``repo_id`` if it is ``ORG/NAME`` with Hub-legal parts; raise :class:`HubError` otherwise."""
+    if not (
+        isinstance(repo_id, str)
+        and _REPO_ID_RE.match(repo_id)
+        and len(repo_id) <= 96
+        and "--" not in repo_id
+        and ".." not in repo_id
+    ):
+        raise HubError(
+            f"invalid Hub repo id {repo_id!r}: expected ORG/NAME (letters, digits, '-', '_', '.')",
+            hint="e.g. --repo-id my-org/smollm2-135m-oscar-int2",
+        )
+    return repo_id
+
+
+def validate_tag(tag: str) -> str:
+    """Return ``tag`` if usable as a release tag (not a sha, not ``main``); raise :class:`HubError` otherwise."""
+    if not _TAG_RE.match(tag) or SHA_RE.match(tag) or tag in ("main", "HEAD") or ".." in tag:
+        raise HubError(f"invalid tag {tag!r}: use a version such as v0.1.0", hint="tags match [A-Za-z0-9._+-]+")
+    return tag
+
+
+def parse_hub_ref(ref: str) -> HubRef:
+    """Parse ``hf://ORG/NAME[@REV]`` or ``ORG/NAME[@REV]``; raise :class:`HubError` on anything else."""
+    body = ref[len(HF_SCHEME):] if ref.startswith(HF_SCHEME) else ref
+    repo_id, sep, revision = body.partition("@")
+    if sep and not revision.strip():
+        raise HubError(f"empty revision in {ref!r}", hint="use ORG/NAME@v0.1.0 or ORG/NAME@<40-hex sha>")
+    if sep and (any(c.isspace() for c in revision) or revision.startswith("-")):
+        raise HubError(f"invalid revision {revision!r} in {ref!r}")
+    return HubRef(validate_repo_id(repo_id), revision if sep else None)
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+def _first_line(exc: BaseException) -> str:
+    server = getattr(exc, "server_message", None)
+    text = str(server or exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+@contextmanager
+def quiet_hub_logs() -> Iterator[None]:
+    """Hide ``huggingface_hub``'s INFO/WARNING chatter (oscar reports the outcome itself) unless -v is on."""
+    hub_logger = logging.getLogger("huggingface_hub")
+    before = hub_logger.level
+    if not logger.isEnabledFor(logging.INFO):
+        hub_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(before)
+
+
+@contextmanager
+def hub_errors(action: str, repo_id: str, endpoint: str, revision: str | None = None) -> Iterator[None]:
+    """Translate ``huggingface_hub`` / network exceptions raised while ``action`` runs into one-line HubErrors."""
+    import httpx2
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except HubError:
+        raise
+    except GatedRepoError:
+        raise HubError(f"{repo_id} is gated: accept its conditions on the Hub first", hint=TOKEN_HINT) from None
+    except RepositoryNotFoundError:
+        raise HubError(
+            f"{action}: repo {repo_id} not found on {endpoint} (or it is private and the token cannot see it)",
+            hint="check the repo id; private repos need a token with access: " + TOKEN_HINT,
+        ) from None
+    except RevisionNotFoundError:
+        raise HubError(
+            f"{action}: revision {revision!r} not found in {repo_id}",
+            hint=f"list the tags with: oscar pull {repo_id} (the latest), or check the spelling",
+        ) from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else 0
+        if status == 401:
+            raise HubError(f"{action}: the Hub rejected the token (401 Unauthorized)", hint=TOKEN_HINT) from None
+        if status == 403:
+            raise HubError(
+                f"{action}: the token may not write to {repo_id} (403 Forbidden)",
+                hint="use a token with write access to that namespace",
+            ) from None
+        if status >= 500:
+            raise HubError(
+                f"{action}: the Hub failed with HTTP {status} ({_first_line(exc)})",
+                hint="a transient server error: re-run the same command (nothing was tagged)",
+            ) from None
+        raise HubError(f"{action}: HTTP {status} from the Hub: {_first_line(exc)}") from None
+    except (OfflineModeIsEnabled, LocalEntryNotFoundError):
+        from huggingface_hub import constants
+
+        why = "offline mode is on (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else f"{endpoint} cannot be reached"
+        raise HubError(
+            f"{action}: {repo_id}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
+            f"and {why}",
+            hint="pull it once online; offline, only revisions already in the cache resolve",
+        ) from None
+    except (httpx2.TransportError, ConnectionError, TimeoutError) as exc:
+        raise HubError(
+            f"{action}: cannot reach the Hub at {endpoint} ({type(exc).__name__})",
+            hint="check the network or --endpoint / HF_ENDPOINT",
+        ) from None
+
+
+# -- publishing ---------------------------------------------------------------------------------------------
+@dataclass
+class PushResult:
+    """What ``push_artifact`` did (or, with ``dry_run``, would do)."""
+
+    repo_id: str
+    commit: str | None
+    tag: str | None
+    files: list[dict[str, Any]] = field(default_factory=list)
+    created_repo: bool = False
+    created_commit: bool = False
+    created_tag: bool = False
+    dry_run: bool = False
+    private: bool = False
+    endpoint: str = ""
+
+    @property
+    def ref(self) -> str:
+        """``ORG/NAME@sha`` (the pinned reference), or ``ORG/NAME`` on a dry run."""
+        return f"{self.repo_id}@{self.commit}" if self.commit else self.repo_id
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ref": self.ref, "repo_id": self.repo_id, "commit": self.commit, "tag": self.tag,
+            "url": f"{self.endpoint}/{self.repo_id}" if self.endpoint else None,
+            "created_repo": self.created_repo, "created_commit": self.created_commit,
+            "created_tag": self.created_tag, "dry_run": self.dry_run, "private": self.private,
+            "files": self.files,
+        }
+
+
+def git_blob_sha1(path: Path) -> str:
+    """The git blob SHA-1 of a file (the ``oid`` the Hub reports for non-LFS files)."""
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(f"blob {path.stat().st_size}\0".encode())
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checked_manifest(path: Path) -> dict[str, Any]:
+    """Validate a local artifact directory for publishing; return its manifest (a dict).
+
+    Delegates to ``oscar_cli.artifact.io.verify_artifact`` (format version, sha256 of every file) and
+    raises :class:`ArtifactError` with its message when the artifact is not publishable.
+    """
+    if not path.is_dir():
+        raise ArtifactError(f"artifact directory not found: {path}", hint="run: oscar calibrate MODEL")
+    try:
+        from oscar_cli.artifact.io import verify_artifact
+    except ImportError:  # TEMPORARY until oscar_cli/artifact/io.py lands
+        verify_artifact = _fallback_verify
+
+    manifest = verify_artifact(path)
+    return manifest if isinstance(manifest, dict) else dict(manifest)  # type: ignore[arg-type]
+
+
+def _fallback_verify(path: Path) -> dict[str, Any]:  # TEMPORARY until io.verify_artifact lands
+    import json
+
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: unreadable manifest.json ({type(exc).__name__})") from None
+    if manifest.get("format_version") != 1:
+        raise ArtifactError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
+    for name, digest in (manifest.get("files") or {}).items():
+        if not (path / name).is_file() or _sha256(path / name) != digest:
+            raise ArtifactError(f"{path}: {name} is missing or its sha256 does not match the manifest")
+    return manifest
+
+
+def stage_artifact(path: Path, manifest: dict[str, Any], repo_id: str, staging: Path) -> list[dict[str, Any]]:
+    """Copy the artifact's files into ``staging`` and write the rendered model card; return the file list."""
+    from oscar_cli.artifact.card import render_model_card
+
+    for src in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = src.relative_to(path)
+        if rel.parts[0].startswith(".") or rel.as_posix() == CARD_NAME:
+            continue
+        dst = staging / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+    (staging / CARD_NAME).write_text(render_model_card(manifest, repo_id), encoding="utf-8")
+    return [
+        {"path": p.relative_to(staging).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(staging.rglob("*")) if p.is_file()
+    ]
+
+
+def make_api(token: str | None, endpoint: str | None) -> Any:
+    """An ``HfApi`` for ``endpoint`` (default: ``HF_ENDPOINT`` / huggingface.co) tagged with oscar's user agent."""
+    from huggingface_hub import HfApi
+
+    from oscar_cli import __version__
+
+    return HfApi(endpoint=endpoint, token=token, library_name="oscar-kv", library_version=__version__)
+
+
+def resolve_token(token: str | None) -> str | None:
+    """``--token``, else ``HF_TOKEN`` / the ``hf auth login`` file (via ``huggingface_hub.get_token``)."""
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def push_artifact(
+    path: str | Path,
+    repo_id: str,
+    *,
+    tag: str | None = None,
+    private: bool = False,
+    token: str | None = None,
+    endpoint: str | None = None,
+    dry_run: bool = False,
+    commit_message: str | None = None,
+) -> PushResult:
+    """Validate the artifact at ``path`` and publish it to ``repo_id`` (see the module docstring).
+
+    Returns:
+        A :class:`PushResult`; ``commit`` is the sha now holding exactly these files (``None`` on a dry run).
+
+    Raises:
+        HubError: bad repo id or tag, no token, tag exists with other content, auth/network/server failure.
+        ArtifactError: the artifact is missing or fails validation.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    validate_repo_id(repo_id)
+    if tag is not None:
+        validate_tag(tag)
+    path = Path(path)
+    manifest = checked_manifest(path)
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    result = PushResult(repo_id=repo_id, commit=None, tag=tag, dry_run=dry_run, private=private, endpoint=endpoint)
+    with tempfile.TemporaryDirectory(prefix="oscar-export-") as tmp:
+        staging = Path(tmp)
+        result.files = stage_artifact(path, manifest, repo_id, staging)
+        if dry_run:
+            return result
+        token = resolve_token(token)
+        if not token:
+            raise HubError("publishing needs a Hugging Face token with write access", hint=TOKEN_HINT)
+        api = make_api(token, endpoint)
+        with quiet_hub_logs(), hub_errors("export", repo_id, endpoint):
+            try:
+                api.repo_info(repo_id)
+            except RepositoryNotFoundError:
+                api.create_repo(repo_id, private=private, exist_ok=True)
+                result.created_repo = True
+                logger.info("created %s repo %s", "private" if private else "public", repo_id)
+            else:
+                if private:
+                    logger.warning("%s already exists: --private does not change its visibility", repo_id)
+            refs = api.list_repo_refs(repo_id)
+            head = next((b.target_commit for b in refs.branches if b.name == "main"), None)
+            existing = next((t.target_commit for t in refs.tags if t.name == tag), None) if tag else None
+            if existing is not None:
+                return _existing_tag(api, result, staging, existing)
+            message = commit_message or _commit_message(manifest, tag)
+            info = api.upload_folder(
+                repo_id=repo_id, folder_path=staging, commit_message=message, revision="main",
+                parent_commit=head, delete_patterns="*",
+            )
+        result.commit = info.oid
+        result.created_commit = info.oid != head
+        if tag is not None:
+            with quiet_hub_logs(), hub_errors(
+                f"export: uploaded {repo_id}@{info.oid} but tagging it {tag} failed", repo_id, endpoint
+            ):
+                api.create_tag(repo_id, tag=tag, revision=info.oid, tag_message=message, exist_ok=False)
+            result.created_tag = True
+    return result
+
+
+def _existing_tag(api: Any, result: PushResult, staging: Path, target: str) -> PushResult:
+    """The tag exists: succeed (idempotent re-run) only if its tree holds exactly the staged files."""
+    remote = {
+        e.path: e.blob_id for e in api.list_repo_tree(result.repo_id, revision=target, recursive=True)
+        if getattr(e, "blob_id", None) and e.path != ".gitattributes"
+    }
+    local = {f["path"]: git_blob_sha1(staging / f["path"]) for f in result.files}
+    if remote != local:
+        raise HubError(
+            f"tag {result.tag} already exists on {result.repo_id} (at {target[:12]}) with different content",
+            hint="tags are releases and are never moved: publish this artifact under a new version tag",
+        )
+    logger.info("%s@%s already holds this artifact as tag %s: nothing to do", result.repo_id, target, result.tag)
+    result.commit = target
+    return result
+
+
+def _commit_message(manifest: dict[str, Any], tag: str | None) -> str:
+    model = (manifest.get("model") or {}).get("reference", "model")
+    method = manifest.get("method", "oscar")
+    return f"oscar export: {method} artifact for {model}" + (f" ({tag})" if tag else "")
+
+
+# -- fetching -----------------------------------------------------------------------------------------------
+def pull_artifact(
+    ref: str, *, token: str | None = None, endpoint: str | None = None, cache_dir: str | Path | None = None
+) -> Path:
+    """Download the artifact ``ref`` (``hf://ORG/NAME@REV`` or ``ORG/NAME[@REV]``) into the HF cache.
+
+    Returns the snapshot directory (its name is the resolved commit sha). A commit sha already in the cache
+    resolves without the network; offline (``HF_HUB_OFFLINE=1`` or the Hub unreachable) a tag or branch
+    resolves from the cache when it was pulled before. Does not validate the contents: ``open_artifact`` does.
+
+    Raises:
+        HubError: bad reference, unknown repo/revision, auth failure, or offline without a cached copy.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.utils import disable_progress_bars
+
+    from oscar_cli._output import progress_enabled
+
+    hub_ref = parse_hub_ref(ref)
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    if not progress_enabled():
+        disable_progress_bars()
+    if not hub_ref.revision:
+        logger.warning("%s is not pinned: fetching the head of main; pin @<sha> for reproducibility", hub_ref)
+    kwargs: dict[str, Any] = {"revision": hub_ref.revision, "cache_dir": cache_dir, "token": token or None}
+    if hub_ref.pinned:
+        try:
+            return Path(snapshot_download(hub_ref.repo_id, local_files_only=True, **kwargs))
+        except LocalEntryNotFoundError:
+            pass
+    with quiet_hub_logs(), hub_errors("pull", hub_ref.repo_id, endpoint, hub_ref.revision):
+        return Path(snapshot_download(hub_ref.repo_id, endpoint=endpoint, **kwargs))

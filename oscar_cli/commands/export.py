@@ -1,0 +1,94 @@
+"""``oscar export``: validate an artifact and publish it to the Hugging Face Hub, tagged and pinned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from oscar_cli._output import SETTINGS, emit_json, info, stdout
+
+EXAMPLES = """
+[bold]Examples[/bold]
+
+  oscar export artifacts/smollm2-135m/oscar-1a2b3c4d --repo-id my-org/smollm2-135m-oscar --tag v0.1.0
+  oscar export ARTIFACT --repo-id my-org/NAME --dry-run       # list what would be uploaded; touches nothing
+  oscar --json export ARTIFACT --repo-id my-org/NAME --tag v0.2.0 --private
+  HF_TOKEN=hf_... oscar export ARTIFACT --repo-id my-org/NAME # token from HF_TOKEN or `hf auth login`
+
+Prints [bold]ORG/NAME@<commit sha>[/bold]: pin that (or the tag) in `oscar pull` / `hf://ORG/NAME@REV`.
+Re-exporting an identical artifact makes no new commit; an existing tag is never moved.
+"""
+
+RepoIdOpt = Annotated[
+    str, typer.Option("--repo-id", help="Target Hub repo ORG/NAME (created if missing).", show_default=False)
+]
+TagOpt = Annotated[
+    str | None, typer.Option("--tag", help="Release tag for the uploaded commit, e.g. v0.1.0 (never moved).")
+]
+PrivateOpt = Annotated[
+    bool, typer.Option("--private", help="Create the repo private (an existing repo keeps its visibility).")
+]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Validate and list the files that would be uploaded; no network.")
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        help="Hub token with write access (default: HF_TOKEN, else the `hf auth login` token). Never printed.",
+        show_default=False,
+    ),
+]
+EndpointOpt = Annotated[
+    str | None, typer.Option("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co).")
+]
+MessageOpt = Annotated[str | None, typer.Option("--message", "-m", help="Commit message (default: generated).")]
+
+
+def export(
+    artifact: Annotated[
+        Path, typer.Argument(help="Artifact directory written by `oscar calibrate`.", show_default=False)
+    ],
+    repo_id: RepoIdOpt,
+    tag: TagOpt = None,
+    private: PrivateOpt = False,
+    dry_run: DryRunOpt = False,
+    token: TokenOpt = None,
+    endpoint: EndpointOpt = None,
+    message: MessageOpt = None,
+) -> None:
+    """Validate ARTIFACT (manifest, hashes), render its model card, upload it to the Hub and tag the commit."""
+    from oscar_cli.artifact.hub import push_artifact
+
+    result = push_artifact(
+        artifact, repo_id, tag=tag, private=private, token=token, endpoint=endpoint, dry_run=dry_run,
+        commit_message=message,
+    )
+    if SETTINGS.json:
+        emit_json(result.to_dict())
+        return
+    if dry_run:
+        total = sum(f["size"] for f in result.files)
+        for f in result.files:
+            stdout.print(f"{f['path']}\t{f['size']}\t{f['sha256']}", highlight=False, markup=False)
+        info(
+            f"dry run: would upload {len(result.files)} files ({total / 1024:.1f} KiB) to {repo_id}"
+            + (f" and tag the commit {tag}" if tag else "") + "; nothing was sent"
+        )
+        return
+    if result.created_repo:
+        info(f"created {'private' if private else 'public'} repo {repo_id}")
+    if result.created_commit:
+        info(f"uploaded {len(result.files)} files as commit {result.commit}")
+    else:
+        info(f"no change: {repo_id} already holds this artifact at {result.commit}")
+    if tag:
+        info(f"tagged {tag} -> {result.commit}" if result.created_tag else f"tag {tag} already names {result.commit}")
+    stdout.print(result.ref, highlight=False, markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oscar export`` to the root app."""
+    app.command("export", epilog=EXAMPLES, rich_help_panel="Hub")(export)
