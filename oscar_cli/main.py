@@ -12,6 +12,7 @@ import traceback
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from oscar_cli import __version__
 from oscar_cli._output import SETTINGS, configure_logging, stderr
@@ -74,9 +75,10 @@ def report_error(exc: OscarError) -> int:
     """Print an OscarError as one line plus a hint on stderr; return the exit code."""
     if os.environ.get("OSCAR_DEBUG") == "1":
         traceback.print_exception(exc)
-    stderr.print(f"[bold red]error:[/bold red] {exc.message}", markup=True, highlight=False)
+    # Messages are plain text: escape them so "[@REV]" or a path with brackets is not read as rich markup.
+    stderr.print(f"[bold red]error:[/bold red] {escape(exc.message)}", markup=True, highlight=False)
     hint = exc.hint or "set OSCAR_DEBUG=1 for the full traceback"
-    stderr.print(f"[dim]hint:[/dim] {hint}", markup=True, highlight=False)
+    stderr.print(f"[dim]hint:[/dim] {escape(hint)}", markup=True, highlight=False)
     return exc.exit_code
 
 

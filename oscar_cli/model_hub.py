@@ -17,7 +17,8 @@ from oscar_cli.errors import HubError, ModelResolutionError
 logger = logging.getLogger(__name__)
 
 # What a causal LM needs; no *.bin / *.pt / *.gguf / *.onnx duplicates of the same weights.
-DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+CONFIG_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+DOWNLOAD_PATTERNS = [*CONFIG_PATTERNS, "*.safetensors"]
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 _SNAPSHOT_RE = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>[^/]+)$")
 
@@ -30,10 +31,12 @@ def snapshot_identity(path: Path) -> str | None:
     return f"{m['org']}/{m['name']}@{path.name}" if m else None
 
 
-def missing_files(snapshot: Path) -> str | None:
-    """What a snapshot lacks to be loadable (None when it has config.json and every weight shard)."""
+def missing_files(snapshot: Path, weights: bool = True) -> str | None:
+    """What a snapshot lacks to be loadable (None when it has config.json and, with ``weights``, every shard)."""
     if not (snapshot / "config.json").is_file():
         return "config.json"
+    if not weights:
+        return None
     index = snapshot / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -53,8 +56,10 @@ def _is_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str) -> tuple[Path, str]:
+def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str, weights: bool = True) -> tuple[Path, str]:
     """Return ``(snapshot directory, commit sha)`` for ``repo_id`` at ``revision`` (default ``main``).
+
+    ``weights=False`` needs (and downloads) only the config and tokenizer files.
 
     Raises:
         ModelResolutionError: not cached while offline, unknown repo or revision, gated, no safetensors.
@@ -73,7 +78,7 @@ def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str) -> tuple
     problem = "not in the local Hugging Face cache"
     try:
         path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-        lack = missing_files(path)
+        lack = missing_files(path, weights)
         if lack is None:
             return path, path.name
         problem = f"incomplete in the local Hugging Face cache (missing {lack})"
@@ -82,11 +87,12 @@ def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str) -> tuple
     if _is_offline():
         raise ModelResolutionError(
             f"{shown} is {problem} and offline mode is on (HF_HUB_OFFLINE)",
-            hint=f"download it once online, or use another form: {forms_hint}",
+            hint=f"download it once online (without HF_HUB_OFFLINE), or use {forms_hint}",
         )
     logger.info("downloading %s from the Hugging Face Hub", shown)
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS))
+        patterns = DOWNLOAD_PATTERNS if weights else CONFIG_PATTERNS
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except GatedRepoError:
         raise ModelResolutionError(
             f"{repo_id} is gated: accept its license on huggingface.co first",
@@ -95,7 +101,7 @@ def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str) -> tuple
     except RepositoryNotFoundError:
         raise ModelResolutionError(
             f"no model repo {repo_id} on the Hub (or it is private)",
-            hint=f"check the spelling; private repos need HF_TOKEN. Other forms: {forms_hint}",
+            hint=f"check the spelling (private repos need HF_TOKEN), or use {forms_hint}",
         ) from None
     except RevisionNotFoundError:
         raise ModelResolutionError(f"revision {revision!r} not found in {repo_id}") from None
@@ -107,7 +113,7 @@ def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str) -> tuple
     except HfHubHTTPError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise HubError(f"the Hub failed while fetching {shown}: {first}") from None
-    lack = missing_files(path)
+    lack = missing_files(path, weights)
     if lack is not None:
         raise ModelResolutionError(
             f"{shown} has no loadable transformers model (missing {lack})",

@@ -107,7 +107,7 @@ class LoadedModel:
 
 
 def _forms_hint() -> str:
-    return f"accepted forms: {ACCEPTED_FORMS}"
+    return f"use {ACCEPTED_FORMS}"
 
 
 def _embedded_gguf(alias: str) -> Path:
@@ -154,12 +154,14 @@ def _looks_like_path(reference: str) -> bool:
     return reference.startswith(("/", "./", "../", "~", ".\\")) or reference.lower().endswith(".gguf")
 
 
-def resolve_model(ref: str, revision: str | None = None) -> ModelIdentity:
+def resolve_model(ref: str, revision: str | None = None, *, weights: bool = True) -> ModelIdentity:
     """Resolve a model reference to files on this machine (see the module docstring for the forms).
 
     Args:
         ref: the reference.
         revision: Hub branch, tag or commit sha (Hub references only; also accepted as ``ORG/NAME@REV``).
+        weights: Hub references only: False fetches just config and tokenizer files (enough for
+            :func:`load_config`); the identity is the same.
 
     Raises:
         ModelResolutionError: unknown form, missing path, not cached while offline, unknown repo/revision.
@@ -186,8 +188,8 @@ def resolve_model(ref: str, revision: str | None = None) -> ModelIdentity:
     if at_rev and revision is not None and at_rev != revision:
         raise ModelResolutionError(f"two revisions given for {repo}: @{at_rev} and --revision {revision}")
     if not _REPO_RE.match(repo):
-        raise ModelResolutionError(f"unknown model reference {reference!r}", hint=_forms_hint())
-    path, sha = resolve_hub(repo, at_rev or revision, forms_hint=_forms_hint())
+        raise ModelResolutionError(f"unknown model reference {reference!r}: use {ACCEPTED_FORMS}")
+    path, sha = resolve_hub(repo, at_rev or revision, forms_hint=ACCEPTED_FORMS, weights=weights)
     return ModelIdentity(reference, "hub", f"{repo}@{sha}", path)
 
 
@@ -293,7 +295,7 @@ def load_config(ref: str = DEFAULT_MODEL, *, revision: str | None = None) -> tup
     """
     from transformers import AutoConfig
 
-    identity = resolve_model(ref, revision)
+    identity = resolve_model(ref, revision, weights=False)
     try:
         if identity.kind in ("alias", "gguf"):
             entry = model_cache.converted_path(identity.resolved.removeprefix("sha256:"))

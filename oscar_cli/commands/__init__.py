@@ -12,6 +12,7 @@ import typer
 
 COMMANDS: list[str] = [
     "export",
+    "info",
     "pull",
 ]
 
