@@ -1,0 +1,41 @@
+"""oscar's INT2 KV cache for transformers: methods, the tiered cache, the registered attention, generation.
+
+Library entry points::
+
+    from oscar_cli.quant import build_method, use_method, greedy_generate
+    with use_method(model, build_method("oscar", model.config, artifact="artifacts/...")) as s:
+        cache = s.new_cache()
+"""
+
+from __future__ import annotations
+
+from oscar_cli.quant.attention import ATTN_NAME, register_attention
+from oscar_cli.quant.cache import Int2Cache, Int2Layer
+from oscar_cli.quant.generation import greedy_generate, left_pad, prefill
+from oscar_cli.quant.methods import (
+    METHOD_NAMES,
+    LayerTransform,
+    QuantMethod,
+    build_method,
+    oscar_method,
+    parse_methods,
+)
+from oscar_cli.quant.runtime import MethodSession, use_method
+
+__all__ = [
+    "ATTN_NAME",
+    "METHOD_NAMES",
+    "Int2Cache",
+    "Int2Layer",
+    "LayerTransform",
+    "MethodSession",
+    "QuantMethod",
+    "build_method",
+    "greedy_generate",
+    "left_pad",
+    "oscar_method",
+    "parse_methods",
+    "prefill",
+    "register_attention",
+    "use_method",
+]

@@ -1,0 +1,100 @@
+"""The registered attention implementation ``oscar_int2`` (transformers ``AttentionInterface``).
+
+Registering the name in **both** ``AttentionInterface`` and ``AttentionMaskInterface`` matters: a name missing
+from the mask interface makes transformers skip mask creation and silently drop causal masking.
+
+Per call (one decoder layer), with ``key``/``value`` as returned by :class:`oscar_cli.quant.cache.Int2Cache`
+(rotated, tiers already merged into one dense ``[B, H_kv, T, D]`` view):
+
+1. **run time**: ``q <- q·R_K`` (post-RoPE; query head ``j`` uses the rotation of KV head ``j // g``), float32
+   then cast back to the activation dtype;
+2. softmax attention through transformers' own ``sdpa_attention_forward`` (same masks, GQA handling and
+   numerics as the stock ``sdpa`` path — the BF16 method is token-for-token the plain model);
+3. **run time only when not folded**: ``o <- o·R_Vᵀ`` per query head. By default
+   :func:`oscar_cli.quant.runtime.use_method` folds ``R_V`` into ``v_proj`` and ``R_Vᵀ`` into ``o_proj``
+   (exact per-head block fold in float32), and this step is skipped.
+
+The per-layer rotations live on the attention module as ``module._oscar_runtime`` (:class:`LayerRuntime`);
+a module without it (a model not inside ``use_method``) runs plain SDPA.
+The Triton decode path (``oscar_kernels.ops``) plugs in behind this same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ATTN_NAME = "oscar_int2"
+
+
+@dataclass
+class LayerRuntime:
+    """Run-time transforms of one attention module.
+
+    Attributes:
+        q_rotation: ``[H_q, D, D]`` or ``[D, D]`` float32 (``R_K`` per query head), or None.
+        out_rotation: ``[H_q, D, D]`` or ``[D, D]`` float32 (``R_Vᵀ`` per query head) when not folded, or None.
+    """
+
+    q_rotation: torch.Tensor | None = None
+    out_rotation: torch.Tensor | None = None
+
+
+def rotate_heads(x: torch.Tensor, r: torch.Tensor, head_axis: int) -> torch.Tensor:
+    """``x @ R`` per head in float32, cast back to ``x.dtype``.
+
+    Args:
+        x: ``[B, H, T, D]`` (``head_axis=1``) or ``[B, T, H, D]`` (``head_axis=2``).
+        r: ``[D, D]`` or ``[H, D, D]``.
+    """
+    x32 = x.float()
+    r = r.to(device=x.device, dtype=torch.float32)
+    if r.dim() == 2:
+        return (x32 @ r).to(x.dtype)
+    eq = "bhtd,hde->bhte" if head_axis == 1 else "bthd,hde->bthe"
+    return torch.einsum(eq, x32, r).to(x.dtype)
+
+
+def oscar_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AttentionInterface function: ``query [B, H_q, Tq, D]``, ``key``/``value [B, H_kv, T, D]`` (rotated).
+
+    Returns ``(attn_output [B, Tq, H_q, D], None)``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rt: LayerRuntime | None = getattr(module, "_oscar_runtime", None)
+    if rt is not None and rt.q_rotation is not None:
+        query = rotate_heads(query, rt.q_rotation, head_axis=1)
+    out, weights = sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+    if rt is not None and rt.out_rotation is not None:
+        out = rotate_heads(out, rt.out_rotation, head_axis=2)
+    return out, weights
+
+
+_registered = False
+
+
+def register_attention() -> str:
+    """Register ``oscar_int2`` in AttentionInterface and AttentionMaskInterface (idempotent); return the name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(ATTN_NAME, oscar_attention)
+        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+        _registered = True
+    return ATTN_NAME

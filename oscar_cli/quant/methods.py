@@ -1,0 +1,282 @@
+"""The KV-cache methods oscar evaluates, all served by the one cache in :mod:`oscar_cli.quant.cache`.
+
+| name          | history quantizer                         | rotation            | BF16 sink / recent     |
+|---------------|-------------------------------------------|---------------------|------------------------|
+| ``bf16``      | none (everything stays in the act. dtype) | none                | all                    |
+| ``naive-int2``| per token asymmetric min-max INT2, G = D  | none                | 0 / 0                  |
+| ``quarot-int2``| per token asymmetric min-max INT2, G = D | Sylvester Hadamard  | 0 / 0                  |
+| ``kivi-2``    | K per channel over blocks of 128 tokens,  | none                | 0 / residual of 128    |
+|               | V per token (own quantizer, :mod:`kivi`)  |                     |                        |
+| ``oscar``     | per token INT2 with clip (artifact)       | artifact ``R_K, R_V`` | S0 = 64 / W = 256    |
+
+``naive-int2`` uses the asymmetric min-max quantizer of :mod:`oscar_kernels.reference` (method.md §6.1), the
+same one OSCAR uses, so the comparison isolates the rotation and the windows. method.md's "naive" baseline is
+described as symmetric; the asymmetric one is the stronger of the two, so reported naive numbers are, if
+anything, optimistic. ``quarot-int2`` uses the deterministic natural-order Sylvester Hadamard (no random
+signs, no clip), the data-free baseline OSCAR compares against.
+
+A method is a frozen :class:`QuantMethod`; per-layer transforms are :class:`LayerTransform`. The ``oscar``
+method comes from an artifact (``oscar_cli.artifact.open_artifact``) or from an in-memory list of
+``LayerTransform`` (tests, or before an artifact exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+from oscar_cli.errors import ArtifactError, EvalError
+
+MethodKind = Literal["dense", "int2", "kivi"]
+
+METHOD_NAMES: tuple[str, ...] = ("bf16", "naive-int2", "quarot-int2", "kivi-2", "oscar")
+
+DEFAULT_SINK = 64
+DEFAULT_RECENT = 256
+DEMOTION_BLOCK = 8
+KIVI_GROUP = 128
+KIVI_RESIDUAL = 128
+
+
+@dataclass(frozen=True)
+class LayerTransform:
+    """One decoder layer's transforms (float32, rotated space).
+
+    Attributes:
+        k_rotation: ``[N, D, D]`` orthogonal, ``N = 1`` (shared) or ``H_kv``; None = identity.
+        v_rotation: same for values; None = identity.
+        k_mean, v_mean: ``[N, D]`` in the rotated space; None = no centering.
+        k_clip, v_clip: clip ratios (``<= 0``: off).
+    """
+
+    k_rotation: torch.Tensor | None = None
+    v_rotation: torch.Tensor | None = None
+    k_mean: torch.Tensor | None = None
+    v_mean: torch.Tensor | None = None
+    k_clip: float = 0.0
+    v_clip: float = 0.0
+
+
+@dataclass(frozen=True)
+class QuantMethod:
+    """A KV-cache method: how the cache stores each tier and which transforms it applies.
+
+    Attributes:
+        name: one of :data:`METHOD_NAMES` (or a custom label).
+        kind: ``dense`` (no quantization), ``int2`` (per-token INT2 via the reference), ``kivi``.
+        sink: BF16 sink tokens ``S0`` (absolute positions ``[0, S0)``).
+        recent: BF16 recent window ``W`` (demotion in blocks of :data:`DEMOTION_BLOCK` when ``W > 0``).
+        group_size: ``G`` along head_dim (None = D).
+        meta_dtype: scale/zero storage dtype (16-bit by default).
+        layers: per-layer transforms (empty tuple = identity everywhere).
+        source: where the transforms came from (artifact path, "hadamard", ...), for reports.
+    """
+
+    name: str
+    kind: MethodKind
+    sink: int = 0
+    recent: int = 0
+    group_size: int | None = None
+    meta_dtype: torch.dtype = torch.bfloat16
+    layers: tuple[LayerTransform, ...] = ()
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def layer(self, idx: int) -> LayerTransform:
+        """The transforms of decoder layer ``idx`` (identity when the method has none)."""
+        if not self.layers:
+            return LayerTransform()
+        return self.layers[idx]
+
+    @property
+    def demotion_block(self) -> int:
+        """Tokens demoted from recent to INT2 at once: 8 with a recent window, 1 without."""
+        return DEMOTION_BLOCK if self.recent > 0 else 1
+
+    def bits_per_element(self, context_len: int, head_dim: int) -> float:
+        """Stored bits per K/V element at ``context_len`` tokens (batch 1, recent window exactly ``W``).
+
+        ``int2``: method.md §8 ``BPE(L)``; ``kivi``: keys ``(L - L mod 128)`` tokens at
+        ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at ``2 + 2·b/G`` plus 128 BF16,
+        averaged over K and V; ``dense``: 16.
+        """
+        from oscar_kernels.reference import bits_per_element
+
+        b = torch.finfo(self.meta_dtype).bits
+        if self.kind == "dense":
+            return 16.0
+        if self.kind == "int2":
+            return bits_per_element(context_len, head_dim, self.group_size, b, self.sink, self.recent)
+        g = self.group_size or min(head_dim, KIVI_GROUP)
+        k_res = context_len % KIVI_GROUP
+        k_bits = (context_len - k_res) * (2 + 2 * b / KIVI_GROUP) + k_res * 16
+        v_res = min(context_len, KIVI_RESIDUAL)
+        v_bits = (context_len - v_res) * (2 + 2 * b / g) + v_res * 16
+        return (k_bits + v_bits) / (2 * context_len)
+
+
+def _per_layer(n_layers: int, t: LayerTransform) -> tuple[LayerTransform, ...]:
+    return tuple(t for _ in range(n_layers))
+
+
+def _head_dim(config: Any) -> int:
+    d = getattr(config, "head_dim", None)
+    return int(d) if d else int(config.hidden_size // config.num_attention_heads)
+
+
+def bf16_method() -> QuantMethod:
+    """Uncompressed reference: the cache keeps every token in the activation dtype."""
+    return QuantMethod(name="bf16", kind="dense", source="none")
+
+
+def naive_int2_method() -> QuantMethod:
+    """Per-token asymmetric INT2 (G = D), no rotation, no BF16 windows."""
+    return QuantMethod(name="naive-int2", kind="int2", source="none")
+
+
+def quarot_int2_method(config: Any) -> QuantMethod:
+    """QuaRot-style INT2: natural-order Sylvester Hadamard on K (online) and V (folded), no windows, no clip."""
+    from oscar_kernels.reference import hadamard
+
+    d = _head_dim(config)
+    if d & (d - 1):
+        raise EvalError(f"quarot-int2 needs a power-of-two head_dim, the model has {d}")
+    h = hadamard(d, torch.float32).unsqueeze(0)
+    t = LayerTransform(k_rotation=h, v_rotation=h)
+    return QuantMethod(
+        name="quarot-int2", kind="int2", layers=_per_layer(config.num_hidden_layers, t), source="hadamard"
+    )
+
+
+def kivi2_method() -> QuantMethod:
+    """KIVI-2: keys per channel over blocks of 128 tokens, values per token, BF16 residual of 128."""
+    return QuantMethod(name="kivi-2", kind="kivi", recent=KIVI_RESIDUAL, source="none")
+
+
+def oscar_method(
+    layers: list[LayerTransform] | tuple[LayerTransform, ...],
+    *,
+    sink: int = DEFAULT_SINK,
+    recent: int = DEFAULT_RECENT,
+    group_size: int | None = None,
+    meta_dtype: torch.dtype = torch.bfloat16,
+    source: str = "in-memory",
+) -> QuantMethod:
+    """OSCAR from per-layer transforms (rotations, means, clip ratios) with the BF16 sink and recent window."""
+    if sink % 8 or recent % 8:
+        raise EvalError(f"sink ({sink}) and recent ({recent}) must be multiples of 8 (method.md §7.1)")
+    return QuantMethod(
+        name="oscar",
+        kind="int2",
+        sink=sink,
+        recent=recent,
+        group_size=group_size,
+        meta_dtype=meta_dtype,
+        layers=tuple(layers),
+        source=source,
+    )
+
+
+_META = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
+    """Build the ``oscar`` method from an artifact (local path or ``hf://ORG/NAME@REV``).
+
+    The artifact's architecture fingerprint must equal the model's; anything else is refused.
+    """
+    try:
+        from oscar_cli.artifact import open_artifact
+    except ImportError as exc:  # pragma: no cover - the artifact package ships with oscar
+        raise ArtifactError("this oscar has no artifact reader (oscar_cli.artifact)") from exc
+    from oscar_cli.models import architecture_fingerprint
+
+    art = open_artifact(ref)
+    manifest = art.manifest
+    want = architecture_fingerprint(config)
+    have = manifest.architecture if hasattr(manifest, "architecture") else manifest["architecture"]
+    mismatch = {k: (have.get(k), v) for k, v in want.items() if k in have and have.get(k) != v}
+    if mismatch:
+        what = ", ".join(f"{k}: artifact {a!r} vs model {b!r}" for k, (a, b) in sorted(mismatch.items()))
+        raise ArtifactError(
+            f"artifact {ref} was made for another model ({what})",
+            hint="calibrate this model first: oscar calibrate MODEL",
+        )
+    quant = manifest.quant if hasattr(manifest, "quant") else manifest.get("quant", {})
+    layers = []
+    for i in range(int(config.num_hidden_layers)):
+        layers.append(_artifact_layer(art, i))
+    return oscar_method(
+        layers,
+        sink=int(quant.get("sink", DEFAULT_SINK)),
+        recent=int(quant.get("recent", DEFAULT_RECENT)),
+        group_size=quant.get("group_size"),
+        meta_dtype=_META.get(str(quant.get("meta_dtype", "bfloat16")), torch.bfloat16),
+        source=str(ref),
+    )
+
+
+def _artifact_layer(art: Any, i: int) -> LayerTransform:
+    """Read layer ``i``'s tensors through the artifact API (``art.layer(i)`` or ``art.tensors``)."""
+    if hasattr(art, "layer"):
+        lay = art.layer(i)
+
+        def get(name: str) -> Any:
+            return getattr(lay, name) if hasattr(lay, name) else lay[name]
+    else:
+        tensors = art.tensors
+
+        def get(name: str) -> Any:
+            return tensors[f"layers.{i}.{name}"]
+
+    def clip(name: str) -> float:
+        v = get(name)
+        return float(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else float(v)
+
+    return LayerTransform(
+        k_rotation=get("k_rotation").float(),
+        v_rotation=get("v_rotation").float(),
+        k_mean=get("k_mean").float(),
+        v_mean=get("v_mean").float(),
+        k_clip=clip("k_clip"),
+        v_clip=clip("v_clip"),
+    )
+
+
+def build_method(name: str, config: Any, artifact: str | None = None) -> QuantMethod:
+    """A method by name for a model ``config``; ``oscar`` needs ``artifact`` (path or ``hf://``)."""
+    if name == "bf16":
+        return bf16_method()
+    if name == "naive-int2":
+        return naive_int2_method()
+    if name == "quarot-int2":
+        return quarot_int2_method(config)
+    if name == "kivi-2":
+        return kivi2_method()
+    if name == "oscar":
+        if artifact is None:
+            raise EvalError(
+                "method oscar needs --artifact (a calibration artifact: local path or hf://ORG/NAME@REV)",
+                hint="run: oscar calibrate MODEL, or drop oscar from --methods",
+            )
+        return oscar_from_artifact(artifact, config)
+    raise EvalError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
+
+
+def parse_methods(text: str | list[str]) -> list[str]:
+    """``"bf16,oscar"`` -> ``["bf16", "oscar"]``; unknown names raise with the valid list."""
+    items = text.split(",") if isinstance(text, str) else [p for t in text for p in t.split(",")]
+    names = [i.strip() for i in items if i.strip()]
+    if not names:
+        raise EvalError(f"no methods given; valid methods: {', '.join(METHOD_NAMES)}")
+    bad = [n for n in names if n not in METHOD_NAMES]
+    if bad:
+        raise EvalError(f"unknown method {bad[0]!r}; valid methods: {', '.join(METHOD_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
+def with_windows(method: QuantMethod, sink: int, recent: int) -> QuantMethod:
+    """A copy of ``method`` with other window sizes (tests, ablations)."""
+    return replace(method, sink=sink, recent=recent)

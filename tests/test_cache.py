@@ -1,0 +1,251 @@
+"""The INT2 cache: tiers, demotion, bitwise history, BPE, chunked-prefill semantics, rotation folding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oscar_cli.errors import EvalError
+from oscar_cli.quant import LayerTransform, build_method, greedy_generate, oscar_method, parse_methods, use_method
+from oscar_cli.quant.cache import Int2Cache, Int2Layer
+from oscar_cli.quant.generation import cache_kwarg, prefill
+from oscar_cli.quant.kivi import KiviLayer, dequantize_channels, quantize_channels
+from oscar_cli.quant.methods import METHOD_NAMES, bf16_method, kivi2_method, naive_int2_method
+from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
+
+pytestmark = pytest.mark.unit
+
+H, D = 2, 16
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        vocab_size=128,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+    )
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def random_orthogonal(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+
+def random_transform(seed: int, n: int = 1, clip: float = 0.9) -> LayerTransform:
+    g = torch.Generator().manual_seed(seed + 100)
+    return LayerTransform(
+        k_rotation=random_orthogonal(n, D, seed),
+        v_rotation=random_orthogonal(n, D, seed + 1),
+        k_mean=0.1 * torch.randn(n, D, generator=g),
+        v_mean=0.1 * torch.randn(n, D, generator=g),
+        k_clip=clip,
+        v_clip=clip,
+    )
+
+
+def feed(layer: Int2Layer | KiviLayer, k: torch.Tensor, v: torch.Tensor, chunks: list[int], decode: int) -> list:
+    """Prefill ``chunks`` (sizes; last is final) then ``decode`` single tokens; return every update's output."""
+    outs, s = [], 0
+    for i, c in enumerate(chunks):
+        layer.final_chunk = i == len(chunks) - 1
+        outs.append(layer.update(k[..., s : s + c, :], v[..., s : s + c, :]))
+        s += c
+    layer.final_chunk = True
+    for _ in range(decode):
+        outs.append(layer.update(k[..., s : s + 1, :], v[..., s : s + 1, :]))
+        s += 1
+    return outs
+
+
+@pytest.mark.parametrize("n_rot", [1, H], ids=["shared-R", "per-head-R"])
+def test_history_equals_reference_bitwise(n_rot: int) -> None:
+    torch.manual_seed(1)
+    t = random_transform(3, n_rot)
+    meth = oscar_method([t], sink=8, recent=16)
+    layer = Int2Layer(meth, t, rotate_values=True)
+    total = 100 + 21
+    k = torch.randn(2, H, total, D).bfloat16()
+    v = torch.randn(2, H, total, D).bfloat16()
+    feed(layer, k, v, [60, 40], 21)
+    r_k = t.k_rotation[0] if n_rot == 1 else t.k_rotation
+    r_v = t.v_rotation[0] if n_rot == 1 else t.v_rotation
+    kr = rotate(k, r_k).to(torch.bfloat16)
+    vr = rotate(v, r_v).to(torch.bfloat16)
+    n_sink, n_hist, n_recent = layer.tier_sizes()
+    assert n_sink == 8 and n_sink + n_hist + n_recent == total
+    for which, rows, mean, view in (("k", kr, t.k_mean, layer.keys), ("v", vr, t.v_mean, layer.values)):
+        hist = layer.history(which)
+        assert hist is not None
+        ref = quantize_rows(rows[..., 8 : 8 + n_hist, :], None, mean, t.k_clip, None, torch.bfloat16)
+        assert torch.equal(hist[0], ref.packed) and torch.equal(hist[1], ref.scale) and torch.equal(hist[2], ref.zero)
+        deq = (dequantize_rows(ref) + mean.unsqueeze(-2)).to(torch.bfloat16)
+        assert torch.equal(view[..., 8 : 8 + n_hist, :], deq)
+        assert torch.equal(view[..., :8, :], rows[..., :8, :])  # sink stays BF16 (rotated)
+        assert torch.equal(view[..., 8 + n_hist :, :], rows[..., 8 + n_hist :, :])  # recent stays BF16
+
+
+def test_demotion_in_blocks_of_8_recent_between_w_and_w_plus_7() -> None:
+    meth = oscar_method([LayerTransform()], sink=8, recent=16)
+    layer = Int2Layer(meth, LayerTransform())
+    k = torch.randn(1, H, 200, D)
+    layer.update(k[..., :50, :], k[..., :50, :])
+    assert layer.tier_sizes() == (8, 26, 16)  # method.md §15.12: [0,S0) sink, [S0,L-W) INT2, [L-W,L) recent
+    seen = []
+    for i in range(50, 90):
+        before = layer.tier_sizes()[1]
+        layer.update(k[..., i : i + 1, :], k[..., i : i + 1, :])
+        sink, hist, recent = layer.tier_sizes()
+        assert 16 <= recent <= 16 + 7 and hist - before in (0, 8)
+        seen.append(recent)
+    assert min(seen) == 16 and max(seen) == 23
+
+
+def test_new_tokens_attend_unquantized_and_nonfinal_chunk_has_no_recent() -> None:
+    """method.md §15.15 at the cache level: chunk B sees [sink | INT2(A) | B unquantized]."""
+    t = random_transform(5)
+    meth = oscar_method([t], sink=8, recent=16)
+    layer = Int2Layer(meth, t, rotate_values=True)
+    k, v = torch.randn(1, H, 90, D), torch.randn(1, H, 90, D)
+    (ka, va), (kb, vb) = feed(layer, k, v, [40, 50], 0)
+    kr = rotate(k, t.k_rotation[0])
+    assert torch.equal(ka, kr[..., :40, :])  # a lone chunk attends to itself unquantized
+    hist_a = quantize_rows(kr[..., 8:40, :], None, t.k_mean, t.k_clip, None, torch.bfloat16)
+    deq_a = dequantize_rows(hist_a) + t.k_mean.unsqueeze(-2)
+    assert torch.equal(kb[..., :8, :], kr[..., :8, :])
+    assert torch.equal(kb[..., 8:40, :], deq_a)  # the non-final chunk A went to INT2 entirely after the sink
+    assert torch.equal(kb[..., 40:, :], kr[..., 40:90, :])  # B itself unquantized
+    assert layer.tier_sizes() == (8, 90 - 8 - 16, 16)
+
+
+def _bpe_case(method_name: str, length: int) -> tuple[float, float]:
+    if method_name == "oscar":
+        meth = oscar_method([LayerTransform()], sink=64, recent=256)
+    elif method_name == "kivi-2":
+        meth = kivi2_method()
+    elif method_name == "bf16":
+        meth = bf16_method()
+    else:
+        meth = naive_int2_method()
+    cache = Int2Cache(meth, 1)
+    x = torch.randn(1, H, length, D).bfloat16()
+    cache.update(x, x, 0)
+    return cache.measured_bits_per_element(), meth.bits_per_element(length, D)
+
+
+@pytest.mark.parametrize("name", ["oscar", "naive-int2", "kivi-2", "bf16"])
+@pytest.mark.parametrize("length", [100, 320, 1000, 1500])
+def test_measured_bytes_equal_bpe_formula(name: str, length: int) -> None:
+    measured, formula = _bpe_case(name, length)
+    assert math.isclose(measured, formula, rel_tol=1e-12), (measured, formula)
+
+
+def test_bpe_formula_values() -> None:
+    """method.md §8 / §15.13 (G = D = 128, 16-bit metadata)."""
+    meth = oscar_method([LayerTransform()])
+    assert round(meth.bits_per_element(131072, 128), 4) == 2.2836
+    assert round(meth.bits_per_element(32768, 128), 4) == 2.3843
+
+
+def test_kivi_layer_rules_and_pad_exclusion() -> None:
+    layer = KiviLayer(kivi2_method())
+    layer.set_padding([0, 5])
+    k, v = torch.randn(2, H, 310, D), torch.randn(2, H, 310, D)
+    k[1, :, :5, :] = 1e4  # pad slots with absurd keys must not widen the per-channel ranges
+    feed(layer, k, v, [300], 10)
+    assert layer.nk_q == 256 and layer.nv_q == 310 - 128
+    packed, scale, zero = quantize_channels(
+        k[..., :128, :], torch.arange(128)[None, :] >= torch.tensor([0, 5])[:, None], torch.bfloat16
+    )
+    assert torch.equal(layer.k_blocks[0][:, :, 0], packed)
+    assert float(scale[1].float().max()) < 100.0
+    deq = dequantize_channels(packed, scale, zero)
+    assert torch.equal(layer.keys[..., :128, :], deq)
+    assert torch.equal(layer.keys[..., 256:, :], k[..., 256:310, :])  # key residual: L mod 128, unquantized
+
+
+def test_bf16_through_cache_generates_like_plain_transformers() -> None:
+    model = tiny_model()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    with use_method(model, bf16_method()) as session:
+        via_generate = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            **{cache_kwarg(model): session.new_cache()},
+        )
+        ours = greedy_generate(model, session.new_cache(), ids, torch.ones_like(ids), 24, [])
+    assert torch.equal(plain, via_generate)
+    assert ours[0] == plain[0, 40:].tolist()
+
+
+def test_rotations_without_quantization_leave_the_model_unchanged() -> None:
+    """method.md §15.11 + §15.15: one prefill chunk with random R_K/R_V (folded V) = the plain model."""
+    model = tiny_model()
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = model(ids).logits
+    w_before = model.model.layers[0].self_attn.v_proj.weight.clone()
+    meth = oscar_method([random_transform(7, 2), random_transform(9, 1)], sink=8, recent=16)
+    for fold in (True, False):
+        with use_method(model, meth, fold_values=fold) as session:
+            cache = session.new_cache()
+            logits = prefill(model, cache, ids, torch.ones_like(ids), chunk_size=4096, all_logits=True)
+        assert torch.allclose(logits, plain, atol=2e-5, rtol=1e-4)
+    assert torch.equal(model.model.layers[0].self_attn.v_proj.weight, w_before)  # fold undone on exit
+    assert model.config._attn_implementation != "oscar_int2"
+    with use_method(model, meth) as session:  # a second chunk sees the first one quantized
+        cache = session.new_cache()
+        chunked = prefill(model, cache, ids, torch.ones_like(ids), chunk_size=32, all_logits=True)
+    assert torch.allclose(chunked[:, :32], plain[:, :32], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(chunked[:, 32:], plain[:, 32:], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["naive-int2", "quarot-int2", "kivi-2"])
+def test_every_method_runs_through_the_model(name: str) -> None:
+    model = tiny_model()
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with use_method(model, build_method(name, model.config)) as session:
+        cache = session.new_cache()
+        out = greedy_generate(model, cache, ids, mask, 5, [], chunk_size=16)
+    assert len(out) == 2 and all(len(o) == 5 for o in out)
+    assert cache.get_seq_length() == 30 + 4
+
+
+def test_method_names_and_errors() -> None:
+    assert parse_methods("bf16, oscar,bf16") == ["bf16", "oscar"]
+    with pytest.raises(EvalError, match="valid methods: bf16, naive-int2"):
+        parse_methods("bf16,fp8")
+    with pytest.raises(EvalError, match="--artifact"):
+        build_method("oscar", tiny_model().config)
+    assert set(METHOD_NAMES) == {"bf16", "naive-int2", "quarot-int2", "kivi-2", "oscar"}
+
+
+def test_artifact_for_another_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import oscar_cli.artifact as art_mod
+    from oscar_cli.errors import ArtifactError
+    from oscar_cli.models import architecture_fingerprint
+
+    cfg = tiny_model().config
+    other = dict(architecture_fingerprint(cfg), num_layers=30)
+
+    class FakeArtifact:
+        manifest = {"architecture": other, "quant": {}}
+
+    monkeypatch.setattr(art_mod, "open_artifact", lambda ref: FakeArtifact(), raising=False)
+    with pytest.raises(ArtifactError, match="made for another model"):
+        build_method("oscar", cfg, artifact="x")
