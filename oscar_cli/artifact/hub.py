@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oscar_cli.errors import ArtifactError, HubError
+from oscar_cli.errors import HubError
 
 logger = logging.getLogger(__name__)
 
@@ -225,35 +225,15 @@ def _sha256(path: Path) -> str:
 
 
 def checked_manifest(path: Path) -> dict[str, Any]:
-    """Validate a local artifact directory for publishing; return its manifest (a dict).
+    """Validate a local artifact directory (``verify_artifact``: manifest, format version, sha256 of every
+    hashed file, tensor names/shapes/dtypes) and return its manifest as a dict.
 
-    Delegates to ``oscar_cli.artifact.io.verify_artifact`` (format version, sha256 of every file) and
-    raises :class:`ArtifactError` with its message when the artifact is not publishable.
+    Raises:
+        ArtifactError / ArtifactVersionError: naming the file, tensor or field at fault.
     """
-    if not path.is_dir():
-        raise ArtifactError(f"artifact directory not found: {path}", hint="run: oscar calibrate MODEL")
-    try:
-        from oscar_cli.artifact.io import verify_artifact
-    except ImportError:  # TEMPORARY until oscar_cli/artifact/io.py lands
-        verify_artifact = _fallback_verify
+    from oscar_cli.artifact.io import verify_artifact
 
-    manifest = verify_artifact(path)
-    return manifest if isinstance(manifest, dict) else dict(manifest)  # type: ignore[arg-type]
-
-
-def _fallback_verify(path: Path) -> dict[str, Any]:  # TEMPORARY until io.verify_artifact lands
-    import json
-
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path}: unreadable manifest.json ({type(exc).__name__})") from None
-    if manifest.get("format_version") != 1:
-        raise ArtifactError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
-    for name, digest in (manifest.get("files") or {}).items():
-        if not (path / name).is_file() or _sha256(path / name) != digest:
-            raise ArtifactError(f"{path}: {name} is missing or its sha256 does not match the manifest")
-    return manifest
+    return verify_artifact(path).to_dict()
 
 
 def stage_artifact(path: Path, manifest: dict[str, Any], repo_id: str, staging: Path) -> list[dict[str, Any]]:

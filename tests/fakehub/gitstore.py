@@ -203,24 +203,22 @@ class GitStore:
                 raise GitStoreError(404, f"Invalid rev id: {branch}", "RevisionNotFound")
             if parent is not None and parent != head:
                 raise GitStoreError(412, f"A commit has happened since. Please refresh and try again. ({parent})")
-            with tempfile.TemporaryDirectory(dir=self.root) as tmp:
+            files = {e.path: e.oid for e in self.tree(repo_type, repo_id, head)} if head else {}
+            for path in deletes or []:
+                if path not in files:
+                    raise GitStoreError(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
+                del files[path]
+            for folder in deleted_folders or []:
+                prefix = folder.rstrip("/") + "/"
+                files = {p: o for p, o in files.items() if not p.startswith(prefix)}
+            for path, data in adds.items():
+                if not path or path.startswith("/") or ".." in path.split("/") or path.split("/")[0] == ".git":
+                    raise GitStoreError(400, f"invalid path {path!r}")
+                files[path] = self.git(repo, "hash-object", "-w", "--stdin", input=data).decode().strip()
+            with tempfile.TemporaryDirectory(dir=self.root) as tmp:  # a throw-away index: no work tree needed
                 env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
-                if head is not None:
-                    self.git(repo, "read-tree", head, env=env)
-                existing = {e.path for e in self.tree(repo_type, repo_id, head)} if head else set()
-                for path in deletes or []:
-                    if path not in existing:
-                        raise GitStoreError(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
-                    self.git(repo, "update-index", "--force-remove", "--", path, env=env)
-                for folder in deleted_folders or []:
-                    prefix = folder.rstrip("/") + "/"
-                    for path in sorted(p for p in existing if p.startswith(prefix)):
-                        self.git(repo, "update-index", "--force-remove", "--", path, env=env)
-                for path, data in adds.items():
-                    if path.startswith("/") or ".." in path.split("/") or path.startswith(".git/"):
-                        raise GitStoreError(400, f"invalid path {path!r}")
-                    oid = self.git(repo, "hash-object", "-w", "--stdin", input=data).decode().strip()
-                    self.git(repo, "update-index", "--add", "--cacheinfo", f"100644,{oid},{path}", env=env)
+                listing = "".join(f"100644 {oid}\t{path}\n" for path, oid in sorted(files.items()))
+                self.git(repo, "update-index", "--add", "--index-info", input=listing.encode(), env=env)
                 tree = self.git(repo, "write-tree", env=env).decode().strip()
             message = summary if not description else f"{summary}\n\n{description}"
             args = ["commit-tree", tree, "-m", message] + (["-p", head] if head else [])

@@ -60,7 +60,9 @@ class FakeHub:
         self._server.daemon_threads = True
         host, port = self._server.server_address[:2]
         self.endpoint = f"http://{host}:{port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fakehub", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="fakehub", daemon=True
+        )
         self._thread.start()
         return self
 
