@@ -1,0 +1,130 @@
+"""Triton quantize-on-write: BF16/fp16 K or V rows -> rotated, centred, clipped INT2 rows in a paged cache.
+
+Only ``@triton.jit`` code lives here; launchers, checks and allocation are in :mod:`oscar_kernels.ops`.
+The arithmetic follows :mod:`oscar_kernels.reference` step by step (float32 throughout, sort-based clip
+threshold, ``div_rn`` for every division) so that codes, scale, zero and packed bytes are bitwise equal to
+the reference fed the same float32 rotated rows.
+
+Paged cache layout (also what the decode kernel reads):
+``codes uint8 [num_pages, H_kv, P, D/4]``, ``scale`` and ``zero`` ``md [num_pages, H_kv, P, D/G]``.
+A token's slot is ``page * P + offset``; a negative slot is skipped (padding rows, CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quantize_write_kernel(
+    x_ptr,  # [N, H_kv, D] activations (bf16 / fp16 / fp32)
+    stride_xn,
+    stride_xh,
+    r_ptr,  # [H_r, D, D] float32 rotation (H_r = 1 shared: stride_rh = 0); unused when not HAS_R
+    stride_rh,
+    mu_ptr,  # [H_r, D] float32 mean in rotated space; unused when not HAS_MU
+    stride_muh,
+    slot_ptr,  # [N] int64 destination slots (page * P + offset); < 0 = skip
+    codes_ptr,  # [num_pages, H_kv, P, D/4] uint8
+    stride_cp,
+    stride_ch,
+    stride_cr,
+    scale_ptr,  # [num_pages, H_kv, P, D/G] md
+    zero_ptr,  # [num_pages, H_kv, P, D/G] md (same strides as scale)
+    stride_mp,
+    stride_mh,
+    stride_mr,
+    n_rows,  # N
+    page_size,  # P
+    clip_idx,  # min(int(ratio * D), D - 1); < 0 = no clipping
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_R: tl.constexpr,
+    HAS_MU: tl.constexpr,
+    DO_CLIP: tl.constexpr,
+):
+    """Quantize ``BLOCK_T`` rows of one KV head and scatter them into the paged cache.
+
+    Grid: ``(cdiv(N, BLOCK_T), H_kv)``.
+    """
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D)
+    row_ok = rows < n_rows
+    x = tl.load(
+        x_ptr + rows[:, None].to(tl.int64) * stride_xn + h * stride_xh + cols[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_R:
+        r = tl.load(r_ptr + h * stride_rh + cols[:, None] * D + cols[None, :])
+        y = tl.dot(x, r, input_precision="ieee")
+    else:
+        y = x
+    if HAS_MU:
+        y = y - tl.load(mu_ptr + h * stride_muh + cols)[None, :]
+    if DO_CLIP:
+        srt = tl.sort(tl.abs(y), dim=1)
+        tau = tl.sum(tl.where(cols[None, :] == clip_idx, srt, 0.0), axis=1)
+        y = tl.minimum(tl.maximum(y, -tau[:, None]), tau[:, None])
+    codes, scale, zero = _quantize_groups(y, BLOCK_T, D, G, scale_ptr.dtype.element_ty)
+    packed = _pack_quarters(codes, BLOCK_T, D)
+
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    ok = row_ok & (slot >= 0)
+    slot = tl.where(ok, slot, 0)
+    page = slot // page_size
+    off = slot % page_size
+    cbase = page * stride_cp + h * stride_ch + off * stride_cr
+    qcols = tl.arange(0, D // 4)
+    tl.store(codes_ptr + cbase[:, None] + qcols[None, :], packed, mask=ok[:, None])
+    mbase = page * stride_mp + h * stride_mh + off * stride_mr
+    gcols = tl.arange(0, D // G)
+    tl.store(scale_ptr + mbase[:, None] + gcols[None, :], scale, mask=ok[:, None])
+    tl.store(zero_ptr + mbase[:, None] + gcols[None, :], zero, mask=ok[:, None])
+
+
+@triton.jit
+def _quantize_groups(y, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr, META: tl.constexpr):
+    """Min-max INT2 per group of ``G`` channels, exactly as ``reference.quantize_int2``.
+
+    ``y`` float32 ``[BLOCK_T, D]`` -> codes int32 ``[BLOCK_T, D]``, scale and zero ``META [BLOCK_T, D/G]``.
+    """
+    yg = tl.reshape(y, [BLOCK_T, D // G, G])
+    mn = tl.min(yg, axis=2)
+    mx = tl.max(yg, axis=2)
+    s = tl.math.div_rn(tl.maximum(mx - mn, 1e-8), tl.full(mn.shape, 3.0, tl.float32))
+    scale = _round_to(s, META)
+    zero = _round_to(mn, META)
+    sf = scale.to(tl.float32)
+    zf = zero.to(tl.float32)
+    q = tl.math.div_rn(yg - zf[:, :, None], tl.broadcast_to(sf[:, :, None], yg.shape))
+    c = tl.floor(q + 0.5)
+    c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+    return tl.reshape(c, [BLOCK_T, D]), scale, zero
+
+
+@triton.jit
+def _round_to(v, META: tl.constexpr):
+    """float32 -> ``META`` rounding to nearest even (explicit bit arithmetic for bfloat16, so every
+    backend, the CPU interpreter included, rounds like ``torch.Tensor.to``; finite inputs)."""
+    if META == tl.bfloat16:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(META)
+
+
+@triton.jit
+def _pack_quarters(codes, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """Quarter packing: int32 codes ``[BLOCK_T, D]`` -> uint8 ``[BLOCK_T, D/4]``.
+
+    Byte ``i`` = ``c[i] | c[i + D/4] << 2 | c[i + D/2] << 4 | c[i + 3D/4] << 6``.
+    """
+    c3 = tl.reshape(codes, [BLOCK_T, 4, D // 4])
+    shifts = (tl.arange(0, 4) * 2)[None, :, None]
+    return tl.sum(c3 << shifts, axis=1).to(tl.uint8)

@@ -1,0 +1,341 @@
+"""Launchers for oscar's INT2 Triton kernels: input checks, allocation, grids, configs.
+
+Public API (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET=1``, for tests):
+
+- :func:`quantize_write` — rotate, centre, clip, quantize, pack rows ``[N, H_kv, D]`` into a paged cache.
+- :func:`quantize_rows` — the same, returning :class:`~oscar_kernels.reference.QuantizedRows` for
+  ``x [B, H_kv, T, D]`` (the Triton twin of ``reference.quantize_rows``).
+- :func:`decode_attention` — one decode step over paged INT2 history + BF16 sink and recent tiers.
+- :func:`decode_attention_contiguous` — the same over a non-paged cache (``codes [B, H_kv, T, D/4]``).
+- :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_num_splits`.
+
+Paged layout: ``codes uint8 [num_pages, H_kv, P, D/4]``, ``scale``/``zero`` ``md [num_pages, H_kv, P, D/G]``,
+``block_table int32 [B, max_pages]``; token ``t`` of sequence ``b`` lives in page ``block_table[b, t // P]``
+at offset ``t % P``. Every launch is CUDA-graph safe: lengths are device tensors, the split count is fixed
+by static shapes, nothing syncs with the host (except the opt-in ``OSCAR_KERNEL_DEBUG=1`` range check).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oscar_kernels.reference import QuantizedRows
+
+__all__ = [
+    "DecodeConfig",
+    "decode_attention",
+    "decode_attention_contiguous",
+    "default_num_splits",
+    "make_workspace",
+    "new_paged_cache",
+    "quantize_rows",
+    "quantize_write",
+]
+
+_ACT = (torch.bfloat16, torch.float16)
+_META = (torch.bfloat16, torch.float16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+def _kernels() -> tuple[Any, Any]:
+    """Import the Triton modules lazily (``TRITON_INTERPRET`` is read when they are first imported)."""
+    from oscar_kernels import int2_decode, int2_pack
+
+    return int2_pack, int2_decode
+
+
+def _bad(name: str, t: torch.Tensor, expected: str) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _check(name: str, t: Any, expected: str, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
+           device: torch.device) -> None:
+    """Raise ValueError naming ``t`` (shape, dtype, device; never data) unless it matches."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor {expected}, got {type(t).__name__}")
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape, strict=True))
+    if not ok or t.dtype not in dtypes or t.device != device:
+        raise _bad(name, t, f"{expected} on {device}")
+
+
+def _ttype(dtype: torch.dtype) -> Any:
+    import triton.language as tl
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _rot(name: str, r: torch.Tensor | None, h_kv: int, d: int, dev: torch.device) -> tuple[torch.Tensor | None, int]:
+    """Rotation ``[D, D]`` or ``[H_kv, D, D]`` float32 -> (contiguous tensor, head stride)."""
+    if r is None:
+        return None, 0
+    shape: tuple[int, ...] = (d, d) if r.dim() == 2 else (h_kv, d, d)
+    _check(name, r, f"float32 {list(shape)}", shape, (torch.float32,), dev)
+    r = r.contiguous()
+    return r, (0 if r.dim() == 2 else d * d)
+
+
+def _mean(name: str, m: torch.Tensor | None, h_kv: int, d: int, dev: torch.device) -> tuple[torch.Tensor | None, int]:
+    if m is None:
+        return None, 0
+    shape: tuple[int, ...] = (d,) if m.dim() == 1 else (h_kv, d)
+    _check(name, m, f"float32 {list(shape)}", shape, (torch.float32,), dev)
+    m = m.contiguous()
+    return m, (0 if m.dim() == 1 else d)
+
+
+def new_paged_cache(num_pages: int, h_kv: int, page_size: int, d: int, group_size: int | None = None,
+                    meta_dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                    ) -> QuantizedRows:
+    """Empty paged INT2 storage: codes ``uint8 [num_pages, H_kv, P, D/4]``, scale/zero ``[.., D/G]``."""
+    g = d if group_size is None else group_size
+    codes = torch.zeros(num_pages, h_kv, page_size, d // 4, dtype=torch.uint8, device=device)
+    scale = torch.zeros(num_pages, h_kv, page_size, d // g, dtype=meta_dtype, device=device)
+    return QuantizedRows(codes, scale, torch.zeros_like(scale))
+
+
+def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
+                   rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
+                   clip_ratio: float = 0.0, block_t: int = 16, num_warps: int = 4) -> None:
+    """Quantize rows and scatter them into a paged cache, in one launch for all tokens and KV heads.
+
+    Args:
+        x: ``[N, H_kv, D]`` bf16/fp16/fp32 post-RoPE keys or values (last dim contiguous).
+        cache: paged storage from :func:`new_paged_cache` (``packed [pages, H_kv, P, D/4]`` etc.).
+        slots: int64 ``[N]``: destination ``page * P + offset``; negative = skip the row.
+        rotation: float32 ``[D, D]`` or ``[H_kv, D, D]``; mean: float32 ``[D]`` or ``[H_kv, D]`` (rotated space).
+        clip_ratio: as in ``reference.clip_rows`` (sort-based threshold; ``<= 0``: off).
+    """
+    dev = x.device
+    if x.dim() != 3 or x.dtype not in (*_ACT, torch.float32) or x.shape[-1] % 16 or x.stride(-1) != 1:
+        raise _bad("x", x, "bf16/fp16/fp32 [N, H_kv, D] with D % 16 == 0 and contiguous rows")
+    n, h_kv, d = x.shape
+    codes, scale, zero = cache.packed, cache.scale, cache.zero
+    _check("cache.packed", codes, f"uint8 [pages, {h_kv}, P, {d // 4}]", (None, h_kv, None, d // 4),
+           (torch.uint8,), dev)
+    ng = int(scale.shape[-1]) if scale.dim() == 4 else 0
+    if ng <= 0 or d % ng or (d // ng) & (d // ng - 1):
+        raise _bad("cache.scale", scale, f"[pages, {h_kv}, P, D/G] with G a power of two dividing {d}")
+    _check("cache.scale", scale, f"[pages, {h_kv}, P, {ng}]", (*codes.shape[:3], ng), _META, dev)
+    _check("cache.zero", zero, f"{scale.dtype} {list(scale.shape)}", tuple(scale.shape), (scale.dtype,), dev)
+    if zero.stride() != scale.stride() or codes.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("cache: scale and zero must share strides and have contiguous last dims")
+    _check("slots", slots, f"int64 [{n}]", (n,), (torch.int64,), dev)
+    r, r_stride = _rot("rotation", rotation, h_kv, d, dev)
+    mu, mu_stride = _mean("mean", mean, h_kv, d, dev)
+    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and n and int(slots.max()) >= codes.shape[0] * codes.shape[2]:
+        raise ValueError(f"slots: max slot {int(slots.max())} >= pages*P = {codes.shape[0] * codes.shape[2]}")
+    if n == 0:
+        return
+    clip_idx = min(int(clip_ratio * d), d - 1) if clip_ratio > 0 else -1
+    pack, _ = _kernels()
+    grid = (math.ceil(n / block_t), h_kv)
+    pack._quantize_write_kernel[grid](
+        x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_stride,
+        slots, codes, codes.stride(0), codes.stride(1), codes.stride(2),
+        scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
+        n, int(codes.shape[2]), clip_idx,
+        D=d, G=d // ng, BLOCK_T=block_t, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
+        num_warps=num_warps,
+    )
+
+
+def quantize_rows(x: torch.Tensor, rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
+                  clip_ratio: float = 0.0, group_size: int | None = None,
+                  meta_dtype: torch.dtype = torch.bfloat16) -> QuantizedRows:
+    """Triton twin of ``reference.quantize_rows`` for ``x [B, H_kv, T, D]`` -> packed ``[B, H_kv, T, D/4]``."""
+    if x.dim() != 4:
+        raise _bad("x", x, "[B, H_kv, T, D]")
+    b, h_kv, t, d = x.shape
+    rows = x.permute(0, 2, 1, 3).reshape(b * t, h_kv, d).contiguous()
+    cache = new_paged_cache(b * t, h_kv, 1, d, group_size, meta_dtype, x.device)
+    slots = torch.arange(b * t, dtype=torch.int64, device=x.device)
+    quantize_write(rows, cache, slots, rotation=rotation, mean=mean, clip_ratio=clip_ratio)
+
+    def back(u: torch.Tensor) -> torch.Tensor:
+        return u.reshape(b, t, h_kv, -1).permute(0, 2, 1, 3).contiguous()
+
+    return QuantizedRows(back(cache.packed), back(cache.scale), back(cache.zero))
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile configuration of the decode kernels (see docs/KERNELS.md for the measured sweep)."""
+
+    block_n: int = 64  # INT2 tokens per tile
+    block_nb: int = 64  # BF16 tokens per tile
+    num_warps: int = 4
+    num_stages: int = 3
+    magic: int = 2  # 0 shift/and/convert; 1 magic-number unpack, natural order; 2 magic, lane-paired order
+    mode: int = 0  # 0 full kernel; diagnostics: 1 load only, 2 load + unpack
+
+
+def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 64,
+                       device: torch.device | None = None, programs_per_sm: int = 4) -> int:
+    """A fixed split count from static shapes only (CUDA-graph safe): enough programs to fill the GPU."""
+    sms = 4
+    if device is not None and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = math.ceil(programs_per_sm * sms / max(batch * h_kv, 1))
+    most = max(1, math.ceil(hist_capacity / (2 * block_n)))
+    return max(1, min(want, most, 256))
+
+
+def make_workspace(batch: int, h_q: int, d: int, num_splits: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for the partials: ``o float32 [B, H_q, S+1, D]``, ``lse float32 [B, H_q, S+1]``."""
+    return (torch.empty(batch, h_q, num_splits + 1, d, dtype=torch.float32, device=device),
+            torch.empty(batch, h_q, num_splits + 1, dtype=torch.float32, device=device))
+
+
+def _lengths(name: str, v: torch.Tensor | int, b: int, cap: int, dev: torch.device) -> torch.Tensor:
+    if isinstance(v, int):
+        if not 0 <= v <= cap:
+            raise ValueError(f"{name}: {v} outside [0, {cap}]")
+        return torch.full((b,), v, dtype=torch.int32, device=dev)
+    _check(name, v, f"int32 [{b}]", (b,), (torch.int32,), dev)
+    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and b and (int(v.min()) < 0 or int(v.max()) > cap):
+        raise ValueError(f"{name}: values outside [0, {cap}]")
+    return v
+
+
+def _tier(name: str, t: torch.Tensor, b: int, h_kv: int, d: int, act: torch.dtype, dev: torch.device) -> None:
+    _check(name, t, f"{act} [{b}, {h_kv}, T, {d}] (last dim contiguous)", (b, h_kv, None, d), (act,), dev)
+    if t.stride(-1) != 1:
+        raise _bad(name, t, "a last dim with stride 1")
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: QuantizedRows, v_cache: QuantizedRows, block_table: torch.Tensor,
+    hist_len: torch.Tensor | int, sink_k: torch.Tensor, sink_v: torch.Tensor, sink_len: torch.Tensor | int,
+    recent_k: torch.Tensor, recent_v: torch.Tensor, recent_len: torch.Tensor | int, *,
+    rotation_k: torch.Tensor | None = None, rotation_v: torch.Tensor | None = None,
+    mean_v: torch.Tensor | None = None, sm_scale: float | None = None, num_splits: int | None = None,
+    config: DecodeConfig | None = None, out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One decode step: ``softmax(q·Kᵀ)·V`` over sink + INT2 history + recent, back in the model's space.
+
+    Args:
+        q: ``[B, H_q, D]`` bf16/fp16 post-RoPE queries, **not** rotated (``q @ R_K`` happens in the kernel).
+        k_cache, v_cache: paged INT2 storage (``packed uint8 [pages, H_kv, P, D/4]``, ``scale``/``zero``
+            ``md [pages, H_kv, P, 1]``: the kernel supports ``G = D``), K and V with identical layout.
+        block_table: int32 ``[B, max_pages]``; hist_len: int32 ``[B]`` (or an int for all rows).
+        sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` in q's dtype, rotated (and centred)
+            like the INT2 tier; sink_len, recent_len: int32 ``[B]`` valid rows per sequence (or ints).
+        rotation_k: ``R_K`` ``[D, D]``/``[H_kv, D, D]`` float32; rotation_v / mean_v: ``R_V`` and ``mu_V``
+            (the output is ``(o + mu_V) @ R_Vᵀ``); None = identity / zero.
+        sm_scale: softmax scale (default ``D**-0.5``); num_splits: INT2 splits (default from static shapes).
+        out: optional ``[B, H_q, D]`` result buffer; workspace: from :func:`make_workspace`.
+
+    Returns:
+        ``out [B, H_q, D]`` in q's dtype.
+    """
+    cfg = config or DecodeConfig()
+    dev = q.device
+    if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
+        raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
+    b, h_q, d = q.shape
+    kc = k_cache.packed
+    if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
+        raise _bad("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
+    h_kv, page = int(kc.shape[1]), int(kc.shape[2])
+    for nm, rows in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(f"{nm}.packed", rows.packed, f"uint8 {list(kc.shape)}", tuple(kc.shape), (torch.uint8,), dev)
+        for part in ("scale", "zero"):
+            t = getattr(rows, part)
+            _check(f"{nm}.{part}", t, f"[pages, {h_kv}, {page}, 1] (G = D)", (kc.shape[0], h_kv, page, 1), _META, dev)
+            if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype:
+                raise _bad(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale")
+        if rows.packed.stride() != kc.stride() or kc.stride(-1) != 1 or kc.stride(-2) % 4:
+            raise _bad(f"{nm}.packed", rows.packed, "the strides of k_cache.packed, rows of whole int32 words")
+    _check("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
+    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and block_table.numel():
+        if int(block_table.min()) < 0 or int(block_table.max()) >= kc.shape[0]:
+            raise ValueError(f"block_table: entries outside [0, {kc.shape[0]})")
+    cap = int(block_table.shape[1]) * page
+    hl = _lengths("hist_len", hist_len, b, cap, dev)
+    for nm, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
+        _tier(nm, t, b, h_kv, d, q.dtype, dev)
+    if sink_k.stride() != sink_v.stride() or recent_k.stride() != recent_v.stride():
+        raise ValueError("sink_k/sink_v and recent_k/recent_v must share strides")
+    sl = _lengths("sink_len", sink_len, b, int(sink_k.shape[2]), dev)
+    rl = _lengths("recent_len", recent_len, b, int(recent_k.shape[2]), dev)
+    rk, rk_stride = _rot("rotation_k", rotation_k, h_kv, d, dev)
+    rv, rv_stride = _rot("rotation_v", rotation_v, h_kv, d, dev)
+    mu, mu_stride = _mean("mean_v", mean_v, h_kv, d, dev)
+    if rk is None:
+        rk, rk_stride = torch.eye(d, dtype=torch.float32, device=dev), 0
+    s = num_splits or default_num_splits(b, h_kv, cap, cfg.block_n, dev)
+    o_part, lse_part = workspace if workspace is not None else make_workspace(b, h_q, d, s, dev)
+    _check("workspace[0]", o_part, f"float32 [{b}, {h_q}, {s + 1}, {d}]", (b, h_q, s + 1, d), (torch.float32,), dev)
+    _check("workspace[1]", lse_part, f"float32 [{b}, {h_q}, {s + 1}]", (b, h_q, s + 1), (torch.float32,), dev)
+    if out is None:
+        out = torch.empty(b, h_q, d, dtype=q.dtype, device=dev)
+    _check("out", out, f"{q.dtype} [{b}, {h_q}, {d}]", (b, h_q, d), (q.dtype,), dev)
+    if out.stride(-1) != 1:
+        raise _bad("out", out, "a contiguous last dim")
+    kcw, vcw = (kc.view(torch.int32), v_cache.packed.view(torch.int32)) if cfg.magic else (kc, v_cache.packed)
+    g = h_q // h_kv
+    scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
+    _, dec = _kernels()
+    dec._decode_stage1_kernel[(b * h_kv, s + 1)](
+        q, q.stride(0), q.stride(1), rk, rk_stride, scale,
+        kcw, vcw, kcw.stride(0), kcw.stride(1), kcw.stride(2),
+        k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero,
+        k_cache.scale.stride(0), k_cache.scale.stride(1), k_cache.scale.stride(2),
+        block_table, block_table.stride(0), hl, page,
+        sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
+        recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
+        o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), s,
+        H_KV=h_kv, GROUP=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_N=cfg.block_n,
+        BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic, MODE=cfg.mode, ACT=_ttype(q.dtype), PREC="tf32x3",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    dec._merge_rotate_kernel[(b * h_q,)](
+        o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
+        out, out.stride(0), out.stride(1), s + 1,
+        H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << s.bit_length()), BLOCK_E=32,
+        HAS_MU=mu is not None, HAS_R=rv is not None, num_warps=4,
+    )
+    return out
+
+
+def decode_attention_contiguous(
+    q: torch.Tensor, hist_k: QuantizedRows, hist_v: QuantizedRows,
+    sink_k: torch.Tensor, sink_v: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor, *,
+    hist_len: torch.Tensor | int | None = None, sink_len: torch.Tensor | int | None = None,
+    recent_len: torch.Tensor | int | None = None, **kwargs: Any,
+) -> torch.Tensor:
+    """:func:`decode_attention` over a non-paged cache (the transformers cache's layout).
+
+    Args:
+        q: ``[B, H_q, D]`` or ``[B, H_q, 1, D]`` (the result has the same shape).
+        hist_k, hist_v: ``packed uint8 [B, H_kv, T, D/4]``, ``scale``/``zero`` ``[B, H_kv, T, 1]``.
+        sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` rotated tiers.
+        hist_len, sink_len, recent_len: valid rows per sequence (default: all ``T`` rows).
+        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, num_splits, config, out, workspace).
+    """
+    squeeze = q.dim() == 4
+    if squeeze:
+        if q.shape[2] != 1:
+            raise _bad("q", q, "[B, H_q, 1, D] (one decode query per sequence)")
+        q = q[:, :, 0]
+    b = int(q.shape[0])
+    pk = hist_k.packed
+    if pk.dim() != 4 or pk.shape[0] != b:
+        raise _bad("hist_k.packed", pk, f"uint8 [{b}, H_kv, T, D/4]")
+    t = int(pk.shape[2])
+    table = torch.arange(b, dtype=torch.int32, device=q.device).unsqueeze(1)  # one page of T rows per sequence
+    out = decode_attention(
+        q, hist_k, hist_v, table, t if hist_len is None else hist_len,
+        sink_k, sink_v, int(sink_k.shape[2]) if sink_len is None else sink_len,
+        recent_k, recent_v, int(recent_k.shape[2]) if recent_len is None else recent_len, **kwargs)
+    return out.unsqueeze(2) if squeeze else out

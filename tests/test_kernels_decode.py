@@ -1,0 +1,221 @@
+"""Triton INT2 decode attention vs the float64 reference, with the flash-attention error budget.
+
+``|kernel - ref64|max <= 2·|ref_same_dtype - ref64|max + 2 ulp·max|ref64|``; both references dequantize the same
+codes. CPU runs use the Triton interpreter (fp16 activations: bf16 ``tl.dot`` is wrong there) on tiny grids;
+``-m gpu`` runs the full grid on CUDA, including CUDA-graph capture + replay.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from oscar_kernels import ops  # noqa: E402
+from oscar_kernels import reference as ref  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+TINY = ops.DecodeConfig(block_n=16, block_nb=16, num_warps=4, num_stages=1)
+
+
+def _orth(d: int, gen: torch.Generator) -> torch.Tensor:
+    qm, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    return qm.float()
+
+
+def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], sink: list[int], recent: list[int],
+              page: int, dtype: torch.dtype, device: str, meta: torch.dtype = torch.bfloat16) -> dict:
+    """Random paged INT2 cache (pages shuffled), ragged tiers, rotations; everything the op and refs need."""
+    gen = torch.Generator().manual_seed(seed)
+    t_h = max(max(hist), 1)
+    n_pp = math.ceil(t_h / page)
+    y_k = torch.randn(b, h_kv, n_pp * page, d, generator=gen) * 2.0
+    y_v = torch.randn(b, h_kv, n_pp * page, d, generator=gen)
+    qk = ref.quantize_rows(y_k, clip_ratio=0.96, meta_dtype=meta)
+    qv = ref.quantize_rows(y_v, clip_ratio=0.92, meta_dtype=meta)
+    n_pages = b * n_pp + 3
+    perm = torch.randperm(n_pages, generator=gen)[: b * n_pp].reshape(b, n_pp)
+    kc = ops.new_paged_cache(n_pages, h_kv, page, d, None, meta, "cpu")
+    vc = ops.new_paged_cache(n_pages, h_kv, page, d, None, meta, "cpu")
+    for src, dst in ((qk, kc), (qv, vc)):
+        for name in ("packed", "scale", "zero"):
+            s = getattr(src, name).reshape(b, h_kv, n_pp, page, -1).permute(0, 2, 1, 3, 4)
+            getattr(dst, name)[perm.reshape(-1)] = s.reshape(b * n_pp, h_kv, page, -1)
+    s_cap, r_cap = max(max(sink), 1), max(max(recent), 1)
+    case = {
+        "q": torch.randn(b, h_q, d, generator=gen).to(dtype),
+        "k_cache": kc, "v_cache": vc, "qk": qk, "qv": qv,
+        "block_table": perm.to(torch.int32),
+        "hist_len": torch.tensor(hist, dtype=torch.int32),
+        "sink_k": (torch.randn(b, h_kv, s_cap, d, generator=gen) * 2).to(dtype),
+        "sink_v": torch.randn(b, h_kv, s_cap, d, generator=gen).to(dtype),
+        "sink_len": torch.tensor(sink, dtype=torch.int32),
+        "recent_k": (torch.randn(b, h_kv, r_cap, d, generator=gen) * 2).to(dtype),
+        "recent_v": torch.randn(b, h_kv, r_cap, d, generator=gen).to(dtype),
+        "recent_len": torch.tensor(recent, dtype=torch.int32),
+        "rotation_k": _orth(d, gen), "rotation_v": _orth(d, gen), "mean_v": torch.randn(d, generator=gen) * 0.1,
+    }
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else
+                ref.QuantizedRows(*(t.to(device) for t in (v.packed, v.scale, v.zero))) if isinstance(v, ref.QuantizedRows)
+                else v) for k, v in case.items()}
+
+
+def run_op(c: dict, **kw: object) -> torch.Tensor:
+    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+            "recent_k", "recent_v", "recent_len")
+    return ops.decode_attention(c["q"], *(c[k] for k in keys), rotation_k=c["rotation_k"],
+                                rotation_v=c["rotation_v"], mean_v=c["mean_v"], **kw)  # type: ignore[arg-type]
+
+
+def references(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 oracle, same-dtype torch reference), ``[B, H_q, D]``, from the same codes."""
+    dtype = c["q"].dtype
+    outs64, outs_lp = [], []
+    d = c["q"].shape[-1]
+    scale = d ** -0.5
+    for i in range(c["q"].shape[0]):
+        hl, sl, rl = int(c["hist_len"][i]), int(c["sink_len"][i]), int(c["recent_len"][i])
+        hk = ref.QuantizedRows(*(t[i : i + 1, :, :hl] for t in (c["qk"].packed, c["qk"].scale, c["qk"].zero)))
+        hv = ref.QuantizedRows(*(t[i : i + 1, :, :hl] for t in (c["qv"].packed, c["qv"].scale, c["qv"].zero)))
+        sk, sv = c["sink_k"][i : i + 1, :, :sl], c["sink_v"][i : i + 1, :, :sl]
+        rk, rv = c["recent_k"][i : i + 1, :, :rl], c["recent_v"][i : i + 1, :, :rl]
+        q = c["q"][i : i + 1, :, None, :]
+        q64 = q.double() @ c["rotation_k"].double()
+        o64 = ref.decode_attention_reference(q64, sk, sv, hk, hv, rk, rv, scale, torch.float64)
+        outs64.append((o64[:, :, 0] + c["mean_v"].double()) @ c["rotation_v"].double().T)
+        # same-dtype reference: q, keys, values, scores and P in the activation dtype, fp32 softmax
+        qa = (q.float() @ c["rotation_k"]).to(dtype)
+        k = torch.cat([sk, ref.dequantize_rows(hk, dtype), rk], 2)
+        v = torch.cat([sv, ref.dequantize_rows(hv, dtype), rv], 2)
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        if k.shape[2] == 0:
+            o = torch.zeros_like(qa)
+        else:
+            p = torch.softmax((qa @ k.transpose(-1, -2)).float() * scale, -1)
+            o = p.to(dtype) @ v
+        outs_lp.append(((o.float()[:, :, 0] + c["mean_v"]) @ c["rotation_v"].T).to(dtype))
+    return torch.cat(outs64), torch.cat(outs_lp)
+
+
+def assert_budget(out: torch.Tensor, c: dict) -> None:
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    r64, lp = references(c)
+    err = (out.double() - r64).abs()
+    err_lp = (lp.double() - r64).abs().max().item()
+    floor = 2 * torch.finfo(out.dtype).eps * r64.abs().max().item() + 1e-6
+    budget = 2 * err_lp + floor
+    worst = int(err.argmax())
+    assert err.max().item() <= budget, (
+        f"max_diff {err.max().item():.3e} > budget {budget:.3e} (same-dtype ref err {err_lp:.3e}) "
+        f"at {list(torch.unravel_index(torch.tensor(worst), err.shape))}")
+
+
+def _poisoned(c: dict) -> torch.Tensor:
+    b, h_q, d = c["q"].shape
+    return torch.full((b, h_q, d), float("nan"), dtype=c["q"].dtype, device=c["q"].device)
+
+
+# ---- CPU (interpreter) cases: tiny grids --------------------------------------------------------------
+
+CPU_CASES = [
+    # id, (B, H_q, H_kv, D), hist, sink, recent, page, splits
+    ("ragged-1-31-page16", (2, 8, 2, 64), [1, 31], [4, 4], [5, 3], 16, 2),
+    ("hist97-page-boundary", (1, 4, 1, 64), [97], [3], [16], 16, 3),
+    ("short-no-hist", (2, 4, 2, 64), [0, 0], [2, 4], [0, 7], 16, 2),
+    ("D128-page64", (1, 4, 1, 128), [64], [1], [2], 64, 2),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_decode_interpreter(case: tuple) -> None:
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(len(name) * 31 + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
+                  meta=torch.float16)
+    before = c["q"].clone()
+    out = run_op(c, num_splits=splits, config=TINY, out=_poisoned(c))
+    assert torch.equal(c["q"], before), "q was modified"
+    assert_budget(out, c)
+
+
+@pytest.mark.unit
+def test_decode_contiguous_entry_matches_paged() -> None:
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(7, 1, 4, 1, 64, [40], [2], [3], 64, torch.float16, dev, meta=torch.float16)
+    out = ops.decode_attention_contiguous(
+        c["q"][:, :, None, :], c["qk"], c["qv"], c["sink_k"], c["sink_v"], c["recent_k"], c["recent_v"],
+        hist_len=40, sink_len=2, recent_len=3, rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
+        mean_v=c["mean_v"], num_splits=2, config=TINY)
+    assert out.shape == (1, 4, 1, 64)
+    assert_budget(out[:, :, 0], c)
+
+
+@pytest.mark.unit
+def test_decode_bad_inputs_name_the_tensor() -> None:
+    c = make_case(3, 1, 4, 1, 64, [8], [1], [1], 16, torch.float16, "cpu", meta=torch.float16)
+    with pytest.raises(ValueError, match=r"q: expected .*got torch.float32 \(1, 4, 64\) on cpu"):
+        c2 = dict(c, q=c["q"].float())
+        run_op(c2)
+    with pytest.raises(ValueError, match=r"block_table: expected int32"):
+        run_op(dict(c, block_table=c["block_table"].long()))
+    with pytest.raises(ValueError, match=r"sink_k: expected"):
+        run_op(dict(c, sink_k=c["sink_k"][:, :, :, :32]))
+
+
+# ---- GPU grid --------------------------------------------------------------------------------------
+
+GPU_HEADS = [(32, 8), (28, 4), (8, 8)]
+GPU_LENS = [1, 31, 97, 4095, 4097]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="requires CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", GPU_HEADS, ids=[f"{a}q{b}kv" for a, b in GPU_HEADS])
+@pytest.mark.parametrize("length", GPU_LENS)
+def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: torch.dtype) -> None:
+    b = {1: 3, 31: 17, 97: 1, 4095: 3, 4097: 1}[length]
+    hist = [max(length - 320, 0) if i == 0 else (length * (i + 1)) % (length + 1) for i in range(b)]
+    sink = [min(64, length)] * b
+    recent = [min(256, max(length - 64, 0))] * b
+    page = 16 if length % 2 else 64
+    c = make_case(length * 7 + d, b, heads[0], heads[1], d, hist, sink, recent, page, dtype, "cuda")
+    out = run_op(c, out=_poisoned(c))
+    assert_budget(out, c)
+    slow = run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=0))
+    assert_budget(slow, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="requires CUDA")
+def test_decode_cuda_graph_replay_equals_eager() -> None:
+    c = make_case(11, 3, 32, 8, 128, [3000, 17, 0], [64, 64, 5], [256, 100, 0], 64, torch.bfloat16, "cuda")
+    s = 8
+    ws = ops.make_workspace(3, 32, 128, s, torch.device("cuda"))
+    out = _poisoned(c)
+    eager = run_op(c, num_splits=s, workspace=ws, out=out).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run_op(c, num_splits=s, workspace=ws, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_op(c, num_splits=s, workspace=ws, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    # new data in the same buffers (lengths are device tensors): replay follows
+    c["hist_len"].copy_(torch.tensor([2500, 40, 3], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_budget(out, c)
