@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -71,8 +72,8 @@ def export(
         return
     if dry_run:
         total = sum(f["size"] for f in result.files)
-        for f in result.files:
-            stdout.print(f"{f['path']}\t{f['size']}\t{f['sha256']}", highlight=False, markup=False)
+        for f in result.files:  # tab-separated: path, bytes, sha256 (rich would expand the tabs)
+            sys.stdout.write(f"{f['path']}\t{f['size']}\t{f['sha256']}\n")
         info(
             f"dry run: would upload {len(result.files)} files ({total / 1024:.1f} KiB) to {repo_id}"
             + (f" and tag the commit {tag}" if tag else "") + "; nothing was sent"

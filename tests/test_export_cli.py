@@ -1,0 +1,179 @@
+"""``oscar export`` / ``oscar pull`` through the real CLI entry point (``oscar_cli.main.main``), against the
+fake Hub: stdout contract, --json, --dry-run, one-line errors, and token hygiene."""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from pathlib import Path
+
+import pytest
+from fakehub import FakeHub
+from fakehub.artifacts import make_artifact
+from fakehub.fixtures import READ_TOKEN, WRITE_TOKEN, fake_hub, hf_isolated  # noqa: F401 (fixtures)
+
+from oscar_cli.main import main
+
+pytestmark = pytest.mark.unit
+REPO = "org/cli-art"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``oscar argv...`` in-process; return (exit code, stdout, stderr)."""
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _tags(hub: FakeHub) -> dict[str, str]:
+    return {t.name: t.target for t in hub.store.refs("model", REPO)[1]}
+
+
+def test_export_prints_the_pinned_ref(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    art = make_artifact(tmp_path, 0)
+    code, out, err = run_cli(capsys, "export", str(art), "--repo-id", REPO, "--tag", "v0.1.0",
+                             "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint)
+    assert code == 0, err
+    sha = _tags(fake_hub)["v0.1.0"]
+    assert out == f"{REPO}@{sha}\n"
+    assert "tagged v0.1.0" in err
+    code, out, err = run_cli(capsys, "--json", "export", str(art), "--repo-id", REPO, "--tag", "v0.1.0",
+                             "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint)
+    doc = json.loads(out)
+    assert code == 0 and doc["ref"] == f"{REPO}@{sha}" and doc["commit"] == sha
+    assert doc["created_commit"] is False and doc["created_tag"] is False and doc["tag"] == "v0.1.0"
+    assert err == ""  # --json: nothing human on stderr
+
+
+def test_dry_run_lists_files_and_sends_nothing(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    art = make_artifact(tmp_path, 0)
+    code, out, err = run_cli(capsys, "export", str(art), "--repo-id", REPO, "--tag", "v0.1.0", "--dry-run",
+                             "--endpoint", fake_hub.endpoint)
+    assert code == 0, err
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        "README.md", "manifest.json", "recipe.yaml", "rotations.safetensors"]
+    assert "nothing was sent" in err and fake_hub.requests == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repo-id", "no-slash"], "invalid Hub repo id"),
+        (["--repo-id", REPO, "--token", "hf_wrong"], "rejected the token (401"),
+        (["--repo-id", REPO, "--tag", "v0.1.0"], "tag v0.1.0 already exists"),
+        (["--repo-id", REPO, "--token", READ_TOKEN, "--tag", "v0.3.0"], "may not write"),
+    ],
+    ids=["bad-repo-id", "bad-token", "tag-exists", "read-only-token"],
+)
+def test_errors_are_one_line_plus_hint(
+    fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str  # noqa: F811
+) -> None:
+    run_cli(capsys, "export", str(make_artifact(tmp_path, 0)), "--repo-id", REPO, "--tag", "v0.1.0",
+            "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint)
+    tags = _tags(fake_hub)
+    args = ["export", str(make_artifact(tmp_path, 1)), *argv, "--endpoint", fake_hub.endpoint]
+    if "--token" not in argv:
+        args += ["--token", WRITE_TOKEN]
+    code, out, err = run_cli(capsys, *args)
+    lines = err.splitlines()
+    assert code == 1 and out == ""
+    assert len(lines) == 2 and lines[0].startswith("error: ") and message in lines[0] and lines[1].startswith("hint: ")
+    assert _tags(fake_hub) == tags  # nothing (re)tagged
+
+
+def test_export_of_a_broken_artifact(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    art = make_artifact(tmp_path, 0)
+    (art / "recipe.yaml").write_text("tampered: true\n")
+    code, out, err = run_cli(capsys, "export", str(art), "--repo-id", REPO, "--token", WRITE_TOKEN,
+                             "--endpoint", fake_hub.endpoint)
+    assert code == 1 and "checksum mismatch for recipe.yaml" in err and len(err.splitlines()) == 2
+    code, _, err = run_cli(capsys, "export", str(tmp_path / "missing"), "--repo-id", REPO, "--dry-run")
+    assert code == 1 and "not found" in err
+    assert fake_hub.requests == []
+
+
+def test_pull_prints_ref_and_path(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_isolated: Path) -> None:  # noqa: F811
+    run_cli(capsys, "export", str(make_artifact(tmp_path, 0)), "--repo-id", REPO, "--tag", "v0.1.0",
+            "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint)
+    sha = _tags(fake_hub)["v0.1.0"]
+    code, out, err = run_cli(capsys, "pull", f"{REPO}@v0.1.0", "--endpoint", fake_hub.endpoint)
+    assert code == 0, err
+    ref, path = out.splitlines()
+    assert ref == f"{REPO}@{sha}" and Path(path).name == sha and path.startswith(str(hf_isolated))
+    code, out, _ = run_cli(capsys, "--json", "pull", f"hf://{REPO}@{sha}")
+    doc = json.loads(out)
+    assert code == 0 and doc["commit"] == sha and doc["path"] == path and doc["method"] == "oscar"
+    code, out, err = run_cli(capsys, "pull", "hf://org/nothing-here@v1")
+    assert code == 1 and out == "" and "not found" in err.splitlines()[0]
+
+
+def _leaks(token: str, root: Path) -> list[str]:
+    """Every file under ``root`` whose bytes (or zlib-inflated git objects) contain ``token``."""
+    needle = token.encode()
+    found = []
+    for p in root.rglob("*"):
+        if not p.is_file() or p.is_symlink():
+            continue
+        data = p.read_bytes()
+        if "objects" in p.parts:
+            try:
+                data = zlib.decompress(data)
+            except zlib.error:
+                pass
+        if needle in data:
+            found.append(str(p))
+    return found
+
+
+def test_token_never_printed_logged_or_written(
+    fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(self.format(record))
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_DEBUG", True)  # the client logs every request as a curl command
+    keep = Keep(level=logging.DEBUG)
+    for name in ("", "huggingface_hub", "oscar_cli", "httpx2", "httpcore2"):  # debug logs of the client too
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.DEBUG)
+        logging.getLogger(name).addHandler(keep)
+    bad = "hf_badTOKENthatMustNotLeak987654"
+    outputs = []
+    try:
+        e = ["--endpoint", fake_hub.endpoint]
+        outputs.append(run_cli(capsys, "-vv", "export", str(make_artifact(tmp_path, 0)), "--repo-id", REPO,
+                               "--tag", "v0.1.0", "--token", WRITE_TOKEN, *e))
+        monkeypatch.setenv("HF_TOKEN", WRITE_TOKEN)  # the token from the environment, as in CI
+        outputs.append(run_cli(capsys, "-vv", "--json", "export", str(make_artifact(tmp_path, 1)),
+                               "--repo-id", REPO, "--tag", "v0.2.0", *e))
+        outputs.append(run_cli(capsys, "-vv", "export", str(make_artifact(tmp_path, 1)), "--repo-id", REPO,
+                               "--tag", "v0.1.0", *e))  # tag exists: error path
+        fake_hub.fail("commit", 500)
+        outputs.append(run_cli(capsys, "-vv", "export", str(make_artifact(tmp_path, 2)), "--repo-id", REPO,
+                               "--tag", "v0.3.0", *e))  # server error path
+        monkeypatch.delenv("HF_TOKEN")
+        outputs.append(run_cli(capsys, "-vv", "export", str(make_artifact(tmp_path, 2)), "--repo-id", REPO,
+                               "--token", bad, *e))  # 401 path
+        outputs.append(run_cli(capsys, "-vv", "pull", f"{REPO}@v0.2.0", "--token", WRITE_TOKEN, *e))
+        outputs.append(run_cli(capsys, "-vv", "export", str(make_artifact(tmp_path, 0)), "--repo-id", REPO,
+                               "--dry-run", "--token", WRITE_TOKEN))
+    finally:
+        for name in ("", "huggingface_hub", "oscar_cli", "httpx2", "httpcore2"):
+            logging.getLogger(name).removeHandler(keep)
+    codes = [c for c, _, _ in outputs]
+    assert codes == [0, 0, 1, 1, 1, 0, 0], outputs
+    assert set(_tags(fake_hub)) == {"v0.1.0", "v0.2.0"}  # the token did work where it should
+    assert any("Send: curl" in r for r in records)  # the client's debug log ran (with the header masked)
+    text = "\n".join(o + e for _, o, e in outputs) + "\n".join(records)
+    for token in (WRITE_TOKEN, bad):
+        assert token not in text
+        assert _leaks(token, tmp_path) == []  # artifacts, staged card, HF cache, the Hub's git objects
