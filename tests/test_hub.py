@@ -248,3 +248,20 @@ def test_private_repo_needs_a_token_to_pull(fake_hub: FakeHub, tmp_path: Path) -
     with pytest.raises(HubError, match="not found"):
         pull_artifact(f"hf://{REPO}@v0.1.0")
     assert pull_artifact(f"hf://{REPO}@v0.1.0", token=READ_TOKEN).name == res.commit
+
+
+def test_open_artifact_accepts_hf_refs(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+    import torch
+
+    from oscar_cli.artifact import load_artifact, open_artifact
+
+    art = make_artifact(tmp_path, 0)
+    res = _push(fake_hub, art, tag="v0.1.0")
+    local = load_artifact(art)
+    for ref in (f"hf://{REPO}@v0.1.0", f"hf://{REPO}@{res.commit}"):
+        remote = open_artifact(ref)
+        assert remote.path.name == res.commit and remote.manifest.files == local.manifest.files
+        for a, b in zip(remote.layers, local.layers, strict=True):
+            assert torch.equal(a.k_rotation, b.k_rotation) and torch.equal(a.v_rotation, b.v_rotation)
+    with pytest.raises(HubError, match="not found"):
+        open_artifact("hf://org/missing@v0.1.0")
