@@ -40,6 +40,7 @@ __all__ = [
 _ACT = (torch.bfloat16, torch.float16)
 _META = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
+LAST_LAUNCH: dict[str, Any] = {}  # kernel name -> compiled handle of the latest launch (registers, spills, asm)
 
 
 def _kernels() -> tuple[Any, Any]:
@@ -283,7 +284,7 @@ def decode_attention(
     g = h_q // h_kv
     scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
     _, dec = _kernels()
-    dec._decode_stage1_kernel[(b * h_kv, s + 1)](
+    LAST_LAUNCH["stage1"] = dec._decode_stage1_kernel[(b * h_kv, s + 1)](
         q, q.stride(0), q.stride(1), rk, rk_stride, scale,
         kcw, vcw, kcw.stride(0), kcw.stride(1), kcw.stride(2),
         k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero,

@@ -190,8 +190,9 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
     c = make_case(length * 7 + d, b, heads[0], heads[1], d, hist, sink, recent, page, dtype, "cuda")
     out = run_op(c, out=_poisoned(c))
     assert_budget(out, c)
-    slow = run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=0))
-    assert_budget(slow, c)
+    if heads == (32, 8) and d == 128:  # the other unpack variants, on one head layout (compile time)
+        for magic in (0, 1):
+            assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,371 @@
+"""``oscar bench``: INT2 decode attention vs the best BF16 decode available, same GPU, same run.
+
+Data in (:class:`BenchConfig`), a result out (:class:`BenchResult`); the CLI only renders it. Times are medians
+of ``triton.testing.do_bench`` (eager launches, after warm-up) and of CUDA-graph replays; inputs rotate over
+enough copies to exceed the L2 cache (cold L2). Bytes moved count everything a decode step must read or write:
+INT2 codes, scales and zeros, the BF16 sink and recent windows, q, the output, rotations and the block table.
+Without CUDA :func:`run` raises :class:`~oscar_cli.errors.KernelUnavailableError`: never a made-up number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oscar_cli.bench.shapes import AttnShape
+from oscar_cli.errors import KernelUnavailableError
+
+log = logging.getLogger(__name__)
+
+BF16_BACKENDS = ("cudnn", "flash")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. Contexts count every token (sink + history + recent)."""
+
+    shape: AttnShape
+    batches: tuple[int, ...] = (1, 16)
+    contexts: tuple[int, ...] = (4096, 32768, 131072)
+    dtype: str = "bf16"
+    page_size: int = 64
+    sink: int = 64
+    recent: int = 256
+    num_splits: int | None = None
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    magic: int = 2
+    graphs: bool = True
+    rep_ms: int = 100
+    quant_tokens: int = 16384
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One (batch, context) cell. Times in µs; ``None`` where a backend cannot run."""
+
+    batch: int
+    ctx: int
+    splits: int
+    int2_us: float
+    int2_graph_us: float | None
+    int2_bytes: int
+    int2_gbps: float
+    pct_copy: float
+    bf16_us: dict[str, float | None]
+    bf16_graph_us: dict[str, float | None]
+    best_bf16: str
+    best_bf16_us: float
+    speedup: float
+    speedup_graph: float | None
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    config: dict[str, Any]
+    environment: dict[str, Any]
+    copy_gbps: float
+    cells: list[CellResult]
+    quantize: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def require_cuda() -> torch.device:
+    """The CUDA device, or KernelUnavailableError naming what is missing."""
+    if not torch.cuda.is_available():
+        raise KernelUnavailableError(
+            "oscar bench needs a CUDA GPU: torch.cuda.is_available() is False on this machine",
+            hint="run it on a machine with an NVIDIA GPU and a CUDA build of torch; nothing was measured",
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - triton ships with CUDA torch
+        raise KernelUnavailableError("oscar bench needs triton", hint="pip install triton") from exc
+    return torch.device("cuda")
+
+
+def environment() -> dict[str, Any]:
+    """GPU name, versions and git sha recorded with every result."""
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        sha = None
+    return {"gpu": props.name, "sms": props.multi_processor_count, "l2_bytes": getattr(props, "L2_cache_size", None),
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda, "git_sha": sha}
+
+
+def median_us(fn: Callable[[], Any], rep_ms: int = 100) -> float:
+    """Median time of ``fn`` in µs (``triton.testing.do_bench``, 25 ms warm-up)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def graph_us(fns: Sequence[Callable[..., Any]], rep_ms: int = 100) -> float | None:
+    """Median µs per call of ``fns`` captured back to back in one CUDA graph (None if capture fails)."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for f in fns:
+                f()
+        return median_us(graph.replay, rep_ms) / len(fns)
+    except RuntimeError as exc:
+        log.info("graph capture failed: %s", exc)
+        torch.cuda.synchronize()
+        return None
+
+
+def rotating(make: Callable[[int], Any], bytes_each: int, l2_bytes: int, most: int = 64) -> list[Any]:
+    """Enough independent copies of an input set to exceed 4x the L2 cache (at least 1)."""
+    n = max(1, min(most, math.ceil(4 * l2_bytes / max(bytes_each, 1))))
+    return [make(i) for i in range(n)]
+
+
+def cycle(items: list[Any], call: Callable[[Any], Any]) -> Callable[[], Any]:
+    state = {"i": 0}
+
+    def fn() -> Any:
+        state["i"] = (state["i"] + 1) % len(items)
+        return call(items[state["i"]])
+
+    return fn
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src))
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def int2_bytes(shape: AttnShape, batch: int, ctx: int, sink: int, recent: int, page: int, meta_bytes: int = 2
+               ) -> int:
+    """Bytes one INT2 decode step must move (G = D): history codes + scale + zero, BF16 tiers, q, out,
+    R_K, R_V, mu_V and the block table."""
+    hp = min(ctx, sink + recent)
+    hist = ctx - hp
+    per_tok = 2 * shape.h_kv * (shape.d // 4 + 2 * meta_bytes)
+    tiers = 2 * hp * shape.h_kv * shape.d * 2
+    qo = 2 * shape.h_q * shape.d * 2
+    table = math.ceil(hist / page) * 4
+    return batch * (hist * per_tok + tiers + qo + table) + 2 * shape.d * shape.d * 4 + shape.d * 4
+
+
+def bf16_bytes(shape: AttnShape, batch: int, ctx: int) -> int:
+    return batch * (2 * ctx * shape.h_kv * shape.d * 2 + 2 * shape.h_q * shape.d * 2)
+
+
+def _orth(d: int, device: torch.device) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(d, d, device=device, dtype=torch.float32))[0].contiguous()
+
+
+def build_int2_case(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device,
+                    seed: int) -> dict[str, Any]:
+    """Random paged INT2 cache (shuffled pages), BF16 tiers and rotations for one decode step."""
+    from oscar_kernels.reference import QuantizedRows
+
+    torch.manual_seed(seed)
+    act = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
+    hp = min(ctx, cfg.sink + cfg.recent)
+    hist = ctx - hp
+    n_pp = max(1, math.ceil(hist / cfg.page_size))
+    pages = batch * n_pp
+    h, d = shape.h_kv, shape.d
+
+    def rows() -> QuantizedRows:
+        codes = torch.randint(0, 256, (pages, h, cfg.page_size, d // 4), dtype=torch.uint8, device=device)
+        scale = (torch.rand(pages, h, cfg.page_size, 1, device=device) * 0.1 + 0.01).to(torch.bfloat16)
+        zero = (torch.randn(pages, h, cfg.page_size, 1, device=device) * 0.2).to(torch.bfloat16)
+        return QuantizedRows(codes, scale, zero)
+
+    def tier(n: int) -> torch.Tensor:
+        return torch.randn(batch, h, max(n, 1), d, device=device).to(act)
+
+    s_len, r_len = min(ctx, cfg.sink), hp - min(ctx, cfg.sink)
+    return {
+        "q": torch.randn(batch, shape.h_q, d, device=device).to(act),
+        "k_cache": rows(), "v_cache": rows(),
+        "block_table": torch.randperm(pages, device=device, dtype=torch.int32).reshape(batch, n_pp),
+        "hist_len": torch.full((batch,), hist, dtype=torch.int32, device=device),
+        "sink_k": tier(s_len), "sink_v": tier(s_len), "sink_len": torch.full((batch,), s_len, dtype=torch.int32, device=device),
+        "recent_k": tier(r_len), "recent_v": tier(r_len),
+        "recent_len": torch.full((batch,), r_len, dtype=torch.int32, device=device),
+        "rotation_k": _orth(d, device), "rotation_v": _orth(d, device), "mean_v": torch.randn(d, device=device) * 0.1,
+    }
+
+
+def int2_call(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor) -> torch.Tensor:
+    from oscar_kernels import ops
+
+    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+            "recent_k", "recent_v", "recent_len")
+    return ops.decode_attention(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
+                                rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
+                                config=config, workspace=workspace, out=out)
+
+
+def bench_int2(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, l2: int,
+               decode_config: Any = None, splits: int | None = None, graphs: bool = True
+               ) -> tuple[float, float | None, int]:
+    """(eager µs, graph µs, splits) of one INT2 decode step over rotating caches."""
+    from oscar_kernels import ops
+
+    dc = decode_config or ops.DecodeConfig(block_n=cfg.block_n, num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages, magic=cfg.magic)
+    hist = max(ctx - cfg.sink - cfg.recent, 0)
+    cap = max(1, math.ceil(hist / cfg.page_size)) * cfg.page_size
+    s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, cap, dc.block_n, device)
+    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
+    cases = rotating(lambda i: build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i), nbytes, l2)
+    ws = ops.make_workspace(batch, shape.h_q, shape.d, s, device)
+    out = torch.empty(batch, shape.h_q, shape.d, dtype=cases[0]["q"].dtype, device=device)
+    eager = median_us(cycle(cases, lambda c: int2_call(c, s, dc, ws, out)), cfg.rep_ms)
+    g = None
+    if graphs:
+        calls = [partial(int2_call, c, s, dc, ws, out) for c in (cases if len(cases) > 1 else cases * 4)]
+        g = graph_us(calls, cfg.rep_ms)
+    del cases
+    return eager, g, s
+
+
+def bench_bf16(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, l2: int,
+               graphs: bool = True) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """torch SDPA decode (cuDNN and flash backends, ``enable_gqa``) over rotating BF16 caches."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    act = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
+    nbytes = bf16_bytes(shape, batch, ctx)
+
+    def make(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randn(batch, shape.h_q, 1, shape.d, device=device, dtype=act)
+        k = torch.randn(batch, shape.h_kv, ctx, shape.d, device=device, dtype=act)
+        return q, k, torch.randn_like(k)
+
+    sets = rotating(make, nbytes, l2, most=16)
+    eager: dict[str, float | None] = {}
+    graph: dict[str, float | None] = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        def call(t: tuple[torch.Tensor, torch.Tensor, torch.Tensor], backend: Any = backend) -> torch.Tensor:
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(t[0], t[1], t[2], enable_gqa=True)
+        try:
+            call(sets[0])
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            log.info("BF16 %s unavailable: %s", name, str(exc).splitlines()[0])
+            eager[name] = graph[name] = None
+            continue
+        eager[name] = median_us(cycle(sets, call), cfg.rep_ms)
+        graph[name] = (graph_us([partial(call, t) for t in (sets if len(sets) > 1 else sets * 4)], cfg.rep_ms)
+                       if graphs else None)
+    del sets
+    return eager, graph
+
+
+def bench_quantize(shape: AttnShape, tokens: int, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    """Quantize-on-write (rotate + centre + clip 0.96 + quantize + pack + scatter) throughput."""
+    from oscar_kernels import ops
+
+    act = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
+    pages = math.ceil(tokens / cfg.page_size)
+    cache = ops.new_paged_cache(pages, shape.h_kv, cfg.page_size, shape.d, None, torch.bfloat16, device)
+    x = torch.randn(tokens, shape.h_kv, shape.d, device=device).to(act)
+    slots = torch.randperm(pages * cfg.page_size, device=device)[:tokens]
+    r, mu = _orth(shape.d, device), torch.randn(shape.d, device=device) * 0.1
+    us = median_us(lambda: ops.quantize_write(x, cache, slots, rotation=r, mean=mu, clip_ratio=0.96), cfg.rep_ms)
+    moved = tokens * shape.h_kv * (shape.d * x.element_size() + shape.d // 4 + 4) + tokens * 8
+    return {"tokens": tokens, "us": us, "rows_per_s": tokens * shape.h_kv / (us * 1e-6),
+            "gbps": moved / (us * 1e-6) / 1e9}
+
+
+def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure every (batch, context) cell of ``config``; see the module docstring."""
+    device = require_cuda()
+    env = environment()
+    l2 = int(env["l2_bytes"] or 50 << 20)
+    copy = copy_bandwidth(device)
+    cells: list[CellResult] = []
+    for batch in config.batches:
+        for ctx in config.contexts:
+            if progress:
+                progress(f"batch {batch} x ctx {ctx}")
+            i_us, i_g, s = bench_int2(config.shape, batch, ctx, config, device, l2, graphs=config.graphs)
+            b_us, b_g = bench_bf16(config.shape, batch, ctx, config, device, l2, graphs=config.graphs)
+            avail = {k: v for k, v in b_us.items() if v is not None}
+            if not avail:
+                raise KernelUnavailableError("no BF16 SDPA backend (cuDNN, flash) runs on this GPU",
+                                             hint="update torch; nothing was compared")
+            best = min(avail, key=lambda k: avail[k])
+            best_g = [v for v in b_g.values() if v is not None]
+            nbytes = int2_bytes(config.shape, batch, ctx, config.sink, config.recent, config.page_size)
+            gbps = nbytes / (i_us * 1e-6) / 1e9
+            cells.append(CellResult(
+                batch=batch, ctx=ctx, splits=s, int2_us=i_us, int2_graph_us=i_g, int2_bytes=nbytes, int2_gbps=gbps,
+                pct_copy=100 * gbps / copy, bf16_us=b_us, bf16_graph_us=b_g, best_bf16=best,
+                best_bf16_us=avail[best], speedup=avail[best] / i_us,
+                speedup_graph=(min(best_g) / i_g) if (best_g and i_g) else None))
+            torch.cuda.empty_cache()
+    quant = bench_quantize(config.shape, config.quant_tokens, config, device)
+    notes = ["FlashInfer not measured: optional, not importable here" if not _has_flashinfer()
+             else "FlashInfer importable but not wired into this harness"]
+    cfg = {k: (v.__dict__ if isinstance(v, AttnShape) else v) for k, v in config.__dict__.items()}
+    return BenchResult(config=cfg, environment=env, copy_gbps=copy, cells=cells, quantize=quant, notes=notes)
+
+
+def _has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+def save_plot(result: BenchResult, path: Path) -> Path:
+    """PNG: decode time vs context, INT2 vs best BF16, one line pair per batch size (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for batch in sorted({c.batch for c in result.cells}):
+        cs = sorted((c for c in result.cells if c.batch == batch), key=lambda c: c.ctx)
+        xs = [c.ctx for c in cs]
+        line = ax.plot(xs, [c.int2_us for c in cs], marker="o", label=f"INT2 B={batch}")[0]
+        ax.plot(xs, [c.best_bf16_us for c in cs], marker="s", ls="--", color=line.get_color(),
+                label=f"best BF16 B={batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode attention, one layer (µs, median)")
+    ax.set_title(f"{result.config['shape']['name']} on {result.environment['gpu']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(path)
+    return path
