@@ -54,7 +54,7 @@ def stage_tests() -> None:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x", "--no-header", "-p", "no:cacheprovider",
            "tests/test_kernels_pack.py", "tests/test_kernels_decode.py"]
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": "."})
+    p = subprocess.run(cmd, capture_output=True, text=True)
     (OUT / "tests.log").write_text(p.stdout + p.stderr)
     RESULTS["tests"] = {"rc": p.returncode, "seconds": time.time() - t0, "tail": (p.stdout + p.stderr)[-1500:]}
     print("TESTS rc", p.returncode, f"{time.time() - t0:.0f}s", (p.stdout + p.stderr)[-600:], flush=True)
