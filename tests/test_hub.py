@@ -265,3 +265,13 @@ def test_open_artifact_accepts_hf_refs(fake_hub: FakeHub, tmp_path: Path) -> Non
             assert torch.equal(a.k_rotation, b.k_rotation) and torch.equal(a.v_rotation, b.v_rotation)
     with pytest.raises(HubError, match="not found"):
         open_artifact("hf://org/missing@v0.1.0")
+
+
+def test_concurrent_push_is_refused_not_interleaved(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+    v1 = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
+    racer = lambda: fake_hub.store.commit("model", REPO, "main", adds={"other.txt": b"x"}, summary="racing push")  # noqa: E731
+    fake_hub.before("commit", racer)  # main moves between our refs lookup and our commit
+    with pytest.raises(HubError, match="changed while uploading"):
+        _push(fake_hub, make_artifact(tmp_path, 1), tag="v0.2.0")
+    assert _tags(fake_hub) == {"v0.1.0": v1.commit}
+    assert fake_hub.store.log("model", REPO)[0][1] == "racing push"  # their commit stands, ours was refused

@@ -142,7 +142,7 @@ def hub_errors(action: str, repo_id: str, endpoint: str, revision: str | None = 
     except RevisionNotFoundError:
         raise HubError(
             f"{action}: revision {revision!r} not found in {repo_id}",
-            hint=f"list the tags with: oscar pull {repo_id} (the latest), or check the spelling",
+            hint="check the spelling: pin a tag that exists in the repo, or a 40-hex commit sha",
         ) from None
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else 0
@@ -153,10 +153,16 @@ def hub_errors(action: str, repo_id: str, endpoint: str, revision: str | None = 
                 f"{action}: the token may not write to {repo_id} (403 Forbidden)",
                 hint="use a token with write access to that namespace",
             ) from None
+        if status == 412:
+            raise HubError(
+                f"{action}: {repo_id} changed while uploading (another push landed first); nothing was tagged",
+                hint="re-run the same command: it uploads on top of the new head",
+            ) from None
         if status >= 500:
             raise HubError(
                 f"{action}: the Hub failed with HTTP {status} ({_first_line(exc)})",
-                hint="a transient server error: re-run the same command (nothing was tagged)",
+                hint="a transient server error: re-run the same command"
+                + (" (nothing was tagged)" if action.startswith("export") else ""),
             ) from None
         raise HubError(f"{action}: HTTP {status} from the Hub: {_first_line(exc)}") from None
     except (OfflineModeIsEnabled, LocalEntryNotFoundError):

@@ -44,6 +44,7 @@ class FakeHub:
         self.tokens: dict[str, str] = dict(tokens or {})
         self.requests: list[tuple[str, str, str]] = []
         self._faults: dict[str, list[int]] = {}
+        self._hooks: dict[str, list[Callable[[], None]]] = {}
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -85,6 +86,16 @@ class FakeHub:
         """Answer the next ``times`` requests of ``route`` (e.g. "commit", "tag", "preupload") with ``status``."""
         with self._lock:
             self._faults.setdefault(route, []).extend([status] * times)
+
+    def before(self, route: str, action: Callable[[], None]) -> None:
+        """Run ``action()`` once, just before the next request of ``route`` is handled (e.g. a racing push)."""
+        with self._lock:
+            self._hooks.setdefault(route, []).append(action)
+
+    def _take_hook(self, route: str) -> Callable[[], None] | None:
+        with self._lock:
+            queue = self._hooks.get(route)
+            return queue.pop(0) if queue else None
 
     def routes_called(self) -> list[str]:
         """Route names of every request so far, in order."""
@@ -158,6 +169,9 @@ class _Handler(BaseHTTPRequestHandler):
         route, handler = self._route(method, segs)
         self.fakehub.requests.append((method, route, url.path))
         try:
+            hook = self.fakehub._take_hook(route)
+            if hook is not None:
+                hook()
             status = self.fakehub._take_fault(route)
             if status is not None:
                 raise HubHTTPError(status, f"injected failure on {route}")
