@@ -218,6 +218,17 @@ def test_network_down_is_one_line(tmp_path: Path, hf_isolated: Path) -> None:  #
         pull_artifact(f"{REPO}@v0.1.0", endpoint=dead)
 
 
+def test_export_while_offline_is_refused(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubError, match="offline mode is on"):
+        _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
+    assert fake_hub.requests == []
+
+
 def test_invalid_inputs_fail_before_any_request(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
     art = make_artifact(tmp_path, 0)
     with pytest.raises(HubError, match="invalid Hub repo id"):

@@ -165,7 +165,10 @@ def hub_errors(action: str, repo_id: str, endpoint: str, revision: str | None = 
                 + (" (nothing was tagged)" if action.startswith("export") else ""),
             ) from None
         raise HubError(f"{action}: HTTP {status} from the Hub: {_first_line(exc)}") from None
-    except (OfflineModeIsEnabled, LocalEntryNotFoundError):
+    except OfflineModeIsEnabled:
+        raise HubError(f"{action}: offline mode is on (HF_HUB_OFFLINE=1), the Hub cannot be used",
+                       hint="unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to talk to the Hub") from None
+    except LocalEntryNotFoundError:
         from huggingface_hub import constants
 
         why = "offline mode is on (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else f"{endpoint} cannot be reached"
@@ -275,7 +278,10 @@ def resolve_token(token: str | None) -> str | None:
         return token
     from huggingface_hub import get_token
 
-    return get_token()
+    try:
+        return get_token()
+    except Exception as exc:  # the OIDC exchange (HF_OIDC_RESOURCE, CI Trusted Publishers) can fail
+        raise HubError(f"could not obtain a Hub token ({type(exc).__name__})", hint=TOKEN_HINT) from None
 
 
 def push_artifact(
