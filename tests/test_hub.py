@@ -286,3 +286,29 @@ def test_concurrent_push_is_refused_not_interleaved(fake_hub: FakeHub, tmp_path:
         _push(fake_hub, make_artifact(tmp_path, 1), tag="v0.2.0")
     assert _tags(fake_hub) == {"v0.1.0": v1.commit}
     assert fake_hub.store.log("model", REPO)[0][1] == "racing push"  # their commit stands, ours was refused
+
+
+# -- model card ---------------------------------------------------------------------------------------------
+def test_model_card_metadata_and_determinism() -> None:
+    from fakehub.artifacts import make_manifest
+
+    from oscar_cli.artifact.card import render_model_card
+
+    m = make_manifest(0).to_dict()
+    assert render_model_card(m, "org/x") == render_model_card(dict(m), "org/x")  # pure function
+    m["model"] = {"reference": "Qwen/Qwen3-8B", "resolved": "Qwen/Qwen3-8B@" + "1" * 40}
+    m["evaluation"] = {"results": [
+        {"task": "niah_single_1", "ctx": 1024, "metric": "string_match_all", "value": 100.0, "method": "bf16"},
+        {"task": "niah_single_1", "ctx": 1024, "metric": "string_match_all", "value": 98.0, "method": "oscar"},
+    ]}
+    card = render_model_card(m, "org/x")
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["base_model"] == "Qwen/Qwen3-8B" and meta["library_name"] == "oscar-kv"
+    metrics = [r["metrics"][0]["value"] for r in meta["model-index"][0]["results"]]
+    assert metrics == [98.0]  # baselines are shown in the table, never claimed as this model's results
+    assert "| bf16 | niah_single_1 @ 1024 | string_match_all | 100.0000 |" in card
+    del m["evaluation"]
+    meta = yaml.safe_load(render_model_card(m, "org/x").split("---")[1])
+    assert "model-index" not in meta and meta["oscar"]["quant"]["group_size"] == 16
+    m["model"] = {"reference": "./local-model", "resolved": "sha256:" + "0" * 64}
+    assert "base_model" not in yaml.safe_load(render_model_card(m, "org/x").split("---")[1])

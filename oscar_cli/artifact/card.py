@@ -111,7 +111,7 @@ def card_data(manifest: Mapping[str, Any], repo_id: str) -> ModelCardData:
     arch = manifest.get("architecture") or {}
     method = str(manifest.get("method") or "oscar")
     tags = BASE_TAGS + [t for t in (method, arch.get("model_type")) if t and t not in BASE_TAGS]
-    rows = evaluation_rows(manifest)
+    rows = [r for r in evaluation_rows(manifest) if r.get("method", method) == method]  # not the baselines
     evals = [
         EvalResult(
             task_type="text-generation",
@@ -126,6 +126,7 @@ def card_data(manifest: Mapping[str, Any], repo_id: str) -> ModelCardData:
         "format_version": manifest.get("format_version"),
         "oscar_version": manifest.get("oscar_version"),
         "method": method,
+        "grouping": manifest.get("grouping"),
         "model": (manifest.get("model") or {}).get("resolved"),
         "quant": dict(manifest.get("quant") or {}),
         "bits_per_element": bpe_table(manifest),
@@ -188,8 +189,9 @@ def render_model_card(manifest: Mapping[str, Any], repo_id: str) -> str:
                   "| bits/element | " + " | ".join(f"{v:.3f}" for v in bpe.values()) + " |"]
     rows = evaluation_rows(manifest)
     if rows:
-        lines += ["", "## Evaluation", "", "| task | metric | value |", "|---|---|---|"]
-        lines += [f"| {_row_label(r)} | {r['metric']} | {r['value']:.4f} |" for r in rows]
+        lines += ["", "## Evaluation", "", "| method | task | metric | value |", "|---|---|---|---|"]
+        lines += [f"| {r.get('method', manifest.get('method', 'oscar'))} | {_row_label(r)} | {r['metric']} | "
+                  f"{r['value']:.4f} |" for r in rows]
     lines += [
         "", "## Provenance", "",
         f"- model: `{model.get('resolved', model.get('reference', '?'))}`",
