@@ -10,7 +10,6 @@ import functools
 import importlib
 import importlib.util
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,28 +25,15 @@ logger = logging.getLogger(__name__)
 
 @contextmanager
 def hf_progress() -> Iterator[None]:
-    """Let transformers / huggingface_hub draw their progress bars only when oscar would (TTY, no --json).
-
-    transformers' GGUF reader uses a bare ``tqdm`` that ignores its own switch; it is silenced through its
-    module attribute for the duration (and restored after).
-    """
+    """Let transformers / huggingface_hub draw their progress bars only when oscar would (TTY, no --json)."""
     import huggingface_hub.utils as hub_utils
     from transformers.utils import logging as tf_logging
 
     tf_was = tf_logging.is_progress_bar_enabled()
     hub_was = not hub_utils.are_progress_bars_disabled()
-    gguf_mod = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
-    if gguf_mod is None:
-        try:
-            gguf_mod = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
-        except ImportError:  # no gguf support in this transformers: nothing to silence
-            gguf_mod = None
-    gguf_tqdm = getattr(gguf_mod, "tqdm", None)
     if not progress_enabled():
         tf_logging.disable_progress_bar()
         hub_utils.disable_progress_bars()
-        if gguf_tqdm is not None:
-            gguf_mod.tqdm = functools.partial(gguf_tqdm, disable=True)  # type: ignore[union-attr]
     try:
         yield
     finally:
@@ -55,8 +41,24 @@ def hf_progress() -> Iterator[None]:
             tf_logging.enable_progress_bar()
         if hub_was:
             hub_utils.enable_progress_bars()
-        if gguf_tqdm is not None:
-            gguf_mod.tqdm = gguf_tqdm  # type: ignore[union-attr]
+
+
+@contextmanager
+def _gguf_progress() -> Iterator[None]:
+    """transformers' GGUF reader uses a bare ``tqdm`` that ignores the switch above: silence it through its
+    module attribute for the duration (restored after) when oscar draws no progress bars."""
+    try:
+        gguf_mod: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:  # no GGUF support in this transformers: nothing to silence
+        gguf_mod = None
+    original = getattr(gguf_mod, "tqdm", None)
+    if original is not None and not progress_enabled():
+        gguf_mod.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_mod.tqdm = original
 
 
 def _first_line(exc: BaseException, limit: int = 240) -> str:
@@ -99,8 +101,9 @@ def _read_gguf(gguf: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _gguf_progress():
+            model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UnsupportedModelError(f"transformers cannot read {gguf.name}: {_first_line(exc)}") from exc
     return model, tokenizer
