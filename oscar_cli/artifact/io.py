@@ -334,7 +334,7 @@ def load_artifact(path: Path | str, *, expect_architecture: Mapping[str, Any] | 
         layers.append(LayerRotation(
             index=i, k_rotation=t["k_rotation"], v_rotation=t["v_rotation"], k_mean=t["k_mean"],
             v_mean=t["v_mean"], k_eigenvalues=t["k_eigenvalues"], v_eigenvalues=t["v_eigenvalues"],
-            k_clip=float(t["k_clip"][0]), v_clip=float(t["v_clip"][0]),
+            k_clip=round(float(t["k_clip"][0]), 6), v_clip=round(float(t["v_clip"][0]), 6),
         ))
     recipe = yaml.safe_load((path / RECIPE_NAME).read_text(encoding="utf-8")) or {}
     art = Artifact(path=path, manifest=m, layers=tuple(layers), recipe=recipe)

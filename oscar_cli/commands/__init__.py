@@ -11,6 +11,7 @@ import importlib
 import typer
 
 COMMANDS: list[str] = [
+    "calibrate",
     "export",
     "info",
     "pull",

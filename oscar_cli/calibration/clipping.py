@@ -1,0 +1,143 @@
+"""Clip ratios: the published global values, or a per-layer search on held-out tokens (method.md §5, §13).
+
+The search scores each candidate by the **attention-output error of the reference quantizer**
+(``oscar_kernels.reference.fake_quantize_rows``) under the serving tiers: for a query at position ``i``, keys
+``j < sink`` and ``j > i - recent`` stay exact (BF16 tiers), keys in between are INT2. Everything runs in the
+rotated, centred space (an orthogonal rotation and the mean add-back do not change the error norm):
+
+    objective(r_K, r_V) = Σ ‖Ô − O‖² / Σ ‖O + μ_V‖²      over the scored held-out queries and heads
+
+with ``O`` exact attention and ``Ô`` attention over the tiered, fake-quantized keys/values. The search is
+coordinate-wise: first ``r_K`` over ``clip.k_grid`` with exact values, then ``r_V`` over ``clip.v_grid`` with
+keys quantized at the chosen ``r_K``. Ties keep the earlier grid entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ClipChoice:
+    """Chosen ratios of one layer and the objective of every candidate tried (``ratio -> error``)."""
+
+    k_ratio: float
+    v_ratio: float
+    k_objective: dict[float, float] = field(default_factory=dict)
+    v_objective: dict[float, float] = field(default_factory=dict)
+    error: float = float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k_ratio": self.k_ratio, "v_ratio": self.v_ratio, "error": self.error,
+                "k_objective": {f"{r:g}": e for r, e in self.k_objective.items()},
+                "v_objective": {f"{r:g}": e for r, e in self.v_objective.items()}}
+
+
+def int2_pair_mask(t: int, tq: int, sink: int, recent: int, device: torch.device) -> torch.Tensor:
+    """bool ``[tq, t]``: True where the query (one of the last ``tq`` positions) sees the key through INT2."""
+    i = torch.arange(t - tq, t, device=device)[:, None]
+    j = torch.arange(t, device=device)[None, :]
+    return (j >= sink) & (j <= i - recent) & (j <= i)
+
+
+class LayerClipProblem:
+    """Held-out tensors of one layer, rotated and centred once; evaluates candidate ratios.
+
+    Args:
+        q: ``[B, H_q, Tq, D]`` queries at the last ``Tq`` positions; k, v: ``[B, H_kv, T, D]``.
+        k_rotation, v_rotation: ``[N, D, D]`` (``N`` = 1 or ``H_kv``); k_mean, v_mean: ``[H_kv, D]`` rotated space.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rotation: torch.Tensor, v_rotation: torch.Tensor,
+        k_mean: torch.Tensor, v_mean: torch.Tensor, scaling: float, sink: int, recent: int,
+        group_size: int | None, meta_dtype: str,
+    ) -> None:
+        b, hq, tq, d = q.shape
+        h_kv, t = k.shape[1], k.shape[2]
+        self.g = hq // h_kv
+        dev = q.device
+        rk = k_rotation.to(dev, torch.float32).expand(h_kv, d, d)
+        rv = v_rotation.to(dev, torch.float32).expand(h_kv, d, d)
+        self.q = torch.einsum("bhtd,hde->bhte", q.float(), rk.repeat_interleave(self.g, 0))
+        self.k = torch.einsum("bhtd,hde->bhte", k.float(), rk) - k_mean.to(dev, torch.float32)[:, None]
+        self.v = torch.einsum("bhtd,hde->bhte", v.float(), rv) - v_mean.to(dev, torch.float32)[:, None]
+        self.mu_v = v_mean.to(dev, torch.float32).repeat_interleave(self.g, 0)[None, :, None]  # [1, H_q, 1, D]
+        self.scaling = scaling
+        self.group_size, self.meta = group_size, META_DTYPES[meta_dtype]
+        self.int2 = int2_pair_mask(t, tq, sink, recent, dev)  # [Tq, T]
+        causal = torch.arange(t, device=dev)[None, :] <= torch.arange(t - tq, t, device=dev)[:, None]
+        self.neg = torch.zeros(tq, t, device=dev).masked_fill(~causal, float("-inf"))
+        self.logits = self._logits(self.k)
+        p = torch.softmax(self.logits, -1)
+        self.out = p @ self._expand(self.v)  # exact output, centred rotated space [B, H_q, Tq, D]
+        self.norm = float((self.out + self.mu_v).square().sum())
+        self.p_k = p  # attention with quantized keys (set by choose_k); starts exact
+
+    @property
+    def has_int2(self) -> bool:
+        return bool(self.int2.any())
+
+    def _expand(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(self.g, dim=1)
+
+    def _logits(self, k: torch.Tensor) -> torch.Tensor:
+        return (self.q @ self._expand(k).transpose(-1, -2)) * self.scaling + self.neg
+
+    def _fake(self, x: torch.Tensor, ratio: float) -> torch.Tensor:
+        from oscar_kernels.reference import fake_quantize_rows
+
+        return fake_quantize_rows(x, None, None, ratio, self.group_size, self.meta)
+
+    def _error(self, out_hat: torch.Tensor) -> float:
+        return float((out_hat - self.out).square().sum()) / max(self.norm, 1e-30)
+
+    def _probs_with_keys(self, ratio: float) -> torch.Tensor:
+        lq = self._logits(self._fake(self.k, ratio))
+        return torch.softmax(torch.where(self.int2, lq, self.logits), -1)
+
+    def key_error(self, ratio: float) -> float:
+        """Output error with keys quantized at ``ratio`` (INT2 tier only) and exact values."""
+        return self._error(self._probs_with_keys(ratio) @ self._expand(self.v))
+
+    def set_key_ratio(self, ratio: float) -> None:
+        self.p_k = self._probs_with_keys(ratio)
+
+    def value_error(self, ratio: float) -> float:
+        """Output error with keys at the chosen ratio and values quantized at ``ratio`` (INT2 tier only)."""
+        vq = self._expand(self._fake(self.v, ratio))
+        p_int2 = self.p_k * self.int2
+        out_hat = p_int2 @ vq + (self.p_k - p_int2) @ self._expand(self.v)
+        return self._error(out_hat)
+
+
+def _argmin(errors: dict[float, float]) -> float:
+    best = min(errors.values())
+    return next(r for r, e in errors.items() if e == best)
+
+
+def search_clip(problems: list[LayerClipProblem], k_grid: tuple[float, ...], v_grid: tuple[float, ...]) -> ClipChoice:
+    """Coordinate search over the grids; errors are summed over the layer's held-out sequences."""
+    k_err = {r: 0.0 for r in k_grid}
+    for p in problems:
+        for r in k_grid:
+            k_err[r] += p.key_error(r) / len(problems)
+    k_best = _argmin(k_err)
+    v_err = {r: 0.0 for r in v_grid}
+    for p in problems:
+        p.set_key_ratio(k_best)
+        for r in v_grid:
+            v_err[r] += p.value_error(r) / len(problems)
+    v_best = _argmin(v_err)
+    return ClipChoice(k_best, v_best, k_err, v_err, v_err[v_best])
+
+
+def evaluate_clip(problems: list[LayerClipProblem], k_ratio: float, v_ratio: float) -> ClipChoice:
+    """The objective of fixed (global) ratios, for the record."""
+    choice = search_clip(problems, (k_ratio,), (v_ratio,))
+    return choice

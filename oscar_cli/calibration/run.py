@@ -1,0 +1,310 @@
+"""``calibrate``: model → data → capture → solve → clip search → artifact (the library behind ``oscar calibrate``).
+
+Phases and what they produce:
+
+1. **data**: ``data.tokens`` tokens as ``[N, seq_len]`` sequences; the last ``ceil(holdout_tokens/seq_len)`` are
+   held out of the statistics for the clip search.
+2. **capture**: one unpadded forward per batch through :func:`capture.capture_attention`; per-layer streaming
+   statistics (:mod:`covariance`), then the held-out q/k/v (:class:`capture.HoldoutStore`).
+3. **solve**: per layer (or per KV head) targets → ``R = U·H·P`` (:mod:`rotation`), rotated means.
+4. **clip**: per-layer ratio search on the held-out tokens (:mod:`clipping`), or the global ratios.
+5. **write**: the artifact, atomically (:func:`oscar_cli.artifact.write_artifact`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oscar_cli import __version__
+from oscar_cli.artifact import LayerRotation, Manifest, model_slug, render_model_card, write_artifact
+from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
+from oscar_cli.calibration.clipping import ClipChoice, LayerClipProblem, evaluate_clip, search_clip
+from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
+from oscar_cli.calibration.data import CalibrationData, prepare_data
+from oscar_cli.calibration.rotation import build_rotations, is_power_of_two, orthogonality_error
+from oscar_cli.errors import CalibrationError
+from oscar_cli.recipe import Recipe
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("data", "capture", "solve", "clip", "write")
+# (phase, completed, total) — the CLI draws progress bars from it; the library default ignores it.
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class LayerSummary:
+    """Per-layer numbers for the summary table and the manifest."""
+
+    index: int
+    k_spread: float  # λ_max / λ_mean of the key target (1 = isotropic)
+    v_spread: float
+    k_clip: float
+    v_clip: float
+    clip_error: float
+
+
+@dataclass
+class CalibrationResult:
+    """What ``calibrate`` returns (``--json`` prints ``to_dict()``)."""
+
+    artifact_path: Path
+    manifest: Manifest
+    layers: list[LayerSummary]
+    timings: dict[str, float]
+    data: dict[str, Any]
+    generation_tokens_per_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "artifact": str(self.artifact_path),
+            "model": self.manifest.model,
+            "method": self.manifest.method,
+            "recipe": self.manifest.recipe.get("name"),
+            "data": self.data,
+            "generation_tokens_per_s": round(self.generation_tokens_per_s, 1),
+            "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
+            "layers": [vars(s) for s in self.layers],
+        }
+
+
+def _noop(phase: str, done: int, total: int) -> None:
+    return None
+
+
+def _head_dim(config: Any) -> tuple[int, int, int, int]:
+    from oscar_cli.models import architecture_fingerprint
+
+    fp = architecture_fingerprint(config)
+    return fp["num_layers"], fp["num_attention_heads"], fp["num_key_value_heads"], fp["head_dim"]
+
+
+def plan_budget(recipe: Recipe, head_dim: int) -> tuple[int, int]:
+    """``(statistics sequences, held-out sequences)`` for the recipe; CalibrationError when too small."""
+    d, c, q = recipe.data, recipe.clip, recipe.quant
+    n_seq = d.tokens // d.seq_len
+    hold = math.ceil(c.holdout_tokens / d.seq_len) if c.holdout_tokens > 0 else 0
+    if c.mode == "search" and hold == 0:
+        raise CalibrationError("clip.mode search needs held-out tokens: set clip.holdout_tokens > 0",
+                               hint="or use clip.mode: global")
+    min_stats = max(4 * head_dim, 256)
+    stats = n_seq - hold
+    if stats < 1 or stats * d.seq_len < min_stats:
+        raise CalibrationError(
+            f"token budget {d.tokens} is too small: the statistics need at least {min_stats} tokens "
+            f"(whole sequences of {d.seq_len}) besides {hold * d.seq_len} held-out tokens",
+            hint=f"raise --tokens to at least {(math.ceil(min_stats / d.seq_len) + hold) * d.seq_len} "
+            "or lower data.seq_len",
+        )
+    if hold and c.mode == "search" and d.seq_len <= q.sink + q.recent:
+        raise CalibrationError(
+            f"held-out sequences of {d.seq_len} tokens are no longer than sink + recent "
+            f"({q.sink} + {q.recent}): nothing would be INT2 in the clip search",
+            hint="raise data.seq_len, or use clip.mode: global",
+        )
+    return stats, hold
+
+
+def check_model(config: Any, recipe: Recipe) -> None:
+    """Supported architecture and a head_dim the recipe's rotation can handle (before any work)."""
+    from oscar_cli.models import check_supported
+
+    check_supported(config)
+    _, _, _, d = _head_dim(config)
+    needs_pow2 = recipe.method == "hadamard" or (recipe.method == "oscar" and recipe.rotation.composition != "plain")
+    if needs_pow2 and not is_power_of_two(d):
+        raise CalibrationError(
+            f"head_dim {d} is not a power of two: the Hadamard/bit-reversal factors of "
+            f"{recipe.method} ({recipe.rotation.composition}) need a power-of-two size",
+            hint="use a recipe with method: identity or rotation.composition: plain",
+        )
+
+
+def _capture(model: Any, data: CalibrationData, recipe: Recipe, n_stats: int, device: torch.device,
+             report: Progress) -> tuple[list[LayerStatistics], HoldoutStore]:
+    n_layers, _, h_kv, d = _head_dim(model.config)
+    s, q = recipe.statistics, recipe.quant
+    stats = [LayerStatistics(h_kv, d, s.k_target, s.v_target, q.sink, s.exclude_sink, s.sst_max_tokens, device)
+             for _ in range(n_layers)]
+    gen = torch.Generator().manual_seed(recipe.data.seed)
+    plan: list[tuple[torch.Tensor, torch.Tensor] | None] = [None]
+
+    def observe(layer: int, qq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                scaling: float) -> None:
+        stats[layer].update(qq, k, v, out, scaling, plan[0])
+
+    seqs = data.sequences
+    bs, seen = recipe.data.batch_size, 0
+    total = seqs.shape[0]
+    with capture_attention(model, observe):
+        for start in range(0, n_stats, bs):
+            batch = seqs[start:min(start + bs, n_stats)]
+            if s.v_target == "sst":
+                slots, idx = reservoir_plan(seen, batch.numel(), s.sst_max_tokens, gen)
+                plan[0] = (slots.to(device), idx.to(device))
+            run_forward(model, batch.to(device))
+            seen += batch.numel()
+            report("capture", start + batch.shape[0], total)
+    store = HoldoutStore(n_layers, recipe.clip.holdout_queries)
+    with capture_attention(model, store):
+        for i in range(n_stats, total):
+            run_forward(model, seqs[i : i + 1].to(device))
+            report("capture", i + 1, total)
+    return stats, store
+
+
+def _solve(stats: list[LayerStatistics], recipe: Recipe, report: Progress) -> list[dict[str, Any]]:
+    out = []
+    for i, st in enumerate(stats):
+        t = st.finalize()
+        per_head = recipe.rotation.grouping == "head"
+        kt = t.k_target if per_head else t.k_target.mean(0, keepdim=True)
+        vt = t.v_target if per_head else t.v_target.mean(0, keepdim=True)
+        rk, lk = build_rotations(kt, recipe.method, recipe.rotation.composition)
+        rv, lv = build_rotations(vt, recipe.method, recipe.rotation.composition)
+        h = t.k_mean.shape[0]
+        km = torch.einsum("hd,hde->he", t.k_mean, rk.double().expand(h, -1, -1)).float()
+        vm = torch.einsum("hd,hde->he", t.v_mean, rv.double().expand(h, -1, -1)).float()
+        out.append({
+            "k_rotation": rk, "v_rotation": rv, "k_eigenvalues": lk, "v_eigenvalues": lv,
+            "k_mean": km if recipe.rotation.center_keys else torch.zeros_like(km),
+            "v_mean": vm if recipe.rotation.center_values else torch.zeros_like(vm),
+        })
+        report("solve", i + 1, len(stats))
+    return out
+
+
+def _clip(solved: list[dict[str, Any]], store: HoldoutStore, recipe: Recipe, report: Progress) -> list[ClipChoice]:
+    c, q = recipe.clip, recipe.quant
+    choices = []
+    for i, s in enumerate(solved):
+        problems = [LayerClipProblem(qq, k, v, s["k_rotation"], s["v_rotation"], s["k_mean"], s["v_mean"],
+                                     store.scaling, q.sink, q.recent, q.group_size, q.meta_dtype)
+                    for qq, k, v in store.layers[i]]
+        problems = [p for p in problems if p.has_int2]
+        if not problems:
+            choices.append(ClipChoice(c.k_ratio, c.v_ratio))
+        elif c.mode == "search":
+            choices.append(search_clip(problems, c.k_grid, c.v_grid))
+        else:
+            choices.append(evaluate_clip(problems, c.k_ratio, c.v_ratio))
+        store.layers[i] = []  # free as we go
+        report("clip", i + 1, len(solved))
+    return choices
+
+
+def default_output(reference: str, recipe: Recipe, resolved: str, data_sha: str, root: Path = Path("artifacts")) -> Path:
+    """``artifacts/<model-slug>/<recipe>-<short-hash>``: the hash covers model, recipe and data identity."""
+    key = json.dumps({"model": resolved, "recipe": recipe.to_dict(), "data": data_sha}, sort_keys=True)
+    return root / model_slug(reference) / f"{recipe.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def calibrate_model(
+    model: Any, tokenizer: Any, recipe: Recipe, *, reference: str, resolved: str,
+    out: Path | str | None = None, overwrite: bool = False, report: Progress | None = None,
+) -> CalibrationResult:
+    """Calibrate a loaded model (any device/dtype) and write its artifact. See the module docstring."""
+    report = report or _noop
+    check_model(model.config, recipe)
+    n_layers, n_heads, h_kv, d = _head_dim(model.config)
+    n_stats, n_hold = plan_budget(recipe, d)
+    if out is not None and Path(out).exists() and not overwrite:  # refuse before spending minutes
+        from oscar_cli.errors import ArtifactError
+
+        raise ArtifactError(f"artifact path {out} already exists", hint="pass --overwrite or choose --out")
+    device = next(model.parameters()).device
+    timings: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    data = prepare_data(recipe.data.source, recipe.data, model=model, tokenizer=tokenizer, device=device,
+                        n_seq=n_stats + n_hold, on_tokens=lambda n: report("data", n, recipe.data.tokens))
+    report("data", recipe.data.tokens, recipe.data.tokens)
+    timings["data"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    stats, store = _capture(model, data, recipe, n_stats, device, report)
+    _sync(device)
+    timings["capture"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    solved = _solve(stats, recipe, report)
+    del stats
+    timings["solve"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    choices = _clip(solved, store, recipe, report)
+    _sync(device)
+    timings["clip"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    layers, summaries = [], []
+    for i, (s, ch) in enumerate(zip(solved, choices, strict=True)):
+        layers.append(LayerRotation(i, s["k_rotation"], s["v_rotation"], s["k_mean"], s["v_mean"],
+                                    s["k_eigenvalues"], s["v_eigenvalues"], ch.k_ratio, ch.v_ratio))
+        summaries.append(LayerSummary(i, _spread(s["k_eigenvalues"]), _spread(s["v_eigenvalues"]),
+                                      ch.k_ratio, ch.v_ratio, ch.error))
+    from oscar_cli.models import architecture_fingerprint
+
+    manifest = Manifest(
+        oscar_version=__version__, model={"reference": reference, "resolved": resolved},
+        architecture=architecture_fingerprint(model.config), method=recipe.method,
+        grouping=recipe.rotation.grouping, recipe=recipe.to_dict(),
+        quant={"group_size": recipe.quant.group_size or d, "meta_dtype": recipe.quant.meta_dtype,
+               "sink": recipe.quant.sink, "recent": recipe.quant.recent},
+        data=data.identity, seed=recipe.data.seed,
+        calibration={
+            "k_target": recipe.statistics.k_target, "v_target": recipe.statistics.v_target,
+            "composition": recipe.rotation.composition,
+            "statistics_tokens": n_stats * recipe.data.seq_len, "holdout_tokens": n_hold * recipe.data.seq_len,
+            "orthogonality_error": max(max(orthogonality_error(x.k_rotation), orthogonality_error(x.v_rotation))
+                                       for x in layers),
+            "clip": {"mode": recipe.clip.mode,
+                     "objective": "relative attention-output error, held-out tokens, INT2 tier only",
+                     "layers": [c.to_dict() for c in choices]},
+            "timings_s": {k: round(v, 3) for k, v in timings.items()},
+        },
+    )
+    path = Path(out) if out is not None else default_output(reference, recipe, resolved, data.identity["sha256"])
+    write_artifact(path, manifest, layers, recipe.to_yaml(), render_model_card(manifest), overwrite=overwrite)
+    timings["write"] = time.perf_counter() - t0
+    report("write", 1, 1)
+    logger.info("wrote %s", path)
+    return CalibrationResult(path, manifest, summaries, timings, data.identity, data.tokens_per_second)
+
+
+def _spread(lam: torch.Tensor) -> float:
+    lam = lam.double().clamp_min(0)
+    return float(lam.max() / lam.mean().clamp_min(1e-30))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def calibrate(
+    model_ref: str, *, recipe: Recipe, device: str | None = None, dtype: str | None = None,
+    revision: str | None = None, out: Path | str | None = None, overwrite: bool = False,
+    report: Progress | None = None,
+) -> CalibrationResult:
+    """Load ``model_ref`` (:func:`oscar_cli.models.load_model`) and :func:`calibrate_model` it."""
+    from oscar_cli.models import load_config, load_model
+
+    _, config = load_config(model_ref, revision=revision)
+    check_model(config, recipe)  # fail fast, before loading weights
+    plan_budget(recipe, _head_dim(config)[3])
+    if out is not None and Path(out).exists() and not overwrite:
+        from oscar_cli.errors import ArtifactError
+
+        raise ArtifactError(f"artifact path {out} already exists", hint="pass --overwrite or choose --out")
+    loaded = load_model(model_ref, device=device, dtype=dtype, revision=revision)
+    return calibrate_model(loaded.model, loaded.tokenizer, recipe, reference=loaded.identity.reference,
+                           resolved=loaded.identity.resolved, out=out, overwrite=overwrite, report=report)

@@ -1,0 +1,122 @@
+"""``oscar calibrate MODEL``: attention-aware rotations, means and clip ratios → a versioned local artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from oscar_cli import _output
+from oscar_cli._options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, parse_ctx
+
+EXAMPLES = """
+[bold]Examples[/bold]
+
+  oscar calibrate                              # embedded smollm2-135m, 16K self-generated tokens
+  oscar calibrate smollm2-135m --tokens 4k     # smaller budget (whole sequences)
+  oscar calibrate Qwen/Qwen3-8B --device cuda  # recipes/qwen3-8b.yaml, bf16 on the GPU
+  oscar calibrate ./my-model --data ./corpus/  # local text/JSON(L) files or folder
+  oscar calibrate smollm2-135m --data hf:wikitext:wikitext-2-raw-v1   # Hub dataset
+  oscar calibrate --recipe my.yaml --out artifacts/try1 --overwrite
+  oscar calibrate --tokens 4k --json           # result (path, clips, timings) as JSON
+"""
+
+
+def _progress_reporter(p: Any) -> Any:
+    tasks: dict[str, Any] = {}
+    labels = {"data": "data", "capture": "capture", "solve": "solve", "clip": "clip search", "write": "write"}
+
+    def report(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = p.add_task(labels.get(phase, phase), total=total)
+        p.update(tasks[phase], completed=done, total=total)
+
+    return report
+
+
+def _render(result: Any) -> None:
+    out = _output.stdout
+    d = result.to_dict()
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column(overflow="fold")
+    facts.add_row("artifact", d["artifact"])
+    facts.add_row("model", f"{d['model']['reference']} ({d['model']['resolved']})")
+    facts.add_row("method", f"{d['method']}, recipe {d['recipe']}")
+    data = d["data"]
+    gen = f", generated at {d['generation_tokens_per_s']:.0f} tokens/s" if d["generation_tokens_per_s"] else ""
+    facts.add_row("data", f"{data['source']}: {data['tokens']} tokens in {data['sequences']} x {data['seq_len']}{gen}")
+    t = d["timings_s"]
+    facts.add_row("timings", ", ".join(f"{k} {v:.1f} s" for k, v in t.items())
+                  + f" (capture+solve+clip {t['capture'] + t['solve'] + t['clip']:.1f} s)")
+    out.print(facts)
+    table = Table(title="per layer: eigenvalue spread (λmax/λmean), chosen clip ratios, held-out output error",
+                  title_justify="left")
+    for col in ("layer", "K spread", "V spread", "K clip", "V clip", "rel. error"):
+        table.add_column(col, justify="right")
+    for row in d["layers"]:
+        err = row["clip_error"]
+        table.add_row(str(row["index"]), f"{row['k_spread']:.2f}", f"{row['v_spread']:.2f}",
+                      f"{row['k_clip']:g}", f"{row['v_clip']:g}", "-" if err != err else f"{err:.4f}")
+    out.print(table)
+
+
+def calibrate(
+    model: ModelArg = DEFAULT_MODEL,
+    recipe: Annotated[
+        str | None,
+        typer.Option("--recipe", help="A shipped recipe name (defaults, qwen3-8b, ...) or a YAML file. "
+                     "Default: the shipped per-model recipe matching MODEL, else defaults."),
+    ] = None,
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help="Calibration data: self (model-generated), a text/JSON(L) file or folder, "
+                     "or hf:<dataset>[:<config>]. Overrides the recipe's data.source."),
+    ] = None,
+    tokens: Annotated[
+        str | None, typer.Option("--tokens", help="Token budget, e.g. 16k (statistics + held-out).")
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Artifact directory (default: artifacts/<model>/<recipe>-<hash>)."),
+    ] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    revision: RevisionOpt = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing artifact at --out.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON on stdout (same as oscar --json).")
+    ] = False,
+) -> None:
+    """Calibrate OSCAR rotations, centering means and clip ratios for MODEL; write a versioned artifact."""
+    if json_out:
+        _output.SETTINGS.json = True
+    from oscar_cli.artifact import model_slug
+    from oscar_cli.calibration.run import calibrate as run_calibrate
+    from oscar_cli.recipe import load_recipe, recipe_for_model
+
+    overrides: dict[str, Any] = {}
+    if data is not None:
+        overrides.setdefault("data", {})["source"] = data
+    if tokens is not None:
+        try:
+            overrides.setdefault("data", {})["tokens"] = parse_ctx(tokens)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--tokens") from None
+    recipe_obj = load_recipe(recipe or recipe_for_model(model_slug(model)), overrides)
+    _output.info(f"calibrating {model} with recipe {recipe_obj.name} ({recipe_obj.method}, "
+                 f"{recipe_obj.data.tokens} tokens from {recipe_obj.data.source})")
+    with _output.progress() as p:
+        result = run_calibrate(model, recipe=recipe_obj, device=device, dtype=dtype, revision=revision, out=out,
+                               overwrite=overwrite, report=_progress_reporter(p))
+    if _output.SETTINGS.json:
+        _output.emit_json(result.to_dict())
+    else:
+        _render(result)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oscar calibrate`` to the root app."""
+    app.command("calibrate", help=calibrate.__doc__, epilog=EXAMPLES, no_args_is_help=False)(calibrate)

@@ -1,0 +1,206 @@
+"""End-to-end calibration on tiny random models, bad input, data sources, and the ``oscar calibrate`` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from oscar_cli.artifact import open_artifact
+from oscar_cli.calibration import run as run_mod
+from oscar_cli.calibration.data import local_texts, pack, prepare_data
+from oscar_cli.calibration.run import calibrate_model, plan_budget
+from oscar_cli.errors import ArtifactError, CalibrationError, UnsupportedModelError
+from oscar_cli.recipe import load_recipe
+from tests.test_capture import tiny_model
+
+RESOLVED = "sha256:" + "0" * 64
+TINY = {"data": {"source": "random", "tokens": 1536, "seq_len": 256, "batch_size": 2},
+        "clip": {"holdout_tokens": 256, "holdout_queries": 48}, "quant": {"sink": 8, "recent": 32}}
+
+
+def _recipe(**over: Any) -> Any:
+    r = load_recipe(overrides=TINY)
+    return r.replace(over) if over else r
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("family", "over"),
+    [
+        ("llama", {}),
+        ("qwen3", {"rotation": {"grouping": "head"}, "statistics": {"v_target": "softmax"}}),
+        ("qwen2", {"method": "hadamard", "clip": {"mode": "global"}}),
+        ("mistral", {"method": "identity", "statistics": {"k_target": "ktk", "v_target": "sv"}}),
+    ],
+)
+def test_calibrate_tiny_models_end_to_end(tmp_path: Path, family: str, over: dict) -> None:
+    model = tiny_model(family, 6, 2, 16, 2)
+    recipe = _recipe(**over)
+    res = calibrate_model(model, None, recipe, reference=f"tiny-{family}", resolved=RESOLVED, out=tmp_path / "a")
+    art = open_artifact(res.artifact_path, expect_architecture=res.manifest.architecture)
+    n = 2 if recipe.rotation.grouping == "head" else 1
+    for layer in art.layers:
+        assert layer.k_rotation.shape == (n, 16, 16) and layer.k_mean.shape == (2, 16)
+        eye = torch.eye(16)
+        assert torch.allclose(layer.k_rotation.transpose(-1, -2) @ layer.k_rotation, eye.expand(n, 16, 16),
+                              atol=1e-6)
+        if recipe.method == "identity":
+            assert torch.equal(layer.k_rotation[0], eye)
+        if recipe.clip.mode == "search":
+            assert layer.k_clip in recipe.clip.k_grid and layer.v_clip in recipe.clip.v_grid
+        else:
+            assert (layer.k_clip, layer.v_clip) == (0.96, 0.92)
+    m = art.manifest
+    assert m.data["tokens"] == 1536 and len(m.data["sha256"]) == 64 and m.method == recipe.method
+    assert m.calibration["statistics_tokens"] == 1280 and m.calibration["holdout_tokens"] == 256
+    clip_layers = m.calibration["clip"]["layers"]
+    assert len(clip_layers) == 2 and all(c["error"] >= 0 for c in clip_layers)
+    assert set(res.timings) == {"data", "capture", "solve", "clip", "write"}
+
+
+@pytest.mark.unit
+def test_oscar_rotation_beats_identity_on_held_out_error(tmp_path: Path) -> None:
+    """The calibrated rotation must lower the held-out INT2 attention error versus no rotation."""
+    model = tiny_model("llama", 4, 2, 16, 2)
+    with torch.no_grad():  # give keys an outlier channel, as real models have
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight[3::16] *= 8.0
+    fixed = {"clip": {"mode": "global", "k_ratio": 0.0, "v_ratio": 0.0}, "rotation": {"center_keys": False,
+                                                                                     "center_values": False}}
+    errs = {}
+    for method in ("identity", "oscar"):
+        r = _recipe(method=method, **fixed)
+        res = calibrate_model(model, None, r, reference="t", resolved=RESOLVED, out=tmp_path / method)
+        errs[method] = sum(s.clip_error for s in res.layers)
+    assert errs["oscar"] < errs["identity"]
+
+
+@pytest.mark.unit
+def test_bad_input_is_refused_with_reasons(tmp_path: Path) -> None:
+    sliding = tiny_model("mistral")
+    sliding.config.sliding_window = 64
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        calibrate_model(sliding, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
+    odd = tiny_model("llama", 4, 2, 12)
+    with pytest.raises(CalibrationError, match="head_dim 12 is not a power of two"):
+        calibrate_model(odd, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
+    res = calibrate_model(odd, None, _recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
+                          out=tmp_path / "plain")
+    assert res.artifact_path.is_dir()
+    with pytest.raises(CalibrationError, match="token budget 300 is too small"):
+        plan_budget(_recipe(data={"tokens": 300}), 16)
+    with pytest.raises(CalibrationError, match="no longer than sink"):
+        plan_budget(_recipe(quant={"sink": 200, "recent": 100}), 16)
+    with pytest.raises(ArtifactError, match="already exists"):
+        calibrate_model(odd, None, _recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
+                        out=tmp_path / "plain")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_interrupt_mid_run_leaves_no_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: type) -> None:
+    model = tiny_model("llama")
+    calls = {"n": 0}
+    real = run_mod.run_forward
+
+    def flaky(m: Any, ids: torch.Tensor) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise exc("stop")
+        real(m, ids)
+
+    monkeypatch.setattr(run_mod, "run_forward", flaky)
+    with pytest.raises(exc):
+        calibrate_model(model, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "art")
+    assert list(tmp_path.iterdir()) == []
+    assert model.config._attn_implementation == "sdpa"
+
+
+class CharTokenizer:
+    """Bytes → ids < 128; enough for the data pipeline."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [1 + (b % 127) for b in text.encode()]}
+
+
+@pytest.mark.unit
+def test_local_files_folder_and_jsonl(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("hello world " * 40)
+    (tmp_path / "d" / "b.jsonl").write_text("\n".join(json.dumps({"text": f"line {i} " * 10}) for i in range(20)))
+    texts, ident = local_texts(str(tmp_path / "d"), "text")
+    assert len(texts) == 21 and ident["files"] == 2 and len(ident["files_sha256"]) == 64
+    cfg = _recipe(data={"source": str(tmp_path / "d"), "seq_len": 64}).data
+    data = prepare_data(cfg.source, cfg, model=None, tokenizer=CharTokenizer(), device=torch.device("cpu"), n_seq=4)
+    assert data.sequences.shape == (4, 64) and data.identity["tokens"] == 256
+    again = prepare_data(cfg.source, cfg, model=None, tokenizer=CharTokenizer(), device=torch.device("cpu"), n_seq=4)
+    assert again.identity["sha256"] == data.identity["sha256"]
+    with pytest.raises(CalibrationError, match="fewer than"):
+        prepare_data(cfg.source, cfg, model=None, tokenizer=CharTokenizer(), device=torch.device("cpu"), n_seq=400)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}))
+    with pytest.raises(CalibrationError, match="no string field 'text'"):
+        local_texts(str(tmp_path / "bad.jsonl"), "text")
+    with pytest.raises(CalibrationError, match="not found"):
+        local_texts(str(tmp_path / "missing"), "text")
+
+
+@pytest.mark.unit
+def test_hf_dataset_unavailable_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*a: Any, **k: Any) -> None:
+        raise ConnectionError("Couldn't reach 'nope/none' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    cfg = _recipe(data={"source": "hf:nope/none"}).data
+    with pytest.raises(CalibrationError, match="cannot load the dataset 'nope/none'") as info:
+        prepare_data(cfg.source, cfg, model=None, tokenizer=CharTokenizer(), device=torch.device("cpu"), n_seq=2)
+    assert "cache" in (info.value.hint or "")
+
+
+@pytest.mark.unit
+def test_self_generation_without_tokenizer_reports_tokens_per_second() -> None:
+    model = tiny_model("llama")
+    cfg = _recipe(data={"source": "self", "seq_len": 64, "gen_batch_size": 4, "gen_max_new_tokens": 40}).data
+    data = prepare_data("self", cfg, model=model, tokenizer=None, device=torch.device("cpu"), n_seq=3)
+    assert data.sequences.shape == (3, 64) and data.generated_tokens > 0 and data.tokens_per_second > 0
+
+
+@pytest.mark.unit
+def test_pack() -> None:
+    seqs = pack([[1, 2, 3], [4, 5]], 4, 1, eos=9)
+    assert seqs.tolist() == [[1, 2, 3, 9]]
+
+
+@pytest.mark.unit
+def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import oscar_cli.models as models
+    from oscar_cli.main import app
+
+    model = tiny_model("qwen3", 4, 2, 16, 2)
+    ident = SimpleNamespace(reference="tiny-qwen3", resolved=RESOLVED)
+    monkeypatch.setattr(models, "load_config", lambda ref, revision=None: (ident, model.config))
+    monkeypatch.setattr(models, "load_model", lambda ref, **k: SimpleNamespace(model=model, tokenizer=None,
+                                                                               identity=ident))
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(load_recipe(overrides=TINY).to_yaml())
+    out = tmp_path / "art"
+    args = ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "1536", "--out", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["artifact"] == str(out) and len(doc["layers"]) == 2 and doc["data"]["tokens"] == 1536
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code != 0 and isinstance(again.exception, ArtifactError)
+    bad = CliRunner().invoke(app, ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "lots"])
+    assert bad.exit_code == 2
