@@ -83,6 +83,8 @@ def file_sha256(path: Path, *, use_index: bool = True) -> str:
             sha = hit.get("sha256")
             if isinstance(sha, str) and len(sha) == 64:
                 return sha
+    if st.st_size >= 256 << 20:
+        logger.info("hashing %s (%.1f GB) for its identity; unchanged files are not hashed again", path, st.st_size / 1e9)
     t0 = time.perf_counter()
     sha = _hash_file(path)
     logger.debug("sha256 %s (%d bytes) in %.2f s", path, st.st_size, time.perf_counter() - t0)

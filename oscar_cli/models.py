@@ -65,7 +65,7 @@ class ModelIdentity:
     """Where a model reference led.
 
     Attributes:
-        reference: the reference as given (``"smollm2-135m"``, ``"Qwen/Qwen3-8B@main"``, a path).
+        reference: the reference as given (``"Qwen/Qwen3-8B@main"``, a path; aliases in lower case).
         kind: ``alias`` | ``hub`` | ``dir`` | ``gguf``.
         resolved: ``"ORG/NAME@<40-hex commit>"`` or ``"sha256:<64-hex>"``: what manifests record.
         path: the model directory (hub snapshot, dir) or the ``.gguf`` file (alias, gguf).
@@ -174,8 +174,9 @@ def resolve_model(ref: str, revision: str | None = None, *, weights: bool = True
     if reference.lower() in ALIASES:
         if revision is not None:
             raise ModelResolutionError(f"--revision does not apply to the alias {reference}")
-        path = _embedded_gguf(reference.lower())
-        return ModelIdentity(reference, "alias", f"sha256:{model_cache.file_sha256(path)}", path)
+        alias = reference.lower()  # one spelling in manifests and output paths
+        path = _embedded_gguf(alias)
+        return ModelIdentity(alias, "alias", f"sha256:{model_cache.file_sha256(path)}", path)
     local = Path(reference).expanduser()
     if local.exists():
         if revision is not None:

@@ -71,7 +71,8 @@ def test_alias_resolves_to_the_wheel_gguf_with_its_sha256(oscar_cache: Path) -> 
     assert ident.kind == "alias" and ident.path.name == models.EMBEDDED_FILE and ident.path.is_file()
     with open(ident.path, "rb") as f:
         assert ident.resolved == "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
-    assert models.resolve_model("SmolLM2-135M").resolved == ident.resolved  # case-insensitive, from the index
+    upper = models.resolve_model("SmolLM2-135M")  # case-insensitive; hashed once, then from the index
+    assert (upper.reference, upper.resolved) == ("smollm2-135m", ident.resolved)
     index = json.loads((oscar_cache / "hashes.json").read_text())
     assert "sha256:" + index[str(ident.path.resolve())]["sha256"] == ident.resolved
 
