@@ -56,14 +56,38 @@ def _is_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
+def _cached(repo_id: str, revision: str | None, patterns: list[str], weights: bool) -> tuple[Path | None, str]:
+    """The cached snapshot for ``revision`` if complete, else ``(None, why not)`` (no network)."""
+    from huggingface_hub import errors as hub_errors
+    from huggingface_hub import snapshot_download
+
+    # huggingface_hub >= 2 checks a cached snapshot against the repo's cached file listing filtered by the
+    # patterns: the lookup must use the download's patterns, or a partial download counts as incomplete.
+    incomplete = getattr(hub_errors, "IncompleteSnapshotError", ())
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns))
+    except incomplete as exc:
+        detail = str(exc).split(": ", 1)[-1].split(". ")[0]
+        return None, f"incomplete in the local Hugging Face cache ({detail})"
+    except hub_errors.LocalEntryNotFoundError:
+        return None, "not in the local Hugging Face cache"
+    lack = missing_files(path, weights)
+    if lack is not None:
+        return None, f"incomplete in the local Hugging Face cache (missing {lack})"
+    return path, ""
+
+
 def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str, weights: bool = True) -> tuple[Path, str]:
     """Return ``(snapshot directory, commit sha)`` for ``repo_id`` at ``revision`` (default ``main``).
 
-    ``weights=False`` needs (and downloads) only the config and tokenizer files.
+    Offline, or for a commit sha, the local cache answers (no network). Online, a branch or tag is looked up
+    on the Hub (one request), so ``main`` means today's ``main``; files already cached are not downloaded
+    again, and if the Hub cannot be reached huggingface_hub falls back to the cache. ``weights=False``
+    needs (and downloads) only the config and tokenizer files.
 
     Raises:
         ModelResolutionError: not cached while offline, unknown repo or revision, gated, no safetensors.
-        HubError: the Hub could not be reached or answered with another error.
+        HubError: the Hub could not be reached (and nothing cached) or answered with another error.
     """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
@@ -74,25 +98,24 @@ def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str, weights:
         RevisionNotFoundError,
     )
 
+    from oscar_cli.model_loading import hf_progress
+
     shown = f"{repo_id}@{revision}" if revision else repo_id
+    patterns = DOWNLOAD_PATTERNS if weights else CONFIG_PATTERNS
     problem = "not in the local Hugging Face cache"
-    try:
-        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-        lack = missing_files(path, weights)
-        if lack is None:
+    if _is_offline() or (revision is not None and _SHA_RE.match(revision)):
+        path, problem = _cached(repo_id, revision, patterns, weights)
+        if path is not None:
             return path, path.name
-        problem = f"incomplete in the local Hugging Face cache (missing {lack})"
-    except LocalEntryNotFoundError:
-        pass
-    if _is_offline():
-        raise ModelResolutionError(
-            f"{shown} is {problem} and offline mode is on (HF_HUB_OFFLINE)",
-            hint=f"download it once online (without HF_HUB_OFFLINE), or use {forms_hint}",
-        )
-    logger.info("downloading %s from the Hugging Face Hub", shown)
+        if _is_offline():
+            raise ModelResolutionError(
+                f"{shown} is {problem} and offline mode is on (HF_HUB_OFFLINE)",
+                hint=f"download it once online (without HF_HUB_OFFLINE), or use {forms_hint}",
+            )
+    logger.info("resolving %s on the Hugging Face Hub (cached files are reused)", shown)
     try:
-        patterns = DOWNLOAD_PATTERNS if weights else CONFIG_PATTERNS
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+        with hf_progress():
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except GatedRepoError:
         raise ModelResolutionError(
             f"{repo_id} is gated: accept its license on huggingface.co first",
