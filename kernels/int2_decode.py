@@ -34,10 +34,7 @@ import triton.language as tl
 @triton.jit
 def _quarter_cols(J: tl.constexpr, D: tl.constexpr, MAGIC: tl.constexpr):
     """Head-dim index held by each of the ``D/4`` unpacked columns of quarter ``J``."""
-    c = tl.arange(0, D // 4)
-    if MAGIC == 2:
-        c = (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
-    return c + J * (D // 4)
+    return _perm(tl.arange(0, D // 4), MAGIC) + J * (D // 4)
 
 
 @triton.jit
@@ -45,12 +42,15 @@ def _unpack_quarter(raw, J: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
                     ACT: tl.constexpr):
     """Codes of quarter ``J`` as an ``ACT [BLOCK_N, D/4]`` tile.
 
-    ``raw``: int32 words ``[BLOCK_N, D/16]`` when ``MAGIC`` (values ``OFF + c``), else uint8 bytes
-    ``[BLOCK_N, D/4]`` (values ``c``). Column order: natural for ``MAGIC`` 0 and 1; for ``MAGIC == 2`` the two
+    ``raw``: int32 words ``[BLOCK_N, D/16]`` when ``MAGIC`` is 1 or 2 (values ``OFF + c``), else uint8 bytes
+    ``[BLOCK_N, D/4]`` (values ``c`` for ``MAGIC == 0``, ``OFF + c`` for ``MAGIC == 3``). Column order: natural for ``MAGIC`` 0 and 1; for ``MAGIC == 2`` the two
     16-bit lanes of one int32 sit in adjacent columns (dims ``4w + s`` and ``4w + s + 2``), see
     :func:`_quarter_cols`.
     """
-    if MAGIC:
+    if MAGIC == 3:  # bytes in natural layout, magic number per element
+        m16: tl.constexpr = 0x6400 if ACT == tl.float16 else 0x4300
+        return (((raw.to(tl.int16) >> (2 * J)) & 3) | m16).to(ACT, bitcast=True)
+    elif MAGIC != 0:
         magic: tl.constexpr = 0x64006400 if ACT == tl.float16 else 0x43004300
         x0 = ((raw >> (2 * J)) & 0x00030003) | magic
         x1 = ((raw >> (2 * J + 8)) & 0x00030003) | magic
@@ -68,10 +68,39 @@ def _unpack_quarter(raw, J: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _rotated_q(q32, r_base, cols, D: tl.constexpr, qk_scale, ACT: tl.constexpr, PREC: tl.constexpr):
-    """``(q @ R[:, cols]) * qk_scale`` cast to ``ACT``: ``q32`` float32 ``[GP, D]`` -> ``[GP, len(cols)]``."""
-    r = tl.load(r_base + tl.arange(0, D)[:, None] * D + cols[None, :])
-    return (tl.dot(q32, r, input_precision=PREC) * qk_scale).to(ACT)
+def _rotate_q_kernel(
+    q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
+    r_ptr, stride_rh,  # R_K [H_r, D, D] float32 (stride 0: shared)
+    out_ptr, stride_ob, stride_oh,  # q_rot [B, H_q, D] act dtype, columns in stage-1 order
+    qk_scale,  # softmax scale * log2(e)
+    H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MAGIC: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``q_rot = (q @ R_K) * qk_scale`` for the ``g`` query heads of one KV head.
+
+    Column ``i`` of the output holds rotated dimension ``perm(i)`` when ``MAGIC == 2`` (the order the INT2
+    tiles unpack in; ``perm`` swaps bits 0 and 1, an involution), else dimension ``i``.
+    Grid: ``(B * H_kv,)``.
+    """
+    pid = tl.program_id(0)
+    b = pid // H_KV
+    h = pid % H_KV
+    q32 = _load_q(q_ptr, b, h, stride_qb, stride_qh, GROUP, GP, D)
+    cols = tl.arange(0, D)
+    src = _perm(cols, MAGIC)
+    r = tl.load(r_ptr + h * stride_rh + tl.arange(0, D)[:, None] * D + src[None, :])
+    qr = tl.dot(q32, r, input_precision=PREC) * qk_scale
+    rows = tl.arange(0, GP)
+    ptrs = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + cols[None, :]
+    tl.store(ptrs, qr.to(out_ptr.dtype.element_ty), mask=(rows < GROUP)[:, None])
+
+
+@triton.jit
+def _perm(c, MAGIC: tl.constexpr):
+    """Swap bits 0 and 1 of ``c`` when ``MAGIC == 2`` (lane-paired unpack order), else identity."""
+    if MAGIC == 2:
+        c = (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
+    return c
 
 
 @triton.jit
@@ -80,6 +109,16 @@ def _load_q(q_ptr, b, h, stride_qb, stride_qh, GROUP: tl.constexpr, GP: tl.const
     rows = tl.arange(0, GP)
     ptrs = q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + tl.arange(0, D)[None, :]
     return tl.load(ptrs, mask=(rows < GROUP)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, J: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                 D: tl.constexpr):
+    """Columns ``[J·D/4, (J+1)·D/4)`` of the rotated queries of KV head ``h``: ``[GP, D/4]`` (pad rows 0)."""
+    rows = tl.arange(0, GP)
+    ptrs = (q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh
+            + (J * (D // 4) + tl.arange(0, D // 4))[None, :])
+    return tl.load(ptrs, mask=(rows < GROUP)[:, None], other=0.0)
 
 
 @triton.jit
@@ -97,28 +136,25 @@ def _store_partial(o, lse, op_ptr, lse_ptr, b, h, sp, cols, stride_ob, stride_oh
 @triton.jit
 def _int2_split(
     b, h, sp, num_splits,
-    q_ptr, stride_qb, stride_qh,  # q [B, H_q, D]
-    rk_ptr,  # R_K [D, D] float32 of this KV head (already offset)
-    qk_scale,
-    kc_ptr, vc_ptr, stride_cp, stride_ch, stride_cr,  # codes [pages, H_kv, P, D/4] (bytes, or int32 words)
-    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, stride_mr,  # meta [pages, H_kv, P]
+    q_ptr, stride_qb, stride_qh,  # q_rot [B, H_q, D] (scaled, stage-1 column order)
+    kc_ptr, vc_ptr, stride_cp, stride_ch,  # codes [pages, H_kv, P, D/4] (bytes, or int32 words), rows contiguous
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # meta [pages, H_kv, P], contiguous along P
     bt_ptr, stride_btb, hist_len_ptr, page_size,  # block table [B, max_pages] int32, lengths [B] int32
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+    MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``."""
     OFF: tl.constexpr = (1024.0 if ACT == tl.float16 else 128.0) if MAGIC else 0.0  # value of code 0
-    NW: tl.constexpr = D // 16 if MAGIC else D // 4  # int32 words (MAGIC) or bytes per row
-    q32 = _load_q(q_ptr, b, h, stride_qb, stride_qh, GROUP, GP, D)
+    NW: tl.constexpr = D // 16 if (MAGIC == 1 or MAGIC == 2) else D // 4  # int32 words or bytes per row
     c0 = _quarter_cols(0, D, MAGIC)
     c1 = _quarter_cols(1, D, MAGIC)
     c2 = _quarter_cols(2, D, MAGIC)
     c3 = _quarter_cols(3, D, MAGIC)
-    q0 = _rotated_q(q32, rk_ptr, c0, D, qk_scale, ACT, PREC)
-    q1 = _rotated_q(q32, rk_ptr, c1, D, qk_scale, ACT, PREC)
-    q2 = _rotated_q(q32, rk_ptr, c2, D, qk_scale, ACT, PREC)
-    q3 = _rotated_q(q32, rk_ptr, c3, D, qk_scale, ACT, PREC)
+    q0 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 0, GROUP, GP, D)
+    q1 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 1, GROUP, GP, D)
+    q2 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 2, GROUP, GP, D)
+    q3 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D)
     qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
             + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
 
@@ -139,8 +175,8 @@ def _int2_split(
         valid = tok < end
         page = tl.load(bt_ptr + b * stride_btb + tok // page_size, mask=valid, other=0).to(tl.int64)
         off = tok % page_size
-        cbase = page * stride_cp + h * stride_ch + off * stride_cr
-        mbase = page * stride_mp + h * stride_mh + off * stride_mr
+        cbase = page * stride_cp + h * stride_ch + off * NW
+        mbase = page * stride_mp + h * stride_mh + off
         kw = tl.load(kc_ptr + cbase[:, None] + wcols[None, :], mask=valid[:, None], other=0)
         ks = tl.load(ks_ptr + mbase, mask=valid, other=0.0).to(tl.float32)
         kz = tl.load(kz_ptr + mbase, mask=valid, other=0.0).to(tl.float32)
@@ -219,17 +255,18 @@ def _online_bf16_segment(qa, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.c
 @triton.jit
 def _bf16_tiers(
     b, h, sp,
-    q_ptr, stride_qb, stride_qh, rk_ptr, qk_scale,
+    q_ptr, stride_qb, stride_qh,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink [B, H_kv, T_s, D]
     rk2_ptr, rv2_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_NB: tl.constexpr,
-    ACT: tl.constexpr, PREC: tl.constexpr,
+    ACT: tl.constexpr, MAGIC: tl.constexpr,
 ):
     """Sink then recent tier of one (batch, KV head) in one online softmax; writes partial ``sp``."""
     cols = tl.arange(0, D)
-    qa = _rotated_q(_load_q(q_ptr, b, h, stride_qb, stride_qh, GROUP, GP, D), rk_ptr, cols, D, qk_scale,
-                    ACT, PREC)
+    rows = tl.arange(0, GP)
+    qa = tl.load(q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + _perm(cols, MAGIC)[None, :],
+                 mask=(rows < GROUP)[:, None], other=0.0)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -248,11 +285,9 @@ def _bf16_tiers(
 
 @triton.jit
 def _decode_stage1_kernel(
-    q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
-    rk_ptr, stride_rkh,  # R_K [H_r, D, D] float32 (stride 0: shared by all KV heads)
-    qk_scale,  # softmax scale * log2(e)
-    kc_ptr, vc_ptr, stride_cp, stride_ch, stride_cr,  # codes [pages, H_kv, P, D/4]: bytes or int32 words
-    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, stride_mr,  # scale / zero [pages, H_kv, P] md
+    q_ptr, stride_qb, stride_qh,  # q_rot [B, H_q, D] act dtype, from _rotate_q_kernel
+    kc_ptr, vc_ptr, stride_cp, stride_ch,  # codes [pages, H_kv, P, D/4]: bytes or int32 words; rows contiguous
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # scale / zero [pages, H_kv, P] md, P contiguous
     bt_ptr, stride_btb, hist_len_ptr, page_size,  # block table [B, max_pages] int32; hist_len [B] int32
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
@@ -260,7 +295,7 @@ def _decode_stage1_kernel(
     num_splits,  # S
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
-    ACT: tl.constexpr, PREC: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """Stage 1: partial attention per (batch, KV head, split); split ``S`` is the BF16 sink + recent tiers.
 
@@ -270,20 +305,19 @@ def _decode_stage1_kernel(
     b = pid // H_KV
     h = pid % H_KV
     sp = tl.program_id(1)
-    rk = rk_ptr + h * stride_rkh
     if sp < num_splits:
-        _int2_split(b, h, sp, num_splits, q_ptr, stride_qb, stride_qh, rk, qk_scale,
-                    kc_ptr, vc_ptr, stride_cp, stride_ch, stride_cr,
-                    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, stride_mr,
+        _int2_split(b, h, sp, num_splits, q_ptr, stride_qb, stride_qh,
+                    kc_ptr, vc_ptr, stride_cp, stride_ch,
+                    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr, page_size,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PREC)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT)
     else:
-        _bf16_tiers(b, h, sp, q_ptr, stride_qb, stride_qh, rk, qk_scale,
+        _bf16_tiers(b, h, sp, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_NB, ACT, PREC)
+                    GROUP, GP, D, BLOCK_NB, ACT, MAGIC)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ Public API (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET
 - :func:`quantize_write` — rotate, centre, clip, quantize, pack rows ``[N, H_kv, D]`` into a paged cache.
 - :func:`quantize_rows` — the same, returning :class:`~oscar_kernels.reference.QuantizedRows` for
   ``x [B, H_kv, T, D]`` (the Triton twin of ``reference.quantize_rows``).
-- :func:`decode_attention` — one decode step over paged INT2 history + BF16 sink and recent tiers.
+- :func:`decode_attention` — one decode step over paged INT2 history + BF16 sink and recent tiers;
+  :class:`DecodePlan` — the same, validated once and launched many times (CUDA graphs, benchmarks).
 - :func:`decode_attention_contiguous` — the same over a non-paged cache (``codes [B, H_kv, T, D/4]``).
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_num_splits`.
 
@@ -28,6 +29,7 @@ from oscar_kernels.reference import QuantizedRows
 
 __all__ = [
     "DecodeConfig",
+    "DecodePlan",
     "decode_attention",
     "decode_attention_contiguous",
     "default_num_splits",
@@ -171,7 +173,8 @@ class DecodeConfig:
     block_nb: int = 64  # BF16 tokens per tile
     num_warps: int = 4
     num_stages: int = 3
-    magic: int = 2  # 0 shift/and/convert; 1 magic-number unpack, natural order; 2 magic, lane-paired order
+    magic: int = 2  # unpack: 0 shift/and/convert; 1, 2 magic number on int32 words (natural order,
+    # lane-paired order); 3 magic number per byte
     mode: int = 0  # 0 full kernel; diagnostics: 1 load only, 2 load + unpack
 
 
@@ -210,103 +213,136 @@ def _tier(name: str, t: torch.Tensor, b: int, h_kv: int, d: int, act: torch.dtyp
         raise _bad(name, t, "a last dim with stride 1")
 
 
-def decode_attention(
-    q: torch.Tensor, k_cache: QuantizedRows, v_cache: QuantizedRows, block_table: torch.Tensor,
-    hist_len: torch.Tensor | int, sink_k: torch.Tensor, sink_v: torch.Tensor, sink_len: torch.Tensor | int,
-    recent_k: torch.Tensor, recent_v: torch.Tensor, recent_len: torch.Tensor | int, *,
-    rotation_k: torch.Tensor | None = None, rotation_v: torch.Tensor | None = None,
-    mean_v: torch.Tensor | None = None, sm_scale: float | None = None, num_splits: int | None = None,
-    config: DecodeConfig | None = None, out: torch.Tensor | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """One decode step: ``softmax(q·Kᵀ)·V`` over sink + INT2 history + recent, back in the model's space.
+class DecodePlan:
+    """A validated decode launch: check once, :meth:`run` many times (CUDA-graph capturable).
 
-    Args:
-        q: ``[B, H_q, D]`` bf16/fp16 post-RoPE queries, **not** rotated (``q @ R_K`` happens in the kernel).
-        k_cache, v_cache: paged INT2 storage (``packed uint8 [pages, H_kv, P, D/4]``, ``scale``/``zero``
-            ``md [pages, H_kv, P, 1]``: the kernel supports ``G = D``), K and V with identical layout.
-        block_table: int32 ``[B, max_pages]``; hist_len: int32 ``[B]`` (or an int for all rows).
-        sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` in q's dtype, rotated (and centred)
-            like the INT2 tier; sink_len, recent_len: int32 ``[B]`` valid rows per sequence (or ints).
-        rotation_k: ``R_K`` ``[D, D]``/``[H_kv, D, D]`` float32; rotation_v / mean_v: ``R_V`` and ``mu_V``
-            (the output is ``(o + mu_V) @ R_Vᵀ``); None = identity / zero.
-        sm_scale: softmax scale (default ``D**-0.5``); num_splits: INT2 splits (default from static shapes).
-        out: optional ``[B, H_q, D]`` result buffer; workspace: from :func:`make_workspace`.
-
-    Returns:
-        ``out [B, H_q, D]`` in q's dtype.
+    The plan keeps references to its tensors; refill them in place (new q, new cache rows, new lengths) and call
+    :meth:`run` again, or capture :meth:`run` in a CUDA graph and replay it. Arguments as in
+    :func:`decode_attention`.
     """
-    cfg = config or DecodeConfig()
-    dev = q.device
-    if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
-        raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
-    b, h_q, d = q.shape
-    kc = k_cache.packed
-    if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
-        raise _bad("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
-    h_kv, page = int(kc.shape[1]), int(kc.shape[2])
+
+    def __init__(
+        self, q: torch.Tensor, k_cache: QuantizedRows, v_cache: QuantizedRows, block_table: torch.Tensor,
+        hist_len: torch.Tensor | int, sink_k: torch.Tensor, sink_v: torch.Tensor, sink_len: torch.Tensor | int,
+        recent_k: torch.Tensor, recent_v: torch.Tensor, recent_len: torch.Tensor | int, *,
+        rotation_k: torch.Tensor | None = None, rotation_v: torch.Tensor | None = None,
+        mean_v: torch.Tensor | None = None, sm_scale: float | None = None, num_splits: int | None = None,
+        config: DecodeConfig | None = None, out: torch.Tensor | None = None,
+        workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        cfg = config or DecodeConfig()
+        dev = q.device
+        if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
+            raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
+        b, h_q, d = q.shape
+        kc = k_cache.packed
+        if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
+            raise _bad("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
+        h_kv, page = int(kc.shape[1]), int(kc.shape[2])
+        _check_cache(k_cache, v_cache, kc, h_kv, page, dev)
+        _check("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
+        if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and block_table.numel():
+            if int(block_table.min()) < 0 or int(block_table.max()) >= kc.shape[0]:
+                raise ValueError(f"block_table: entries outside [0, {kc.shape[0]})")
+        cap = int(block_table.shape[1]) * page
+        hl = _lengths("hist_len", hist_len, b, cap, dev)
+        for nm, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
+            _tier(nm, t, b, h_kv, d, q.dtype, dev)
+        if sink_k.stride() != sink_v.stride() or recent_k.stride() != recent_v.stride():
+            raise ValueError("sink_k/sink_v and recent_k/recent_v must share strides")
+        sl = _lengths("sink_len", sink_len, b, int(sink_k.shape[2]), dev)
+        rl = _lengths("recent_len", recent_len, b, int(recent_k.shape[2]), dev)
+        rk, rk_stride = _rot("rotation_k", rotation_k, h_kv, d, dev)
+        rv, rv_stride = _rot("rotation_v", rotation_v, h_kv, d, dev)
+        mu, mu_stride = _mean("mean_v", mean_v, h_kv, d, dev)
+        if rk is None:
+            rk, rk_stride = torch.eye(d, dtype=torch.float32, device=dev), 0
+        s = num_splits or default_num_splits(b, h_kv, cap, cfg.block_n, dev)
+        o_part, lse_part = workspace if workspace is not None else make_workspace(b, h_q, d, s, dev)
+        _check("workspace[0]", o_part, f"float32 [{b}, {h_q}, {s + 1}, {d}]", (b, h_q, s + 1, d), (torch.float32,), dev)
+        _check("workspace[1]", lse_part, f"float32 [{b}, {h_q}, {s + 1}]", (b, h_q, s + 1), (torch.float32,), dev)
+        if out is None:
+            out = torch.empty(b, h_q, d, dtype=q.dtype, device=dev)
+        _check("out", out, f"{q.dtype} [{b}, {h_q}, {d}]", (b, h_q, d), (q.dtype,), dev)
+        if out.stride(-1) != 1:
+            raise _bad("out", out, "a contiguous last dim")
+        words = cfg.magic in (1, 2)
+        kcw, vcw = (kc.view(torch.int32), v_cache.packed.view(torch.int32)) if words else (kc, v_cache.packed)
+        g = h_q // h_kv
+        gp = max(16, 1 << (g - 1).bit_length())
+        scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
+        q_rot = torch.empty_like(q)
+        self.out, self.num_splits, self.config = out, s, cfg
+        self._kernels = _kernels()[1]
+        self._rot: tuple[Any, ...] = ((b * h_kv,), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
+                                   q_rot.stride(1), scale),
+                     dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, MAGIC=cfg.magic, PREC="tf32x3", num_warps=4))
+        ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
+        self._stage1: tuple[Any, ...] = ((b * h_kv, s + 1), (
+            q_rot, q_rot.stride(0), q_rot.stride(1), kcw, vcw, kcw.stride(0), kcw.stride(1),
+            ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl, page,
+            sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
+            recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
+            o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1), s),
+            dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
+                 MODE=cfg.mode, ACT=_ttype(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        self._merge: tuple[Any, ...] = ((b * h_q,), (
+            o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
+            out, out.stride(0), out.stride(1), s + 1),
+            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << s.bit_length()), BLOCK_E=32,
+                 HAS_MU=mu is not None, HAS_R=rv is not None, num_warps=4))
+
+    def run(self) -> torch.Tensor:
+        """Launch the three kernels (rotate q, stage 1, merge + rotate back); returns ``out [B, H_q, D]``."""
+        k = self._kernels
+        k._rotate_q_kernel[self._rot[0]](*self._rot[1], **self._rot[2])
+        LAST_LAUNCH["stage1"] = k._decode_stage1_kernel[self._stage1[0]](*self._stage1[1], **self._stage1[2])
+        k._merge_rotate_kernel[self._merge[0]](*self._merge[1], **self._merge[2])
+        return self.out
+
+
+def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tensor, h_kv: int, page: int,
+                 dev: torch.device) -> None:
     for nm, rows in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check(f"{nm}.packed", rows.packed, f"uint8 {list(kc.shape)}", tuple(kc.shape), (torch.uint8,), dev)
         for part in ("scale", "zero"):
             t = getattr(rows, part)
             _check(f"{nm}.{part}", t, f"[pages, {h_kv}, {page}, 1] (G = D)", (kc.shape[0], h_kv, page, 1), _META, dev)
-            if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype:
-                raise _bad(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale")
-        if rows.packed.stride() != kc.stride() or kc.stride(-1) != 1 or kc.stride(-2) % 4:
-            raise _bad(f"{nm}.packed", rows.packed, "the strides of k_cache.packed, rows of whole int32 words")
-    _check("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
-    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and block_table.numel():
-        if int(block_table.min()) < 0 or int(block_table.max()) >= kc.shape[0]:
-            raise ValueError(f"block_table: entries outside [0, {kc.shape[0]})")
-    cap = int(block_table.shape[1]) * page
-    hl = _lengths("hist_len", hist_len, b, cap, dev)
-    for nm, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
-        _tier(nm, t, b, h_kv, d, q.dtype, dev)
-    if sink_k.stride() != sink_v.stride() or recent_k.stride() != recent_v.stride():
-        raise ValueError("sink_k/sink_v and recent_k/recent_v must share strides")
-    sl = _lengths("sink_len", sink_len, b, int(sink_k.shape[2]), dev)
-    rl = _lengths("recent_len", recent_len, b, int(recent_k.shape[2]), dev)
-    rk, rk_stride = _rot("rotation_k", rotation_k, h_kv, d, dev)
-    rv, rv_stride = _rot("rotation_v", rotation_v, h_kv, d, dev)
-    mu, mu_stride = _mean("mean_v", mean_v, h_kv, d, dev)
-    if rk is None:
-        rk, rk_stride = torch.eye(d, dtype=torch.float32, device=dev), 0
-    s = num_splits or default_num_splits(b, h_kv, cap, cfg.block_n, dev)
-    o_part, lse_part = workspace if workspace is not None else make_workspace(b, h_q, d, s, dev)
-    _check("workspace[0]", o_part, f"float32 [{b}, {h_q}, {s + 1}, {d}]", (b, h_q, s + 1, d), (torch.float32,), dev)
-    _check("workspace[1]", lse_part, f"float32 [{b}, {h_q}, {s + 1}]", (b, h_q, s + 1), (torch.float32,), dev)
-    if out is None:
-        out = torch.empty(b, h_q, d, dtype=q.dtype, device=dev)
-    _check("out", out, f"{q.dtype} [{b}, {h_q}, {d}]", (b, h_q, d), (q.dtype,), dev)
-    if out.stride(-1) != 1:
-        raise _bad("out", out, "a contiguous last dim")
-    kcw, vcw = (kc.view(torch.int32), v_cache.packed.view(torch.int32)) if cfg.magic else (kc, v_cache.packed)
-    g = h_q // h_kv
-    scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
-    _, dec = _kernels()
-    LAST_LAUNCH["stage1"] = dec._decode_stage1_kernel[(b * h_kv, s + 1)](
-        q, q.stride(0), q.stride(1), rk, rk_stride, scale,
-        kcw, vcw, kcw.stride(0), kcw.stride(1), kcw.stride(2),
-        k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero,
-        k_cache.scale.stride(0), k_cache.scale.stride(1), k_cache.scale.stride(2),
-        block_table, block_table.stride(0), hl, page,
-        sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
-        recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
-        o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), s,
-        H_KV=h_kv, GROUP=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, BLOCK_N=cfg.block_n,
-        BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic, MODE=cfg.mode, ACT=_ttype(q.dtype), PREC="tf32x3",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    dec._merge_rotate_kernel[(b * h_q,)](
-        o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
-        out, out.stride(0), out.stride(1), s + 1,
-        H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << s.bit_length()), BLOCK_E=32,
-        HAS_MU=mu is not None, HAS_R=rv is not None, num_warps=4,
-    )
-    return out
+            if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
+                raise _bad(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
+        if rows.packed.stride() != kc.stride() or kc.stride(-1) != 1 or kc.stride(-2) != kc.shape[-1]:
+            raise _bad(f"{nm}.packed", rows.packed, "the strides of k_cache.packed, contiguous rows")
+        if kc.stride(1) % 4 or kc.stride(0) % 4:
+            raise _bad(f"{nm}.packed", rows.packed, "page and head strides that are multiples of 4 bytes")
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: QuantizedRows, v_cache: QuantizedRows, block_table: torch.Tensor,
+    hist_len: torch.Tensor | int, sink_k: torch.Tensor, sink_v: torch.Tensor, sink_len: torch.Tensor | int,
+    recent_k: torch.Tensor, recent_v: torch.Tensor, recent_len: torch.Tensor | int, **kwargs: Any,
+) -> torch.Tensor:
+    """One decode step: ``softmax(q·Kᵀ)·V`` over sink + INT2 history + recent, back in the model's space.
+
+    Args:
+        q: ``[B, H_q, D]`` bf16/fp16 post-RoPE queries, **not** rotated (``q @ R_K`` happens on the GPU).
+        k_cache, v_cache: paged INT2 storage (``packed uint8 [pages, H_kv, P, D/4]`` with contiguous rows,
+            ``scale``/``zero`` ``md [pages, H_kv, P, 1]``: the kernel supports ``G = D``), identical layouts.
+        block_table: int32 ``[B, max_pages]``; hist_len: int32 ``[B]`` (or an int for all rows).
+        sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` in q's dtype, rotated (and centred)
+            like the INT2 tier; sink_len, recent_len: int32 ``[B]`` valid rows per sequence (or ints).
+        kwargs: ``rotation_k`` (``R_K`` ``[D, D]``/``[H_kv, D, D]`` float32), ``rotation_v`` and ``mean_v``
+            (output ``(o + mu_V) @ R_Vᵀ``; None = identity / zero), ``sm_scale`` (default ``D**-0.5``),
+            ``num_splits`` (default from static shapes), ``config`` (:class:`DecodeConfig`), ``out``
+            (``[B, H_q, D]`` result buffer), ``workspace`` (from :func:`make_workspace`).
+
+    Returns:
+        ``out [B, H_q, D]`` in q's dtype.
+    """
+    return DecodePlan(q, k_cache, v_cache, block_table, hist_len, sink_k, sink_v, sink_len,
+                      recent_k, recent_v, recent_len, **kwargs).run()
 
 
 def decode_attention_contiguous(

@@ -100,12 +100,27 @@ def environment() -> dict[str, Any]:
 
     props = torch.cuda.get_device_properties(0)
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        sha = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         sha = None
-    return {"gpu": props.name, "sms": props.multi_processor_count, "l2_bytes": getattr(props, "L2_cache_size", None),
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda, "git_sha": sha}
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "git_sha": sha,
+    }
 
 
 def median_us(fn: Callable[[], Any], rep_ms: int = 100) -> float:
@@ -159,8 +174,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
-def int2_bytes(shape: AttnShape, batch: int, ctx: int, sink: int, recent: int, page: int, meta_bytes: int = 2
-               ) -> int:
+def int2_bytes(shape: AttnShape, batch: int, ctx: int, sink: int, recent: int, page: int, meta_bytes: int = 2) -> int:
     """Bytes one INT2 decode step must move (G = D): history codes + scale + zero, BF16 tiers, q, out,
     R_K, R_V, mu_V and the block table."""
     hp = min(ctx, sink + recent)
@@ -180,8 +194,9 @@ def _orth(d: int, device: torch.device) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(d, d, device=device, dtype=torch.float32))[0].contiguous()
 
 
-def build_int2_case(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device,
-                    seed: int) -> dict[str, Any]:
+def build_int2_case(
+    shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, seed: int
+) -> dict[str, Any]:
     """Random paged INT2 cache (shuffled pages), BF16 tiers and rotations for one decode step."""
     from oscar_kernels.reference import QuantizedRows
 
@@ -205,34 +220,50 @@ def build_int2_case(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, de
     s_len, r_len = min(ctx, cfg.sink), hp - min(ctx, cfg.sink)
     return {
         "q": torch.randn(batch, shape.h_q, d, device=device).to(act),
-        "k_cache": rows(), "v_cache": rows(),
+        "k_cache": rows(),
+        "v_cache": rows(),
         "block_table": torch.randperm(pages, device=device, dtype=torch.int32).reshape(batch, n_pp),
         "hist_len": torch.full((batch,), hist, dtype=torch.int32, device=device),
-        "sink_k": tier(s_len), "sink_v": tier(s_len), "sink_len": torch.full((batch,), s_len, dtype=torch.int32, device=device),
-        "recent_k": tier(r_len), "recent_v": tier(r_len),
+        "sink_k": tier(s_len),
+        "sink_v": tier(s_len),
+        "sink_len": torch.full((batch,), s_len, dtype=torch.int32, device=device),
+        "recent_k": tier(r_len),
+        "recent_v": tier(r_len),
         "recent_len": torch.full((batch,), r_len, dtype=torch.int32, device=device),
-        "rotation_k": _orth(d, device), "rotation_v": _orth(d, device), "mean_v": torch.randn(d, device=device) * 0.1,
+        "rotation_k": _orth(d, device),
+        "rotation_v": _orth(d, device),
+        "mean_v": torch.randn(d, device=device) * 0.1,
     }
 
 
-def int2_call(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor) -> torch.Tensor:
+def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor) -> Any:
+    """A validated :class:`oscar_kernels.ops.DecodePlan` over one case (launch with ``.run()``)."""
     from oscar_kernels import ops
 
     keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
             "recent_k", "recent_v", "recent_len")
-    return ops.decode_attention(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
-                                rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
-                                config=config, workspace=workspace, out=out)
+    return ops.DecodePlan(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
+                          rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
+                          config=config, workspace=workspace, out=out)
 
 
-def bench_int2(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, l2: int,
-               decode_config: Any = None, splits: int | None = None, graphs: bool = True
-               ) -> tuple[float, float | None, int]:
+def bench_int2(
+    shape: AttnShape,
+    batch: int,
+    ctx: int,
+    cfg: BenchConfig,
+    device: torch.device,
+    l2: int,
+    decode_config: Any = None,
+    splits: int | None = None,
+    graphs: bool = True,
+) -> tuple[float, float | None, int]:
     """(eager µs, graph µs, splits) of one INT2 decode step over rotating caches."""
     from oscar_kernels import ops
 
-    dc = decode_config or ops.DecodeConfig(block_n=cfg.block_n, num_warps=cfg.num_warps,
-                                           num_stages=cfg.num_stages, magic=cfg.magic)
+    dc = decode_config or ops.DecodeConfig(
+        block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, magic=cfg.magic
+    )
     hist = max(ctx - cfg.sink - cfg.recent, 0)
     cap = max(1, math.ceil(hist / cfg.page_size)) * cfg.page_size
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, cap, dc.block_n, device)
@@ -240,17 +271,16 @@ def bench_int2(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device:
     cases = rotating(lambda i: build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i), nbytes, l2)
     ws = ops.make_workspace(batch, shape.h_q, shape.d, s, device)
     out = torch.empty(batch, shape.h_q, shape.d, dtype=cases[0]["q"].dtype, device=device)
-    eager = median_us(cycle(cases, lambda c: int2_call(c, s, dc, ws, out)), cfg.rep_ms)
-    g = None
-    if graphs:
-        calls = [partial(int2_call, c, s, dc, ws, out) for c in (cases if len(cases) > 1 else cases * 4)]
-        g = graph_us(calls, cfg.rep_ms)
+    plans = [int2_plan(c, s, dc, ws, out) for c in cases]
+    eager = median_us(cycle(plans, lambda p: p.run()), cfg.rep_ms)
+    g = graph_us([p.run for p in (plans if len(plans) > 1 else plans * 4)], cfg.rep_ms) if graphs else None
     del cases
     return eager, g, s
 
 
-def bench_bf16(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, l2: int,
-               graphs: bool = True) -> tuple[dict[str, float | None], dict[str, float | None]]:
+def bench_bf16(
+    shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, l2: int, graphs: bool = True
+) -> tuple[dict[str, float | None], dict[str, float | None]]:
     """torch SDPA decode (cuDNN and flash backends, ``enable_gqa``) over rotating BF16 caches."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -267,9 +297,11 @@ def bench_bf16(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device:
     eager: dict[str, float | None] = {}
     graph: dict[str, float | None] = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+
         def call(t: tuple[torch.Tensor, torch.Tensor, torch.Tensor], backend: Any = backend) -> torch.Tensor:
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(t[0], t[1], t[2], enable_gqa=True)
+
         try:
             call(sets[0])
             torch.cuda.synchronize()
@@ -278,8 +310,9 @@ def bench_bf16(shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device:
             eager[name] = graph[name] = None
             continue
         eager[name] = median_us(cycle(sets, call), cfg.rep_ms)
-        graph[name] = (graph_us([partial(call, t) for t in (sets if len(sets) > 1 else sets * 4)], cfg.rep_ms)
-                       if graphs else None)
+        graph[name] = (
+            graph_us([partial(call, t) for t in (sets if len(sets) > 1 else sets * 4)], cfg.rep_ms) if graphs else None
+        )
     del sets
     return eager, graph
 
@@ -296,8 +329,12 @@ def bench_quantize(shape: AttnShape, tokens: int, cfg: BenchConfig, device: torc
     r, mu = _orth(shape.d, device), torch.randn(shape.d, device=device) * 0.1
     us = median_us(lambda: ops.quantize_write(x, cache, slots, rotation=r, mean=mu, clip_ratio=0.96), cfg.rep_ms)
     moved = tokens * shape.h_kv * (shape.d * x.element_size() + shape.d // 4 + 4) + tokens * 8
-    return {"tokens": tokens, "us": us, "rows_per_s": tokens * shape.h_kv / (us * 1e-6),
-            "gbps": moved / (us * 1e-6) / 1e9}
+    return {
+        "tokens": tokens,
+        "us": us,
+        "rows_per_s": tokens * shape.h_kv / (us * 1e-6),
+        "gbps": moved / (us * 1e-6) / 1e9,
+    }
 
 
 def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
@@ -315,21 +352,38 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
             b_us, b_g = bench_bf16(config.shape, batch, ctx, config, device, l2, graphs=config.graphs)
             avail = {k: v for k, v in b_us.items() if v is not None}
             if not avail:
-                raise KernelUnavailableError("no BF16 SDPA backend (cuDNN, flash) runs on this GPU",
-                                             hint="update torch; nothing was compared")
+                raise KernelUnavailableError(
+                    "no BF16 SDPA backend (cuDNN, flash) runs on this GPU", hint="update torch; nothing was compared"
+                )
             best = min(avail, key=lambda k: avail[k])
             best_g = [v for v in b_g.values() if v is not None]
             nbytes = int2_bytes(config.shape, batch, ctx, config.sink, config.recent, config.page_size)
             gbps = nbytes / (i_us * 1e-6) / 1e9
-            cells.append(CellResult(
-                batch=batch, ctx=ctx, splits=s, int2_us=i_us, int2_graph_us=i_g, int2_bytes=nbytes, int2_gbps=gbps,
-                pct_copy=100 * gbps / copy, bf16_us=b_us, bf16_graph_us=b_g, best_bf16=best,
-                best_bf16_us=avail[best], speedup=avail[best] / i_us,
-                speedup_graph=(min(best_g) / i_g) if (best_g and i_g) else None))
+            cells.append(
+                CellResult(
+                    batch=batch,
+                    ctx=ctx,
+                    splits=s,
+                    int2_us=i_us,
+                    int2_graph_us=i_g,
+                    int2_bytes=nbytes,
+                    int2_gbps=gbps,
+                    pct_copy=100 * gbps / copy,
+                    bf16_us=b_us,
+                    bf16_graph_us=b_g,
+                    best_bf16=best,
+                    best_bf16_us=avail[best],
+                    speedup=avail[best] / i_us,
+                    speedup_graph=(min(best_g) / i_g) if (best_g and i_g) else None,
+                )
+            )
             torch.cuda.empty_cache()
     quant = bench_quantize(config.shape, config.quant_tokens, config, device)
-    notes = ["FlashInfer not measured: optional, not importable here" if not _has_flashinfer()
-             else "FlashInfer importable but not wired into this harness"]
+    notes = [
+        "FlashInfer not measured: optional, not importable here"
+        if not _has_flashinfer()
+        else "FlashInfer importable but not wired into this harness"
+    ]
     cfg = {k: (v.__dict__ if isinstance(v, AttnShape) else v) for k, v in config.__dict__.items()}
     return BenchResult(config=cfg, environment=env, copy_gbps=copy, cells=cells, quantize=quant, notes=notes)
 
@@ -354,8 +408,9 @@ def save_plot(result: BenchResult, path: Path) -> Path:
         cs = sorted((c for c in result.cells if c.batch == batch), key=lambda c: c.ctx)
         xs = [c.ctx for c in cs]
         line = ax.plot(xs, [c.int2_us for c in cs], marker="o", label=f"INT2 B={batch}")[0]
-        ax.plot(xs, [c.best_bf16_us for c in cs], marker="s", ls="--", color=line.get_color(),
-                label=f"best BF16 B={batch}")
+        ax.plot(
+            xs, [c.best_bf16_us for c in cs], marker="s", ls="--", color=line.get_color(), label=f"best BF16 B={batch}"
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
