@@ -89,6 +89,7 @@ def file_sha256(path: Path, *, use_index: bool = True) -> str:
     sha = _hash_file(path)
     logger.debug("sha256 %s (%d bytes) in %.2f s", path, st.st_size, time.perf_counter() - t0)
     if use_index:
+        index = {k: v for k, v in index.items() if os.path.exists(k)}  # forget deleted files
         index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
         try:
             _write_json_atomic(index_path, index)

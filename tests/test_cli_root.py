@@ -123,6 +123,9 @@ def test_info_json_on_a_local_model(tiny_model: Path, tmp_path: Path, monkeypatc
 
 
 @pytest.mark.unit
-def test_info_group_size_must_divide_head_dim(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_info_group_size_must_divide_head_dim(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path / "cache"))
     code, _, err = _run_main(["info", str(tiny_model), "--no-load", "-g", "12"], capsys)
     assert code == 1 and "group size 12 does not divide head_dim 16" in err

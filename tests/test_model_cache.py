@@ -115,3 +115,8 @@ def test_hash_index_survives_corruption_and_tracks_changes(tmp_path: Path, cache
     f.write_bytes(b"abcd")
     assert model_cache.file_sha256(f) == hashlib.sha256(b"abcd").hexdigest()
     assert json.loads((cache / "hashes.json").read_text())[str(f.resolve())]["size"] == 4
+    g = tmp_path / "other.bin"
+    g.write_bytes(b"x")
+    f.unlink()
+    model_cache.file_sha256(g)
+    assert list(json.loads((cache / "hashes.json").read_text())) == [str(g.resolve())]  # deleted files forgotten
