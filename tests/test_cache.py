@@ -235,17 +235,41 @@ def test_method_names_and_errors() -> None:
     assert set(METHOD_NAMES) == {"bf16", "naive-int2", "quarot-int2", "kivi-2", "oscar"}
 
 
-def test_artifact_for_another_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import oscar_cli.artifact as art_mod
-    from oscar_cli.errors import ArtifactError
+def _write_tiny_artifact(path, cfg, seed: int = 11):
+    from oscar_cli.artifact import Manifest, write_artifact
+    from oscar_cli.artifact.io import LayerRotation
     from oscar_cli.models import architecture_fingerprint
 
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        t = random_transform(seed + i)
+        layers.append(
+            LayerRotation(
+                i, t.k_rotation, t.v_rotation, t.k_mean, t.v_mean, torch.zeros(1, D), torch.zeros(1, D), 0.9, 0.9
+            )
+        )
+    manifest = Manifest(
+        oscar_version="0.1.0",
+        model={"reference": "tiny", "resolved": "sha256:" + "0" * 64},
+        architecture=architecture_fingerprint(cfg),
+        method="oscar",
+        recipe={},
+        quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 8, "recent": 16},
+        data={},
+        seed=0,
+    )
+    return write_artifact(path, manifest, layers, "{}\n", "# tiny\n"), layers
+
+
+def test_oscar_method_from_artifact_and_refusal_for_another_model(tmp_path) -> None:
+    from oscar_cli.errors import ArtifactError
+
     cfg = tiny_model().config
-    other = dict(architecture_fingerprint(cfg), num_layers=30)
-
-    class FakeArtifact:
-        manifest = {"architecture": other, "quant": {}}
-
-    monkeypatch.setattr(art_mod, "open_artifact", lambda ref: FakeArtifact(), raising=False)
-    with pytest.raises(ArtifactError, match="made for another model"):
-        build_method("oscar", cfg, artifact="x")
+    path, layers = _write_tiny_artifact(tmp_path / "art", cfg)
+    meth = build_method("oscar", cfg, artifact=str(path))
+    assert (meth.sink, meth.recent, meth.kind) == (8, 16, "int2")
+    assert torch.equal(meth.layers[1].k_rotation, layers[1].k_rotation) and meth.layers[0].v_clip == pytest.approx(0.9)
+    other = tiny_model().config
+    other.num_hidden_layers = 3
+    with pytest.raises(ArtifactError, match="another model"):
+        build_method("oscar", other, artifact=str(path))

@@ -12,6 +12,8 @@ import typer
 
 COMMANDS: list[str] = [
     "calibrate",
+    "eval_kl",
+    "eval_ruler",
     "export",
     "info",
     "pull",

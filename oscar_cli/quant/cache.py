@@ -82,6 +82,8 @@ class Int2Layer(CacheLayerMixin):
         self.sink_v: torch.Tensor | None = None
         self.recent_k: torch.Tensor | None = None
         self.recent_v: torch.Tensor | None = None
+        self.k_mean: torch.Tensor | None = None  # on the cache's device, set in lazy_initialization
+        self.v_mean: torch.Tensor | None = None
         self.hist_k: list[torch.Tensor] = []  # [packed, scale, zero] once non-empty
         self.hist_v: list[torch.Tensor] = []
 
@@ -97,6 +99,11 @@ class Int2Layer(CacheLayerMixin):
         self.recent_k, self.recent_v = empty, self.values
         self.batch_size = b
         self.is_initialized = True
+        dev = key_states.device  # move the transforms once, not on every call
+        self.k_rot = None if self.k_rot is None else self.k_rot.to(dev)
+        self.v_rot = None if self.v_rot is None else self.v_rot.to(dev)
+        self.k_mean = None if self.transform.k_mean is None else self.transform.k_mean.to(dev)
+        self.v_mean = None if self.transform.v_mean is None else self.transform.v_mean.to(dev)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -139,7 +146,7 @@ class Int2Layer(CacheLayerMixin):
             return x
         from oscar_kernels.reference import rotate
 
-        return rotate(x, r.to(x.device)).to(x.dtype)
+        return rotate(x, r).to(x.dtype)
 
     def _place(self, k: torch.Tensor, v: torch.Tensor, decode: bool) -> int | None:
         """Put new rotated tokens in their tiers; return the first slot demoted to INT2 (None: none)."""
@@ -174,10 +181,10 @@ class Int2Layer(CacheLayerMixin):
         t, meth = self.transform, self.method
         start = self.n_sink + self.n_hist
         for name, rows, mean, clip in (
-            ("k", self.recent_k[..., :m, :], t.k_mean, t.k_clip),
-            ("v", self.recent_v[..., :m, :], t.v_mean, t.v_clip),
+            ("k", self.recent_k[..., :m, :], self.k_mean, t.k_clip),
+            ("v", self.recent_v[..., :m, :], self.v_mean, t.v_clip),
         ):
-            mean_d = None if mean is None else mean.to(rows.device)
+            mean_d = mean
             q = quantize_rows(rows, None, mean_d, clip, meth.group_size, meth.meta_dtype)
             store = self.hist_k if name == "k" else self.hist_v
             if store:

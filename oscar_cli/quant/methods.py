@@ -185,63 +185,35 @@ _META = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.
 def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     """Build the ``oscar`` method from an artifact (local path or ``hf://ORG/NAME@REV``).
 
-    The artifact's architecture fingerprint must equal the model's; anything else is refused.
+    ``open_artifact`` validates the artifact and refuses it (ArtifactError naming the differing fields) when
+    its architecture fingerprint differs from ``config``'s. The INT2 layout (sink, recent, G, metadata dtype)
+    is the one the artifact's clips were chosen for (``manifest.quant``).
     """
-    try:
-        from oscar_cli.artifact import open_artifact
-    except ImportError as exc:  # pragma: no cover - the artifact package ships with oscar
-        raise ArtifactError("this oscar has no artifact reader (oscar_cli.artifact)") from exc
-    from oscar_cli.models import architecture_fingerprint
+    from oscar_cli.artifact import open_artifact
 
-    art = open_artifact(ref)
-    manifest = art.manifest
-    want = architecture_fingerprint(config)
-    have = manifest.architecture if hasattr(manifest, "architecture") else manifest["architecture"]
-    mismatch = {k: (have.get(k), v) for k, v in want.items() if k in have and have.get(k) != v}
-    if mismatch:
-        what = ", ".join(f"{k}: artifact {a!r} vs model {b!r}" for k, (a, b) in sorted(mismatch.items()))
-        raise ArtifactError(
-            f"artifact {ref} was made for another model ({what})",
-            hint="calibrate this model first: oscar calibrate MODEL",
+    art = open_artifact(ref, expect_architecture=config)
+    n_layers = int(config.num_hidden_layers)
+    if len(art.layers) != n_layers:
+        raise ArtifactError(f"artifact {ref} has {len(art.layers)} layers, the model {n_layers}")
+    layers = [
+        LayerTransform(
+            k_rotation=lay.k_rotation.float(),
+            v_rotation=lay.v_rotation.float(),
+            k_mean=lay.k_mean.float(),
+            v_mean=lay.v_mean.float(),
+            k_clip=float(lay.k_clip),
+            v_clip=float(lay.v_clip),
         )
-    quant = manifest.quant if hasattr(manifest, "quant") else manifest.get("quant", {})
-    layers = []
-    for i in range(int(config.num_hidden_layers)):
-        layers.append(_artifact_layer(art, i))
+        for lay in art.layers
+    ]
+    quant = dict(art.manifest.quant)
     return oscar_method(
         layers,
         sink=int(quant.get("sink", DEFAULT_SINK)),
         recent=int(quant.get("recent", DEFAULT_RECENT)),
         group_size=quant.get("group_size"),
         meta_dtype=_META.get(str(quant.get("meta_dtype", "bfloat16")), torch.bfloat16),
-        source=str(ref),
-    )
-
-
-def _artifact_layer(art: Any, i: int) -> LayerTransform:
-    """Read layer ``i``'s tensors through the artifact API (``art.layer(i)`` or ``art.tensors``)."""
-    if hasattr(art, "layer"):
-        lay = art.layer(i)
-
-        def get(name: str) -> Any:
-            return getattr(lay, name) if hasattr(lay, name) else lay[name]
-    else:
-        tensors = art.tensors
-
-        def get(name: str) -> Any:
-            return tensors[f"layers.{i}.{name}"]
-
-    def clip(name: str) -> float:
-        v = get(name)
-        return float(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else float(v)
-
-    return LayerTransform(
-        k_rotation=get("k_rotation").float(),
-        v_rotation=get("v_rotation").float(),
-        k_mean=get("k_mean").float(),
-        v_mean=get("v_mean").float(),
-        k_clip=clip("k_clip"),
-        v_clip=clip("v_clip"),
+        source=f"{ref} ({art.manifest.method})",
     )
 
 

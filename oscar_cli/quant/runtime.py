@@ -113,7 +113,11 @@ def use_method(model: Any, method: QuantMethod, *, fold_values: bool = True) -> 
                     _fold_values(attn, t.v_rotation, n_kv, n_q, d)
                 else:
                     out_rot = _per_head(t.v_rotation.float(), n_q).transpose(-1, -2).contiguous()
-            attn._oscar_runtime = LayerRuntime(q_rotation=q_rot, out_rotation=out_rot)
+            dev = attn.o_proj.weight.device
+            attn._oscar_runtime = LayerRuntime(
+                q_rotation=None if q_rot is None else q_rot.to(dev),
+                out_rotation=None if out_rot is None else out_rot.to(dev),
+            )
         _set_attn(model, name)
         yield MethodSession(model, method, rotate_values=not fold_values)
     finally:

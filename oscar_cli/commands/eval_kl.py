@@ -1,0 +1,103 @@
+"""``oscar eval-kl MODEL --text FILE``: next-token KL and top-1 agreement of each method against BF16."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from oscar_cli import _output
+from oscar_cli._options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelArg, format_ctx, parse_ctx_list
+from oscar_cli.commands.eval_ruler import _ctx_callback, _methods_callback
+
+EXAMPLES = """
+[bold]Examples[/bold]
+
+  oscar eval-kl smollm2-135m --text held-out.txt --artifact ART --ctx 2k --tokens 64 --windows 4
+  oscar eval-kl smollm2-135m --text book.txt --methods naive-int2,quarot-int2,oscar --artifact ART --ctx 1k,4k
+  oscar --json eval-kl smollm2-135m --text book.txt --methods kivi-2 --ctx 1k
+"""
+
+
+def render(res: dict[str, Any]) -> None:
+    """One row per method and length: KL (nats), top-1 agreement, NLL/perplexity, BPE."""
+    cfg = res["config"]
+    t = Table(
+        title=f"next-token KL vs bf16 — {res['model']['reference']}, {cfg['windows']} windows × {cfg['tokens']} "
+        "teacher-forced decode positions after the context",
+        title_justify="left",
+    )
+    for col, just in (
+        ("method", "left"),
+        ("context", "right"),
+        ("KL (nats)", "right"),
+        ("top-1 agree", "right"),
+        ("ppl", "right"),
+        ("BPE", "right"),
+    ):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for m, per_len in res["metrics"].items():
+        for L, v in per_len.items():
+            t.add_row(
+                m,
+                format_ctx(int(L)),
+                f"{v['kl']:.4f}",
+                f"{100 * v['top1']:.1f}%",
+                f"{v['ppl']:.2f}",
+                f"{res['bpe'][m][L]:.2f}",
+            )
+    _output.stdout.print(t)
+    _output.stdout.print(f"{res['seconds']:.0f} s.")
+
+
+def eval_kl(
+    model: ModelArg = DEFAULT_MODEL,
+    text: Annotated[str, typer.Option("--text", help="Held-out prose (plain text) to cut windows from.")] = "",
+    artifact: Annotated[
+        str | None,
+        typer.Option("--artifact", help="OSCAR artifact (local path or hf://ORG/NAME@REV); needed by oscar."),
+    ] = None,
+    methods: Annotated[
+        str,
+        typer.Option(
+            "--methods", help="Comma-separated methods (bf16 is always the reference).", callback=_methods_callback
+        ),
+    ] = "naive-int2,quarot-int2,kivi-2,oscar",
+    ctx: Annotated[
+        str, typer.Option("--ctx", help="Context lengths before the scored tokens (k = 1024).", callback=_ctx_callback)
+    ] = "2k",
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Teacher-forced decode positions M per window.")] = 64,
+    windows: Annotated[int, typer.Option("--windows", min=1, help="Windows N cut from the text.")] = 4,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="Prefill chunk in tokens.")] = 4096,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+) -> None:
+    """KL divergence and top-1 agreement of each method's next-token distributions against BF16."""
+    from oscar_cli.eval.kl import KLConfig, run_kl
+    from oscar_cli.quant.methods import parse_methods
+
+    if not text:
+        raise typer.BadParameter("--text FILE is required (held-out prose)", param_hint="--text")
+    cfg = KLConfig(
+        text=text,
+        lengths=parse_ctx_list(ctx),
+        methods=parse_methods(methods),
+        tokens=tokens,
+        windows=windows,
+        model=model,
+        artifact=artifact,
+        device=device,
+        dtype=dtype,
+        chunk_size=chunk_size,
+    )
+    res = run_kl(cfg).to_json()
+    if _output.SETTINGS.json:
+        _output.emit_json(res)
+    else:
+        render(res)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oscar eval-kl`` to the root app."""
+    app.command("eval-kl", help=eval_kl.__doc__, epilog=EXAMPLES)(eval_kl)

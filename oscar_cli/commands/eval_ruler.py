@@ -1,0 +1,175 @@
+"""``oscar eval-ruler MODEL``: RULER's 8 NIAH tasks for each KV-cache method; table, JSON, JSONL, heatmap."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from oscar_cli import _output
+from oscar_cli._options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelArg, format_ctx, parse_ctx_list
+from oscar_cli.errors import EvalError
+
+EXAMPLES = """
+[bold]Examples[/bold]
+
+  oscar eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 4 --methods bf16,oscar \\
+      --artifact artifacts/smollm2-135m/oscar-1a2b3c        # the README demo (CPU, about a minute)
+  oscar eval-ruler smollm2-135m --artifact ART --haystack-dir ~/prose --ctx 1k,2k,4k,8k --samples 50
+  oscar eval-ruler Qwen/Qwen3-8B --artifact hf://ORG/qwen3-8b-oscar@v1 --ctx 128k \\
+      --rope-scaling yarn --rope-factor 4 --haystack-dir ~/prose       # beyond 32K needs YaRN
+  oscar --json eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 2 --methods bf16
+  # rerunning the same command resumes: finished samples in OUT/samples.jsonl are skipped
+"""
+
+
+def _tasks_callback(value: str) -> str:
+    from oscar_cli.eval.niah import parse_tasks
+
+    try:
+        parse_tasks(value)
+    except EvalError as exc:
+        raise typer.BadParameter(exc.message) from None
+    return value
+
+
+def _methods_callback(value: str) -> str:
+    from oscar_cli.quant.methods import parse_methods
+
+    try:
+        parse_methods(value)
+    except EvalError as exc:
+        raise typer.BadParameter(exc.message) from None
+    return value
+
+
+def _ctx_callback(value: str) -> str:
+    try:
+        parse_ctx_list(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _fmt(x: float) -> str:
+    return "—" if isinstance(x, float) and math.isnan(x) else f"{x:.1f}"
+
+
+def render(res: dict[str, Any]) -> None:
+    """The human summary: mean over tasks per method and length (+ BPE), then every task."""
+    cfg = res["config"]
+    lengths, tasks, methods = cfg["lengths"], cfg["tasks"], cfg["methods"]
+    out = _output.stdout
+    t = Table(
+        title=f"RULER NIAH, mean string_match_all over {len(tasks)} task(s) — {res['model']['reference']} "
+        f"({cfg['samples']} samples per cell)",
+        title_justify="left",
+    )
+    t.add_column("method")
+    for L in lengths:
+        t.add_column(format_ctx(L), justify="right")
+    for L in lengths:
+        t.add_column(f"BPE {format_ctx(L)}", justify="right", style="dim")
+    for m in methods:
+        t.add_row(
+            m,
+            *(_fmt(res["mean"][m][L]) for L in lengths),
+            *(f"{res['bpe'][m][L]['formula']:.2f}" for L in lengths),
+        )
+    out.print(t)
+    d = Table(title="per task", title_justify="left")
+    d.add_column("task")
+    d.add_column("method")
+    for L in lengths:
+        d.add_column(format_ctx(L), justify="right")
+    for task in tasks:
+        for i, m in enumerate(methods):
+            d.add_row(task if i == 0 else "", m, *(_fmt(res["scores"][m][task][L]) for L in lengths))
+        d.add_section()
+    out.print(d)
+    out.print(
+        f"{res['evaluated']} samples evaluated, {res['resumed']} resumed from {res['files']['samples']}; "
+        f"{res['seconds']:.0f} s. Heatmap: {res['files']['heatmap']}. BPE: stored bits per K/V element "
+        "(method.md §8 formula at the nominal length; 16-bit BF16 tiers)."
+    )
+
+
+def eval_ruler(
+    model: ModelArg = DEFAULT_MODEL,
+    artifact: Annotated[
+        str | None,
+        typer.Option("--artifact", help="OSCAR artifact (local path or hf://ORG/NAME@REV); needed by oscar."),
+    ] = None,
+    ctx: Annotated[
+        str,
+        typer.Option("--ctx", help="Context lengths, comma-separated: 1k,2k,4k,8k (k = 1024).", callback=_ctx_callback),
+    ] = "1k,2k,4k,8k",
+    tasks: Annotated[
+        str, typer.Option("--tasks", help="Comma-separated NIAH tasks, or 'all'.", callback=_tasks_callback)
+    ] = "all",
+    methods: Annotated[
+        str,
+        typer.Option(
+            "--methods",
+            help="Comma-separated: bf16, naive-int2, quarot-int2, kivi-2, oscar.",
+            callback=_methods_callback,
+        ),
+    ] = "bf16,naive-int2,quarot-int2,kivi-2,oscar",
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per task and length.")] = 50,
+    haystack_dir: Annotated[
+        str | None, typer.Option("--haystack-dir", help="Folder of .txt prose for the essay haystacks.")
+    ] = None,
+    out: Annotated[str, typer.Option("--out", help="Output folder (samples.jsonl, summary.json, heatmap.png).")] = "",
+    rope_scaling: Annotated[
+        str | None, typer.Option("--rope-scaling", help="'yarn' to run beyond the model's native context.")
+    ] = None,
+    rope_factor: Annotated[float | None, typer.Option("--rope-factor", help="YaRN factor F (context × F).")] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", min=1, help="Prompts per batch (default: 4 on CPU, ~1M tokens on GPU)."),
+    ] = None,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="Prefill chunk in tokens.")] = 4096,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Greedy tokens per answer.")] = 128,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+) -> None:
+    """Run RULER's NIAH tasks through each KV-cache method and score them (string_match_all)."""
+    from oscar_cli.eval.niah import parse_tasks
+    from oscar_cli.eval.ruler import RulerConfig, run_ruler
+    from oscar_cli.models import resolve_model
+    from oscar_cli.quant.methods import parse_methods
+
+    lengths = parse_ctx_list(ctx)
+    if not out:
+        from oscar_cli.artifact.manifest import model_slug
+
+        out = f"ruler-results/{model_slug(resolve_model(model).reference)}"
+    cfg = RulerConfig(
+        lengths=lengths,
+        tasks=parse_tasks(tasks),
+        methods=parse_methods(methods),
+        samples=samples,
+        model=model,
+        artifact=artifact,
+        haystack_dir=haystack_dir,
+        out=out,
+        rope_scaling=rope_scaling,
+        rope_factor=rope_factor,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        chunk_size=chunk_size,
+        max_new_tokens=max_new_tokens,
+    )
+    res = run_ruler(cfg).to_json()
+    if _output.SETTINGS.json:
+        _output.emit_json(res)
+    else:
+        render(res)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oscar eval-ruler`` to the root app."""
+    app.command("eval-ruler", help=eval_ruler.__doc__, epilog=EXAMPLES)(eval_ruler)

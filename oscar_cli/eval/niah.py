@@ -1,0 +1,292 @@
+"""RULER's eight needle-in-a-haystack tasks (NVIDIA/RULER ``scripts/synthetic.yaml`` + ``data/synthetic/niah.py``).
+
+Reproduced from RULER's published task definitions (no code copied):
+
+- **templates**: the task template and answer prefix of ``constants.py``; with one queried value
+  (``num_q · num_v == 1``) the text is singularised ('Some' -> 'A', 'are all' -> 'is', 'are' -> 'is', and
+  the plural "s" of the value type is dropped), as RULER does over template + answer prefix;
+- **needles**: ``One of the special magic {type_v} for {key} is: {value}.`` (plural type);
+- **key/value types**: ``numbers`` (random 7-digit), ``words`` (``adjective-noun`` from the wonderwords
+  lists RULER uses; drawn as a uniform (adjective, noun) pair), ``uuids`` (uuid4 from the sample's RNG);
+- **haystacks**: ``noise`` (RULER's repeated five sentences, one per line), ``needle`` (distractor needles
+  with random keys and values, one per line), ``essay`` (prose from local ``.txt`` files, whitespace-split
+  into words; RULER's Paul Graham essays are not redistributable, so the user supplies the prose);
+- **depth**: essay — needles inserted at sentence boundaries at depths drawn from
+  ``round(linspace(0, 100, 40))`` without replacement; noise/needle — random line indices;
+- **length fitting**: the haystack size is binary-searched so that ``tokens(prompt) + 128 <= length``
+  (resolution 50 words for essay, 1 line for noise/needle — finer than RULER's 500/25 so short lengths are
+  filled), then reduced per sample if a sample overflows;
+- **chat template**: for instruct models the task text is the user turn of the tokenizer's chat template
+  (generation prompt added) and the answer prefix follows it, as RULER appends ``answer_prefix`` to the input.
+
+Every sample has its own RNG seeded by ``(seed, task, length, index)``: sample ``i`` is the same whatever
+``--samples`` is, which makes runs resumable and comparable.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from oscar_cli.errors import EvalError
+
+Haystack = Literal["noise", "essay", "needle"]
+ValueType = Literal["numbers", "words", "uuids"]
+
+TEMPLATE = (
+    "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+    "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?"
+)
+ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+TOKENS_TO_GENERATE = 128
+DEPTHS: list[int] = np.round(np.linspace(0, 100, 40)).astype(int).tolist()  # RULER's essay depths (%)
+
+
+@dataclass(frozen=True)
+class NiahTask:
+    """One RULER NIAH task: haystack kind, key/value types and needle counts."""
+
+    name: str
+    haystack: Haystack
+    type_k: ValueType
+    type_v: ValueType
+    num_k: int
+    num_v: int
+    num_q: int
+
+
+TASKS: dict[str, NiahTask] = {
+    t.name: t
+    for t in (
+        NiahTask("niah_single_1", "noise", "words", "numbers", 1, 1, 1),
+        NiahTask("niah_single_2", "essay", "words", "numbers", 1, 1, 1),
+        NiahTask("niah_single_3", "essay", "words", "uuids", 1, 1, 1),
+        NiahTask("niah_multikey_1", "essay", "words", "numbers", 4, 1, 1),
+        NiahTask("niah_multikey_2", "needle", "words", "numbers", 1, 1, 1),
+        NiahTask("niah_multikey_3", "needle", "uuids", "uuids", 1, 1, 1),
+        NiahTask("niah_multivalue", "essay", "words", "numbers", 1, 4, 1),
+        NiahTask("niah_multiquery", "essay", "words", "numbers", 4, 1, 4),
+    )
+}
+TASK_NAMES: tuple[str, ...] = tuple(TASKS)
+
+
+@dataclass(frozen=True)
+class NiahSample:
+    """One generated sample: the task text, the answer prefix and the expected answers."""
+
+    task: str
+    length: int
+    index: int
+    text: str
+    answer_prefix: str
+    answers: tuple[str, ...]
+    depths: tuple[float, ...]
+
+
+def parse_tasks(text: str | list[str]) -> list[str]:
+    """``"niah_single_1,niah_multikey_2"`` (or ``all``) -> task names; unknown names list the valid ones."""
+    items = text.split(",") if isinstance(text, str) else [p for t in text for p in t.split(",")]
+    names = [i.strip() for i in items if i.strip()]
+    if not names or names == ["all"]:
+        return list(TASK_NAMES)
+    bad = [n for n in names if n not in TASKS]
+    if bad:
+        raise EvalError(f"unknown task {bad[0]!r}; valid tasks: {', '.join(TASK_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
+@lru_cache(maxsize=1)
+def _word_lists() -> tuple[list[str], list[str]]:
+    import importlib.resources as res
+
+    try:
+        assets = res.files("wonderwords.assets")
+        adjs = assets.joinpath("adjectivelist.txt").read_text().split()
+        nouns = assets.joinpath("nounlist.txt").read_text().split()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        from oscar_cli.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            "RULER word keys need the wonderwords word lists", hint="pip install wonderwords"
+        ) from exc
+    return adjs, nouns
+
+
+def random_value(kind: ValueType, rng: random.Random) -> str:
+    """A RULER key or value: 7-digit number, ``adjective-noun`` word, or uuid4."""
+    if kind == "numbers":
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "words":
+        adjs, nouns = _word_lists()
+        return f"{rng.choice(adjs)}-{rng.choice(nouns)}"
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+_SENT_RE = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]*[A-Z0-9])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Regex sentence splitter (offline stand-in for NLTK ``sent_tokenize``)."""
+    return [s for s in _SENT_RE.split(text.strip()) if s]
+
+
+def load_essay_words(haystack_dir: str | Path | None) -> list[str]:
+    """Whitespace-split words of every ``*.txt`` under ``haystack_dir`` (sorted by name)."""
+    if haystack_dir is None:
+        raise EvalError(
+            "essay haystacks need local prose: pass --haystack-dir DIR (a folder of .txt files)",
+            hint="or choose only the noise/needle tasks: niah_single_1, niah_multikey_2, niah_multikey_3",
+        )
+    root = Path(haystack_dir)
+    files = sorted(root.rglob("*.txt")) if root.is_dir() else []
+    if not files:
+        raise EvalError(f"--haystack-dir {root}: no .txt files found", hint="point it at a folder of prose .txt files")
+    words = re.sub(r"\s+", " ", " ".join(f.read_text(encoding="utf-8", errors="replace") for f in files)).split(" ")
+    words = [w for w in words if w]
+    if len(words) < 1000:
+        raise EvalError(f"--haystack-dir {root}: only {len(words)} words of prose; need at least 1000")
+    return words
+
+
+class PromptBuilder:
+    """Turns task text into the model's prompt (chat template for instruct models) and counts its tokens."""
+
+    def __init__(self, tokenizer: Any, chat: bool | None = None) -> None:
+        self.tokenizer = tokenizer
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.chat = has_template if chat is None else chat
+
+    def prompt(self, text: str, answer_prefix: str) -> str:
+        if self.chat:
+            head = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            return str(head) + answer_prefix
+        return text + answer_prefix
+
+    def ids(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=not self.chat)["input_ids"])
+
+    def count(self, text: str, answer_prefix: str) -> int:
+        return len(self.ids(self.prompt(text, answer_prefix)))
+
+
+def _sample_rng(seed: int, task: str, length: int, index: int) -> random.Random:
+    return random.Random(f"ruler:{seed}:{task}:{length}:{index}")
+
+
+def _render(
+    task: NiahTask, n_hay: int, rng: random.Random, essay: list[str] | None
+) -> tuple[str, str, tuple[str, ...], tuple[float, ...]]:
+    """RULER's ``generate_input_output``: returns (task text, answer prefix, answers, needle depths in %)."""
+    num_k = max(task.num_k, task.num_q)
+    keys: list[str] = []
+    values: list[list[str]] = []
+    needles: list[str] = []
+    for _ in range(num_k):
+        keys.append(random_value(task.type_k, rng))
+        vals = [random_value(task.type_v, rng) for _ in range(task.num_v)]
+        values.append(vals)
+        needles += [NEEDLE.format(type_needle_v=task.type_v, key=keys[-1], value=v) for v in vals]
+    rng.shuffle(needles)
+    depths: list[float] = []
+    if task.haystack == "essay":
+        assert essay is not None
+        words = essay[:n_hay] if n_hay <= len(essay) else (essay * (n_hay // len(essay) + 1))[:n_hay]
+        sents = split_sentences(" ".join(words))
+        chosen = sorted(rng.sample(DEPTHS, len(needles)))
+        cuts = [0] + [int(len(sents) * d / 100) for d in chosen] + [len(sents)]
+        parts: list[str] = []
+        for i in range(1, len(cuts)):
+            parts.append(" ".join(sents[cuts[i - 1] : cuts[i]]))
+            if i - 1 < len(needles):
+                parts.append(needles[i - 1])
+        context = " ".join(p for p in parts if p)
+        depths = [float(d) for d in chosen]
+    else:
+        if task.haystack == "noise":
+            lines = [NOISE] * n_hay
+        else:
+            lines = [
+                NEEDLE.format(
+                    type_needle_v=task.type_v, key=random_value(task.type_k, rng), value=random_value(task.type_v, rng)
+                )
+                for _ in range(n_hay)
+            ]
+        idx = sorted(rng.sample(range(n_hay), len(needles)), reverse=True)
+        for i, needle in zip(idx, needles, strict=True):
+            lines.insert(i, needle)
+        context = "\n".join(lines)
+        depths = sorted(100.0 * i / max(1, n_hay) for i in idx)
+    chosen_keys = rng.sample(range(num_k), task.num_q)
+    queries = [keys[i] for i in chosen_keys]
+    answers = tuple(a for i in chosen_keys for a in values[i])
+    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+    template, prefix, type_v = TEMPLATE, ANSWER_PREFIX, str(task.type_v)
+    if task.num_q * task.num_v == 1:
+        template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")
+        prefix = prefix.replace("are", "is")
+        type_v = type_v[:-1]
+    text = template.format(type_needle_v=type_v, context=context, query=query)
+    return text, prefix.format(type_needle_v=type_v, query=query), answers, tuple(depths)
+
+
+def _increment(task: NiahTask, length: int) -> int:
+    """Search resolution: 50 words (essay) or 1 line (noise/needle).
+
+    RULER steps by 500 words / 25 lines (5 below 4K), which can leave hundreds of tokens of a short length
+    unused; a finer step fills each length closer to its nominal size.
+    """
+    return 50 if task.haystack == "essay" else 1
+
+
+def fit_haystack(task: NiahTask, length: int, builder: PromptBuilder, essay: list[str] | None, seed: int) -> int:
+    """Largest haystack size (words or lines, a multiple of the step) whose sample 0 fits ``length``."""
+    step = _increment(task, length)
+    budget = length - TOKENS_TO_GENERATE
+
+    def fits(n: int) -> bool:
+        text, prefix, _, _ = _render(task, n, _sample_rng(seed, task.name, length, 0), essay)
+        return builder.count(text, prefix) <= budget
+
+    if not fits(step):
+        raise EvalError(f"{task.name}: a length of {length} tokens is too short for even a minimal haystack")
+    lo, hi = 1, 2
+    while fits(hi * step):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+def make_sample(
+    task_name: str,
+    length: int,
+    index: int,
+    n_hay: int,
+    builder: PromptBuilder,
+    essay: list[str] | None,
+    seed: int = 42,
+) -> tuple[NiahSample, list[int]]:
+    """Sample ``index`` of ``task`` at ``length`` and its prompt token ids (haystack shrunk if it overflows)."""
+    task = TASKS[task_name]
+    step = _increment(task, length)
+    n = n_hay
+    while True:
+        text, prefix, answers, depths = _render(task, n, _sample_rng(seed, task_name, length, index), essay)
+        ids = builder.ids(builder.prompt(text, prefix))
+        if len(ids) + TOKENS_TO_GENERATE <= length or n <= step:
+            return NiahSample(task_name, length, index, text, prefix, answers, depths), ids
+        n -= step

@@ -1,0 +1,90 @@
+"""``oscar eval-ruler`` end to end on a tiny random model: usage errors, outputs, resume, context limit."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import oscar_cli.models as models_mod
+from evalkit import as_loader, prose, tiny_loaded
+from oscar_cli.errors import EvalError
+from oscar_cli.eval.ruler import apply_rope_scaling
+from oscar_cli.main import app
+
+pytestmark = pytest.mark.unit
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--samples", "0"], "--samples"),
+        (["--ctx", ""], "empty list of context lengths"),
+        (["--tasks", "niah_single_9"], "valid tasks: niah_single_1"),
+        (["--methods", "bf16,int3"], "valid methods: bf16, naive-int2, quarot-int2, kivi-2, oscar"),
+    ],
+)
+def test_usage_errors_exit_2(args: list[str], needle: str) -> None:
+    res = runner.invoke(app, ["eval-ruler", "tiny", *args])
+    assert res.exit_code == 2, res.output
+    flat = re.sub(r"\s+", " ", res.stderr.replace("│", " "))
+    assert needle in flat, flat
+
+
+def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> dict:
+    loaded = tiny_loaded()
+    monkeypatch.setattr(models_mod, "load_model", as_loader(loaded))
+    hay = prose(tmp_path / "prose")
+    args = [
+        "--json", "eval-ruler", "tiny", "--tasks", "niah_single_1,niah_multivalue", "--ctx", "1k",
+        "--samples", "2", "--methods", "bf16,naive-int2", "--haystack-dir", str(hay), "--out", str(tmp_path / "out"),
+        "--max-new-tokens", "6", "--batch-size", "2", *extra,
+    ]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output + str(res.exception)
+    return json.loads(res.stdout)
+
+
+def test_run_writes_outputs_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _run(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    assert first["evaluated"] == 8 and first["resumed"] == 0 and len(lines) == 8
+    assert set(first["scores"]) == {"bf16", "naive-int2"}
+    assert first["counts"]["bf16"]["niah_multivalue"]["1024"] == 2
+    assert first["bpe"]["naive-int2"]["1024"]["formula"] == pytest.approx(2.0 + 32 / 16)
+    assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["scores"] == first["scores"]
+    rec = json.loads(lines[0])
+    assert {"method", "task", "length", "index", "score", "pred", "answers", "prompt_tokens"} <= set(rec)
+    assert rec["prompt_tokens"] + 128 <= 1024
+    second = _run(tmp_path, monkeypatch)
+    assert second["evaluated"] == 0 and second["resumed"] == 8
+    assert second["scores"] == first["scores"]
+    assert len((out / "samples.jsonl").read_text().splitlines()) == 8
+
+
+def test_length_beyond_context_needs_yarn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = tiny_loaded(max_positions=1024)
+    monkeypatch.setattr(models_mod, "load_model", as_loader(loaded))
+    res = runner.invoke(app, ["eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "2k", "--samples", "1",
+                              "--methods", "bf16", "--out", str(tmp_path)])  # fmt: skip
+    assert isinstance(res.exception, EvalError)
+    assert "beyond the model's context of 1024" in res.exception.message and "--rope-scaling yarn" in str(
+        res.exception.hint
+    )
+    apply_rope_scaling(loaded.model, [2048], "yarn", 2.0)
+    assert loaded.model.config.rope_parameters["rope_type"] == "yarn"
+    assert loaded.model.config.max_position_embeddings == 2048
+
+
+def test_essay_task_without_haystack_dir_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models_mod, "load_model", as_loader(tiny_loaded()))
+    res = runner.invoke(app, ["eval-ruler", "tiny", "--tasks", "niah_single_2", "--ctx", "1k", "--samples", "1",
+                              "--methods", "bf16", "--out", str(tmp_path)])  # fmt: skip
+    assert isinstance(res.exception, EvalError) and "--haystack-dir" in res.exception.message

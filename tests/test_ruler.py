@@ -1,0 +1,161 @@
+"""RULER NIAH generators (exact templates, answers, haystacks, depth, length fitting) and scoring."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from evalkit import CharTokenizer, prose
+from oscar_cli.errors import EvalError
+from oscar_cli.eval.niah import (
+    DEPTHS,
+    NOISE,
+    TASK_NAMES,
+    TASKS,
+    TOKENS_TO_GENERATE,
+    PromptBuilder,
+    fit_haystack,
+    load_essay_words,
+    make_sample,
+    parse_tasks,
+    split_sentences,
+)
+from oscar_cli.eval.scoring import match_all, postprocess, string_match_all
+
+pytestmark = pytest.mark.unit
+
+NUM = re.compile(r"^\d{7}$")
+UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+WORD = re.compile(r"^[A-Za-z][A-Za-z'.]*-[A-Za-z][A-Za-z'.]*$")
+
+
+@pytest.fixture(scope="module")
+def essay(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return load_essay_words(prose(tmp_path_factory.mktemp("prose")))
+
+
+def sample(task: str, essay: list[str], length: int = 2048, index: int = 0):
+    b = PromptBuilder(CharTokenizer())
+    n = fit_haystack(TASKS[task], length, b, essay, 42)
+    return make_sample(task, length, index, n, b, essay), b
+
+
+def test_task_table_matches_ruler() -> None:
+    assert TASK_NAMES == (
+        "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
+        "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery",
+    )  # fmt: skip
+    t = {n: (x.haystack, x.type_k, x.type_v, x.num_k, x.num_v, x.num_q) for n, x in TASKS.items()}
+    assert t["niah_single_1"] == ("noise", "words", "numbers", 1, 1, 1)
+    assert t["niah_single_3"] == ("essay", "words", "uuids", 1, 1, 1)
+    assert t["niah_multikey_2"] == ("needle", "words", "numbers", 1, 1, 1)
+    assert t["niah_multikey_3"] == ("needle", "uuids", "uuids", 1, 1, 1)
+    assert t["niah_multivalue"] == ("essay", "words", "numbers", 1, 4, 1)
+    assert t["niah_multiquery"] == ("essay", "words", "numbers", 4, 1, 4)
+    assert DEPTHS[:4] == [0, 3, 5, 8] and DEPTHS[-1] == 100 and len(DEPTHS) == 40
+
+
+def test_single_needle_template_is_singularised_exactly(essay: list[str]) -> None:
+    (s, _ids), _b = sample("niah_single_1", essay)
+    (key,) = re.findall(r"for (\S+) mentioned", s.text)
+    assert WORD.match(key)
+    assert s.text.startswith(
+        "A special magic number is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the number afterwards.\n"
+    )
+    assert s.text.endswith(f"\nWhat is the special magic number for {key} mentioned in the provided text?")
+    assert s.answer_prefix == f" The special magic number for {key} mentioned in the provided text is"
+    (value,) = s.answers
+    assert NUM.match(value)
+    assert f"One of the special magic numbers for {key} is: {value}." in s.text.split("\n")
+    context = s.text.split("\n")[1:-1]
+    assert sum(line == NOISE for line in context) == len(context) - 1  # noise haystack, one line per sentence
+
+
+def test_multivalue_and_multiquery_templates_and_answers(essay: list[str]) -> None:
+    (mv, _), _ = sample("niah_multivalue", essay)
+    (key,) = re.findall(r"for (\S+) mentioned", mv.text)
+    assert mv.text.startswith("Some special magic numbers are hidden within the following text.")
+    assert mv.text.endswith(f"What are all the special magic numbers for {key} mentioned in the provided text?")
+    assert mv.answer_prefix.endswith("mentioned in the provided text are")
+    assert len(mv.answers) == 4 and all(
+        f"One of the special magic numbers for {key} is: {v}." in mv.text for v in mv.answers
+    )
+    (mq, _), _ = sample("niah_multiquery", essay)
+    query = re.search(r"numbers for (.+) mentioned in the provided text\?$", mq.text).group(1)
+    keys = re.match(r"^(\S+), (\S+), (\S+), and (\S+)$", query).groups()
+    assert len(mq.answers) == 4
+    for k, v in zip(keys, mq.answers, strict=True):
+        assert f"One of the special magic numbers for {k} is: {v}." in mq.text
+
+
+def test_uuid_keys_values_and_needle_haystack(essay: list[str]) -> None:
+    (s, _), _ = sample("niah_multikey_3", essay)
+    (key,) = re.findall(r"for (\S+) mentioned", s.text)
+    assert UUID.match(key) and UUID.match(s.answers[0])
+    lines = s.text.split("\n")[1:-1]
+    assert len(lines) > 3 and all(line.startswith("One of the special magic uuids for ") for line in lines)
+    assert sum(key in line for line in lines) == 1  # distractors carry other keys
+    (s3, _), _ = sample("niah_single_3", essay)
+    assert UUID.match(s3.answers[0]) and "special magic uuid for" in s3.text
+
+
+def test_essay_depths_and_multikey_distractors(essay: list[str]) -> None:
+    (s, _), _ = sample("niah_multikey_1", essay)
+    assert len(s.depths) == 4 and all(d in DEPTHS for d in s.depths)
+    assert s.text.count("One of the special magic number") == 4  # 1 queried + 3 distractor needles
+    assert "The river near the garden" in s.text
+
+
+def test_length_fitting_and_determinism(essay: list[str]) -> None:
+    for task in ("niah_single_1", "niah_single_2", "niah_multikey_2"):
+        (s, ids), b = sample(task, essay, length=3000)
+        assert len(ids) + TOKENS_TO_GENERATE <= 3000
+        assert len(ids) + TOKENS_TO_GENERATE > 3000 - 160  # filled to within one step (50 words / 1 line)
+        (again, ids2), _ = sample(task, essay, length=3000)
+        assert again == s and ids2 == ids
+        (other, _), _ = sample(task, essay, length=3000, index=1)
+        assert other.answers != s.answers
+
+
+def test_task_names_and_missing_essay() -> None:
+    assert parse_tasks("all") == list(TASK_NAMES)
+    with pytest.raises(EvalError, match="valid tasks: niah_single_1"):
+        parse_tasks("niah_single_9")
+    with pytest.raises(EvalError, match="--haystack-dir"):
+        load_essay_words(None)
+
+
+def test_sentence_splitter() -> None:
+    assert split_sentences("It rained. Then it stopped! Did it? Yes.") == [
+        "It rained.",
+        "Then it stopped!",
+        "Did it?",
+        "Yes.",
+    ]
+
+
+def test_string_match_all_like_ruler() -> None:
+    assert postprocess("  a\tb\x01c \n") == "a\nb\nc"
+    assert match_all("The numbers are 123 and 456", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert match_all("ABC-def", ["abc-DEF"]) == 1.0
+    assert string_match_all(["abc 123", "x"], [["123", "456"], ["x"]]) == 75.0
+
+
+def test_chat_template_wraps_task_text() -> None:
+    class ChatTok(CharTokenizer):
+        chat_template = "x"
+
+        def apply_chat_template(self, msgs, tokenize: bool, add_generation_prompt: bool) -> str:
+            assert not tokenize and add_generation_prompt
+            return f"<user>{msgs[0]['content']}</user><assistant>"
+
+    b = PromptBuilder(ChatTok())
+    assert b.prompt("Q?", " A is") == "<user>Q?</user><assistant> A is"
+
+
+def test_prose_file_is_used(tmp_path: Path) -> None:
+    words = load_essay_words(prose(tmp_path))
+    assert words[:3] == ["The", "river", "near"]
