@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from evalkit import CharTokenizer, prose
+
 from oscar_cli.errors import EvalError
 from oscar_cli.eval.niah import (
     DEPTHS,
