@@ -11,6 +11,7 @@ import importlib
 import typer
 
 COMMANDS: list[str] = [
+    "bench",
     "calibrate",
     "eval_kl",
     "eval_ruler",

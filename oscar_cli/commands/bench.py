@@ -1,0 +1,99 @@
+"""``oscar bench``: INT2 decode attention vs the best BF16 decode (cuDNN / flash SDPA) on this GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from oscar_cli import _output
+from oscar_cli._options import format_ctx, parse_ctx_list
+from oscar_cli.errors import OscarError
+
+EXAMPLES = """
+[bold]Examples[/bold]
+
+  oscar bench                                           # qwen3-8b layer, batch 1,16 x ctx 4k,32k,128k
+  oscar bench --shape llama-3.1-8b --batch 1,4,16,64   # another model's attention shape
+  oscar bench --shape 32,8,128 --ctx 8k,64k --plot bench.png
+  oscar --json bench > bench.json                       # GPU name, versions, git sha and every number
+"""
+
+
+def _us(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:,.1f}"
+
+
+def _render(res: Any) -> None:
+    env = res.environment
+    t = Table(title=f"decode attention, one {res.config['shape']['name']} layer on {env['gpu']} "
+              f"(copy {res.copy_gbps / 1e3:.2f} TB/s; µs medians: eager / CUDA graph)", title_justify="left")
+    for col in ("batch", "ctx", "splits", "INT2 µs", "INT2 graph", "GB/s", "% copy", "cuDNN µs", "flash µs",
+                "best BF16 graph", "speed-up", "speed-up graph"):
+        t.add_column(col, justify="right")
+    for c in res.cells:
+        best_g = min((v for v in c.bf16_graph_us.values() if v is not None), default=None)
+        t.add_row(str(c.batch), format_ctx(c.ctx), str(c.splits), _us(c.int2_us), _us(c.int2_graph_us),
+                  f"{c.int2_gbps:,.0f}", f"{c.pct_copy:.0f}%", _us(c.bf16_us.get("cudnn")),
+                  _us(c.bf16_us.get("flash")), _us(best_g), f"{c.speedup:.2f}x",
+                  "n/a" if c.speedup_graph is None else f"{c.speedup_graph:.2f}x")
+    _output.stdout.print(t)
+    q = res.quantize
+    _output.stdout.print(f"quantize-on-write: {q['tokens']} tokens x {res.config['shape']['h_kv']} KV heads in "
+                         f"{q['us']:,.1f} µs = {q['rows_per_s'] / 1e6:,.1f} M rows/s ({q['gbps']:,.0f} GB/s)")
+    for n in res.notes:
+        _output.stdout.print(f"note: {n}")
+
+
+def bench(
+    shape: Annotated[str, typer.Option("--shape", help="qwen3-8b | llama-3.1-8b | smollm2-135m | H_Q,H_KV,D")] = "qwen3-8b",
+    batch: Annotated[str, typer.Option("--batch", help="Batch sizes, comma-separated.")] = "1,16",
+    ctx: Annotated[str, typer.Option("--ctx", help="Context lengths (all tiers), e.g. 4k,32k,128k.")] = "4k,32k,128k",
+    dtype: Annotated[str, typer.Option("--dtype", help="Activation dtype: bf16 | fp16.")] = "bf16",
+    splits: Annotated[int | None, typer.Option("--splits", help="INT2 split count (default: from shapes).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot of time vs context here.")] = None,
+    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays.")] = True,
+) -> None:
+    """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
+    from oscar_cli.bench.shapes import parse_int_list, parse_shape
+
+    try:
+        cfg_shape = parse_shape(shape)
+        batches = tuple(parse_int_list(batch))
+        ctxs = tuple(parse_ctx_list(ctx))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if dtype not in ("bf16", "fp16"):
+        raise typer.BadParameter(f"--dtype must be bf16 or fp16, got {dtype!r}")
+    from oscar_cli.bench import harness
+
+    config = harness.BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
+                                 graphs=graphs)
+    with _output.progress() as p:
+        task = p.add_task("bench", total=len(batches) * len(ctxs))
+
+        def step(msg: str) -> None:
+            p.update(task, description=msg)
+            p.advance(task)
+
+        res = harness.run(config, progress=step)
+    if plot is not None:
+        try:
+            harness.save_plot(res, plot)
+        except OSError as exc:
+            raise OscarError(f"cannot write the plot to {plot}: {exc.strerror}") from exc
+    if _output.SETTINGS.json:
+        from dataclasses import asdict
+
+        _output.emit_json(asdict(res) | {"plot": str(plot) if plot else None})
+    else:
+        _render(res)
+        if plot is not None:
+            _output.info(f"plot written to {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oscar bench`` to the root app."""
+    app.command("bench", help=bench.__doc__, epilog=EXAMPLES)(bench)
