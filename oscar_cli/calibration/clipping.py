@@ -48,6 +48,8 @@ def int2_pair_mask(t: int, tq: int, sink: int, recent: int, device: torch.device
 class LayerClipProblem:
     """Held-out tensors of one layer, rotated and centred once; evaluates candidate ratios.
 
+    Queries are kept grouped by KV head (``[B, H_kv, g·Tq, D]``), so GQA needs no key/value repetition.
+
     Args:
         q: ``[B, H_q, Tq, D]`` queries at the last ``Tq`` positions; k, v: ``[B, H_kv, T, D]``.
         k_rotation, v_rotation: ``[N, D, D]`` (``N`` = 1 or ``H_kv``); k_mean, v_mean: ``[H_kv, D]`` rotated space.
@@ -60,39 +62,36 @@ class LayerClipProblem:
     ) -> None:
         b, hq, tq, d = q.shape
         h_kv, t = k.shape[1], k.shape[2]
-        self.g = hq // h_kv
+        g = hq // h_kv
         dev = q.device
         rk = k_rotation.to(dev, torch.float32).expand(h_kv, d, d)
         rv = v_rotation.to(dev, torch.float32).expand(h_kv, d, d)
-        self.q = torch.einsum("bhtd,hde->bhte", q.float(), rk.repeat_interleave(self.g, 0))
+        qg = q.float().reshape(b, h_kv, g * tq, d)  # query head j -> KV head j // g; rows (j % g, position)
+        self.q = torch.einsum("bhtd,hde->bhte", qg, rk)
         self.k = torch.einsum("bhtd,hde->bhte", k.float(), rk) - k_mean.to(dev, torch.float32)[:, None]
         self.v = torch.einsum("bhtd,hde->bhte", v.float(), rv) - v_mean.to(dev, torch.float32)[:, None]
-        self.mu_v = v_mean.to(dev, torch.float32).repeat_interleave(self.g, 0)[None, :, None]  # [1, H_q, 1, D]
+        self.mu_v = v_mean.to(dev, torch.float32)[None, :, None]  # [1, H_kv, 1, D]
         self.scaling = scaling
         self.group_size, self.meta = group_size, META_DTYPES[meta_dtype]
-        self.int2 = int2_pair_mask(t, tq, sink, recent, dev)  # [Tq, T]
+        self.int2 = int2_pair_mask(t, tq, sink, recent, dev).repeat(g, 1)  # [g·Tq, T]
         causal = torch.arange(t, device=dev)[None, :] <= torch.arange(t - tq, t, device=dev)[:, None]
-        self.neg = torch.zeros(tq, t, device=dev).masked_fill(~causal, float("-inf"))
+        self.neg = torch.zeros(tq, t, device=dev).masked_fill(~causal, float("-inf")).repeat(g, 1)
         self.logits = self._logits(self.k)
         p = torch.softmax(self.logits, -1)
-        self.out = p @ self._expand(self.v)  # exact output, centred rotated space [B, H_q, Tq, D]
+        self.out = p @ self.v  # exact output, centred rotated space [B, H_kv, g·Tq, D]
         self.norm = float((self.out + self.mu_v).square().sum())
-        self.p_k = p  # attention with quantized keys (set by choose_k); starts exact
+        self.p_k = p  # attention with quantized keys (set by set_key_ratio); starts exact
+        self._split()
 
     @property
     def has_int2(self) -> bool:
         return bool(self.int2.any())
 
-    def _expand(self, x: torch.Tensor) -> torch.Tensor:
-        return x.repeat_interleave(self.g, dim=1)
-
     def _logits(self, k: torch.Tensor) -> torch.Tensor:
-        return (self.q @ self._expand(k).transpose(-1, -2)) * self.scaling + self.neg
+        return (self.q @ k.transpose(-1, -2)) * self.scaling + self.neg
 
     def _fake(self, x: torch.Tensor, ratio: float) -> torch.Tensor:
-        from oscar_kernels.reference import fake_quantize_rows
-
-        return fake_quantize_rows(x, None, None, ratio, self.group_size, self.meta)
+        return fake_quantize(x, ratio, self.group_size, self.meta)
 
     def _error(self, out_hat: torch.Tensor) -> float:
         return float((out_hat - self.out).square().sum()) / max(self.norm, 1e-30)
@@ -103,17 +102,32 @@ class LayerClipProblem:
 
     def key_error(self, ratio: float) -> float:
         """Output error with keys quantized at ``ratio`` (INT2 tier only) and exact values."""
-        return self._error(self._probs_with_keys(ratio) @ self._expand(self.v))
+        return self._error(self._probs_with_keys(ratio) @ self.v)
 
     def set_key_ratio(self, ratio: float) -> None:
+        """Fix the key clip ratio for the value search."""
         self.p_k = self._probs_with_keys(ratio)
+        self._split()
+
+    def _split(self) -> None:
+        self._p_int2 = self.p_k * self.int2  # attention mass on INT2 keys
+        self._exact_part = (self.p_k - self._p_int2) @ self.v  # output from the BF16 tiers
 
     def value_error(self, ratio: float) -> float:
         """Output error with keys at the chosen ratio and values quantized at ``ratio`` (INT2 tier only)."""
-        vq = self._expand(self._fake(self.v, ratio))
-        p_int2 = self.p_k * self.int2
-        out_hat = p_int2 @ vq + (self.p_k - p_int2) @ self._expand(self.v)
-        return self._error(out_hat)
+        return self._error(self._p_int2 @ self._fake(self.v, ratio) + self._exact_part)
+
+
+def fake_quantize(x: torch.Tensor, ratio: float, group_size: int | None, meta: torch.dtype) -> torch.Tensor:
+    """``oscar_kernels.reference.fake_quantize_rows`` on already rotated, centred rows, minus the pack/unpack
+    round trip (lossless): clip → ``quantize_int2`` → ``zero + code·scale`` in float32. ``x [..., D]``."""
+    from oscar_kernels.reference import clip_rows, quantize_int2
+
+    d = x.shape[-1]
+    g = d if group_size is None else group_size
+    codes, scale, zero = quantize_int2(clip_rows(x, ratio), group_size, meta)
+    c = codes.float().reshape(*x.shape[:-1], d // g, g)
+    return (zero.float().unsqueeze(-1) + c * scale.float().unsqueeze(-1)).reshape(x.shape)
 
 
 def _argmin(errors: dict[float, float]) -> float:

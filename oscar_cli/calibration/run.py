@@ -18,7 +18,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,9 @@ def plan_budget(recipe: Recipe, head_dim: int) -> tuple[int, int]:
     n_seq = d.tokens // d.seq_len
     hold = math.ceil(c.holdout_tokens / d.seq_len) if c.holdout_tokens > 0 else 0
     if c.mode == "search" and hold == 0:
-        raise CalibrationError("clip.mode search needs held-out tokens: set clip.holdout_tokens > 0",
-                               hint="or use clip.mode: global")
+        raise CalibrationError(
+            "clip.mode search needs held-out tokens: set clip.holdout_tokens > 0", hint="or use clip.mode: global"
+        )
     min_stats = max(4 * head_dim, 256)
     stats = n_seq - hold
     if stats < 1 or stats * d.seq_len < min_stats:
@@ -131,17 +133,22 @@ def check_model(config: Any, recipe: Recipe) -> None:
         )
 
 
-def _capture(model: Any, data: CalibrationData, recipe: Recipe, n_stats: int, device: torch.device,
-             report: Progress) -> tuple[list[LayerStatistics], HoldoutStore]:
+def _capture(
+    model: Any, data: CalibrationData, recipe: Recipe, n_stats: int, device: torch.device, report: Progress
+) -> tuple[list[LayerStatistics], HoldoutStore]:
     n_layers, _, h_kv, d = _head_dim(model.config)
     s, q = recipe.statistics, recipe.quant
-    stats = [LayerStatistics(h_kv, d, s.k_target, s.v_target, q.sink, s.exclude_sink, s.sst_max_tokens, device)
-             for _ in range(n_layers)]
+    reservoir = min(s.sst_max_tokens, n_stats * recipe.data.seq_len)  # never larger than the data
+    stats = [
+        LayerStatistics(h_kv, d, s.k_target, s.v_target, q.sink, s.exclude_sink, reservoir, device)
+        for _ in range(n_layers)
+    ]
     gen = torch.Generator().manual_seed(recipe.data.seed)
     plan: list[tuple[torch.Tensor, torch.Tensor] | None] = [None]
 
-    def observe(layer: int, qq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                scaling: float) -> None:
+    def observe(
+        layer: int, qq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scaling: float
+    ) -> None:
         stats[layer].update(qq, k, v, out, scaling, plan[0])
 
     seqs = data.sequences
@@ -149,9 +156,9 @@ def _capture(model: Any, data: CalibrationData, recipe: Recipe, n_stats: int, de
     total = seqs.shape[0]
     with capture_attention(model, observe):
         for start in range(0, n_stats, bs):
-            batch = seqs[start:min(start + bs, n_stats)]
+            batch = seqs[start : min(start + bs, n_stats)]
             if s.v_target == "sst":
-                slots, idx = reservoir_plan(seen, batch.numel(), s.sst_max_tokens, gen)
+                slots, idx = reservoir_plan(seen, batch.numel(), reservoir, gen)
                 plan[0] = (slots.to(device), idx.to(device))
             run_forward(model, batch.to(device))
             seen += batch.numel()
@@ -176,11 +183,16 @@ def _solve(stats: list[LayerStatistics], recipe: Recipe, report: Progress) -> li
         h = t.k_mean.shape[0]
         km = torch.einsum("hd,hde->he", t.k_mean, rk.double().expand(h, -1, -1)).float()
         vm = torch.einsum("hd,hde->he", t.v_mean, rv.double().expand(h, -1, -1)).float()
-        out.append({
-            "k_rotation": rk, "v_rotation": rv, "k_eigenvalues": lk, "v_eigenvalues": lv,
-            "k_mean": km if recipe.rotation.center_keys else torch.zeros_like(km),
-            "v_mean": vm if recipe.rotation.center_values else torch.zeros_like(vm),
-        })
+        out.append(
+            {
+                "k_rotation": rk,
+                "v_rotation": rv,
+                "k_eigenvalues": lk,
+                "v_eigenvalues": lv,
+                "k_mean": km if recipe.rotation.center_keys else torch.zeros_like(km),
+                "v_mean": vm if recipe.rotation.center_values else torch.zeros_like(vm),
+            }
+        )
         report("solve", i + 1, len(stats))
     return out
 
@@ -189,9 +201,23 @@ def _clip(solved: list[dict[str, Any]], store: HoldoutStore, recipe: Recipe, rep
     c, q = recipe.clip, recipe.quant
     choices = []
     for i, s in enumerate(solved):
-        problems = [LayerClipProblem(qq, k, v, s["k_rotation"], s["v_rotation"], s["k_mean"], s["v_mean"],
-                                     store.scaling, q.sink, q.recent, q.group_size, q.meta_dtype)
-                    for qq, k, v in store.layers[i]]
+        problems = [
+            LayerClipProblem(
+                qq,
+                k,
+                v,
+                s["k_rotation"],
+                s["v_rotation"],
+                s["k_mean"],
+                s["v_mean"],
+                store.scaling,
+                q.sink,
+                q.recent,
+                q.group_size,
+                q.meta_dtype,
+            )
+            for qq, k, v in store.layers[i]
+        ]
         problems = [p for p in problems if p.has_int2]
         if not problems:
             choices.append(ClipChoice(c.k_ratio, c.v_ratio))
@@ -204,15 +230,24 @@ def _clip(solved: list[dict[str, Any]], store: HoldoutStore, recipe: Recipe, rep
     return choices
 
 
-def default_output(reference: str, recipe: Recipe, resolved: str, data_sha: str, root: Path = Path("artifacts")) -> Path:
+def default_output(
+    reference: str, recipe: Recipe, resolved: str, data_sha: str, root: Path = Path("artifacts")
+) -> Path:
     """``artifacts/<model-slug>/<recipe>-<short-hash>``: the hash covers model, recipe and data identity."""
     key = json.dumps({"model": resolved, "recipe": recipe.to_dict(), "data": data_sha}, sort_keys=True)
     return root / model_slug(reference) / f"{recipe.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 def calibrate_model(
-    model: Any, tokenizer: Any, recipe: Recipe, *, reference: str, resolved: str,
-    out: Path | str | None = None, overwrite: bool = False, report: Progress | None = None,
+    model: Any,
+    tokenizer: Any,
+    recipe: Recipe,
+    *,
+    reference: str,
+    resolved: str,
+    out: Path | str | None = None,
+    overwrite: bool = False,
+    report: Progress | None = None,
 ) -> CalibrationResult:
     """Calibrate a loaded model (any device/dtype) and write its artifact. See the module docstring."""
     report = report or _noop
@@ -227,8 +262,15 @@ def calibrate_model(
     timings: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    data = prepare_data(recipe.data.source, recipe.data, model=model, tokenizer=tokenizer, device=device,
-                        n_seq=n_stats + n_hold, on_tokens=lambda n: report("data", n, recipe.data.tokens))
+    data = prepare_data(
+        recipe.data.source,
+        recipe.data,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        n_seq=n_stats + n_hold,
+        on_tokens=lambda n: report("data", n, recipe.data.tokens),
+    )
     report("data", recipe.data.tokens, recipe.data.tokens)
     timings["data"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -236,39 +278,65 @@ def calibrate_model(
     _sync(device)
     timings["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    solved = _solve(stats, recipe, report)
-    del stats
-    timings["solve"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    choices = _clip(solved, store, recipe, report)
+    with _cpu_threads(1 if device.type == "cpu" else None):  # small ops: OpenMP threads only add overhead
+        solved = _solve(stats, recipe, report)
+        del stats
+        timings["solve"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        choices = _clip(solved, store, recipe, report)
     _sync(device)
     timings["clip"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     layers, summaries = [], []
     for i, (s, ch) in enumerate(zip(solved, choices, strict=True)):
-        layers.append(LayerRotation(i, s["k_rotation"], s["v_rotation"], s["k_mean"], s["v_mean"],
-                                    s["k_eigenvalues"], s["v_eigenvalues"], ch.k_ratio, ch.v_ratio))
-        summaries.append(LayerSummary(i, _spread(s["k_eigenvalues"]), _spread(s["v_eigenvalues"]),
-                                      ch.k_ratio, ch.v_ratio, ch.error))
+        layers.append(
+            LayerRotation(
+                i,
+                s["k_rotation"],
+                s["v_rotation"],
+                s["k_mean"],
+                s["v_mean"],
+                s["k_eigenvalues"],
+                s["v_eigenvalues"],
+                ch.k_ratio,
+                ch.v_ratio,
+            )
+        )
+        summaries.append(
+            LayerSummary(i, _spread(s["k_eigenvalues"]), _spread(s["v_eigenvalues"]), ch.k_ratio, ch.v_ratio, ch.error)
+        )
     from oscar_cli.models import architecture_fingerprint
 
     manifest = Manifest(
-        oscar_version=__version__, model={"reference": reference, "resolved": resolved},
-        architecture=architecture_fingerprint(model.config), method=recipe.method,
-        grouping=recipe.rotation.grouping, recipe=recipe.to_dict(),
-        quant={"group_size": recipe.quant.group_size or d, "meta_dtype": recipe.quant.meta_dtype,
-               "sink": recipe.quant.sink, "recent": recipe.quant.recent},
-        data=data.identity, seed=recipe.data.seed,
+        oscar_version=__version__,
+        model={"reference": reference, "resolved": resolved},
+        architecture=architecture_fingerprint(model.config),
+        method=recipe.method,
+        grouping=recipe.rotation.grouping,
+        recipe=recipe.to_dict(),
+        quant={
+            "group_size": recipe.quant.group_size or d,
+            "meta_dtype": recipe.quant.meta_dtype,
+            "sink": recipe.quant.sink,
+            "recent": recipe.quant.recent,
+        },
+        data=data.identity,
+        seed=recipe.data.seed,
         calibration={
-            "k_target": recipe.statistics.k_target, "v_target": recipe.statistics.v_target,
+            "k_target": recipe.statistics.k_target,
+            "v_target": recipe.statistics.v_target,
             "composition": recipe.rotation.composition,
-            "statistics_tokens": n_stats * recipe.data.seq_len, "holdout_tokens": n_hold * recipe.data.seq_len,
-            "orthogonality_error": max(max(orthogonality_error(x.k_rotation), orthogonality_error(x.v_rotation))
-                                       for x in layers),
-            "clip": {"mode": recipe.clip.mode,
-                     "objective": "relative attention-output error, held-out tokens, INT2 tier only",
-                     "layers": [c.to_dict() for c in choices]},
+            "statistics_tokens": n_stats * recipe.data.seq_len,
+            "holdout_tokens": n_hold * recipe.data.seq_len,
+            "orthogonality_error": max(
+                max(orthogonality_error(x.k_rotation), orthogonality_error(x.v_rotation)) for x in layers
+            ),
+            "clip": {
+                "mode": recipe.clip.mode,
+                "objective": "relative attention-output error, held-out tokens, INT2 tier only",
+                "layers": [c.to_dict() for c in choices],
+            },
             "timings_s": {k: round(v, 3) for k, v in timings.items()},
         },
     )
@@ -285,14 +353,33 @@ def _spread(lam: torch.Tensor) -> float:
     return float(lam.max() / lam.mean().clamp_min(1e-30))
 
 
+@contextmanager
+def _cpu_threads(n: int | None) -> Iterator[None]:
+    """Temporarily run torch CPU ops on ``n`` threads (None: unchanged). 64×64 eigh and the clip search's
+    small matmuls are 10-100x slower with 2 OpenMP threads on a busy 2-core machine than with one."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def calibrate(
-    model_ref: str, *, recipe: Recipe, device: str | None = None, dtype: str | None = None,
-    revision: str | None = None, out: Path | str | None = None, overwrite: bool = False,
+    model_ref: str,
+    *,
+    recipe: Recipe,
+    device: str | None = None,
+    dtype: str | None = None,
+    revision: str | None = None,
+    out: Path | str | None = None,
+    overwrite: bool = False,
     report: Progress | None = None,
 ) -> CalibrationResult:
     """Load ``model_ref`` (:func:`oscar_cli.models.load_model`) and :func:`calibrate_model` it."""
@@ -306,5 +393,13 @@ def calibrate(
 
         raise ArtifactError(f"artifact path {out} already exists", hint="pass --overwrite or choose --out")
     loaded = load_model(model_ref, device=device, dtype=dtype, revision=revision)
-    return calibrate_model(loaded.model, loaded.tokenizer, recipe, reference=loaded.identity.reference,
-                           resolved=loaded.identity.resolved, out=out, overwrite=overwrite, report=report)
+    return calibrate_model(
+        loaded.model,
+        loaded.tokenizer,
+        recipe,
+        reference=loaded.identity.reference,
+        resolved=loaded.identity.resolved,
+        out=out,
+        overwrite=overwrite,
+        report=report,
+    )
