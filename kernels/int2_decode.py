@@ -31,6 +31,33 @@ import triton
 import triton.language as tl
 
 
+def _unpack_asm(shift: int, fp16: bool) -> str:
+    """PTX turning 4 packed code bytes (one quarter selected by ``shift``) into 4 bf16 (or fp16) values.
+
+    ``t = (w >> shift) & 0x03030303`` leaves one code per byte; ``prmt`` interleaves each code byte with the
+    constant byte 0x43 (bf16 ``0x43cc`` = 128 + c exactly) or 0x64 (fp16 ``0x64cc`` = 1024 + c), two lanes per
+    output register in element order. fp16 subtracts 1024 exactly (``sub.f16x2``) so its dot runs on ``c``;
+    bf16 keeps ``128 + c`` and folds the 128 into the per-token zero term.
+    """
+    const = "0x64646464" if fp16 else "0x43434343"
+    lines = ["{", ".reg .b32 t;"]
+    lines.append(f"shr.b32 t, $2, {shift};\nand.b32 t, t, 0x03030303;" if shift else "and.b32 t, $2, 0x03030303;")
+    lines += [f"prmt.b32 $0, t, {const}, 0x5140;", f"prmt.b32 $1, t, {const}, 0x7362;"]
+    if fp16:
+        lines += [".reg .b32 m;", "mov.b32 m, 0x64006400;", "sub.f16x2 $0, $0, m;", "sub.f16x2 $1, $1, m;"]
+    return "\n".join(lines + ["}"])
+
+
+_ASM_BF16_0 = tl.constexpr(_unpack_asm(0, False))
+_ASM_BF16_1 = tl.constexpr(_unpack_asm(2, False))
+_ASM_BF16_2 = tl.constexpr(_unpack_asm(4, False))
+_ASM_BF16_3 = tl.constexpr(_unpack_asm(6, False))
+_ASM_F16_0 = tl.constexpr(_unpack_asm(0, True))
+_ASM_F16_1 = tl.constexpr(_unpack_asm(2, True))
+_ASM_F16_2 = tl.constexpr(_unpack_asm(4, True))
+_ASM_F16_3 = tl.constexpr(_unpack_asm(6, True))
+
+
 @triton.jit
 def _quarter_cols(J: tl.constexpr, D: tl.constexpr, MAGIC: tl.constexpr):
     """Head-dim index held by each of the ``D/4`` unpacked columns of quarter ``J``."""
@@ -47,7 +74,27 @@ def _unpack_quarter(raw, J: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
     16-bit lanes of one int32 sit in adjacent columns (dims ``4w + s`` and ``4w + s + 2``), see
     :func:`_quarter_cols`.
     """
-    if MAGIC == 3:  # bytes in natural layout, magic number per element
+    if MAGIC == 4:  # bytes; PTX per 32-bit register of 4 codes: shift, and, two byte-permutes (see _UNPACK_ASM)
+        if ACT == tl.float16:
+            if J == 0:
+                out = tl.inline_asm_elementwise(_ASM_F16_0, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            elif J == 1:
+                out = tl.inline_asm_elementwise(_ASM_F16_1, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            elif J == 2:
+                out = tl.inline_asm_elementwise(_ASM_F16_2, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            else:
+                out = tl.inline_asm_elementwise(_ASM_F16_3, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            if J == 0:
+                out = tl.inline_asm_elementwise(_ASM_BF16_0, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+            elif J == 1:
+                out = tl.inline_asm_elementwise(_ASM_BF16_1, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+            elif J == 2:
+                out = tl.inline_asm_elementwise(_ASM_BF16_2, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+            else:
+                out = tl.inline_asm_elementwise(_ASM_BF16_3, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+        return out
+    elif MAGIC == 3:  # bytes in natural layout, magic number per element
         m16: tl.constexpr = 0x6400 if ACT == tl.float16 else 0x4300
         return (((raw.to(tl.int16) >> (2 * J)) & 3) | m16).to(ACT, bitcast=True)
     elif MAGIC != 0:
@@ -145,7 +192,9 @@ def _int2_split(
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``."""
-    OFF: tl.constexpr = (1024.0 if ACT == tl.float16 else 128.0) if MAGIC else 0.0  # value of code 0
+    # value that code 0 unpacks to (folded into the per-token zero term); MAGIC 4 on fp16 subtracts it exactly
+    OFF: tl.constexpr = (0.0 if (MAGIC == 0 or (MAGIC == 4 and ACT == tl.float16))
+                         else (1024.0 if ACT == tl.float16 else 128.0))
     NW: tl.constexpr = D // 16 if (MAGIC == 1 or MAGIC == 2) else D // 4  # int32 words or bytes per row
     c0 = _quarter_cols(0, D, MAGIC)
     c1 = _quarter_cols(1, D, MAGIC)

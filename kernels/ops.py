@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -173,19 +173,23 @@ class DecodeConfig:
     block_nb: int = 64  # BF16 tokens per tile
     num_warps: int = 4
     num_stages: int = 3
-    magic: int = 2  # unpack: 0 shift/and/convert; 1, 2 magic number on int32 words (natural order,
-    # lane-paired order); 3 magic number per byte
+    magic: int = 4  # unpack: 0 shift/and/convert; 1, 2 magic number on int32 words (natural order,
+    # lane-paired order); 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes (CUDA only; CPU
+    # interpreter runs 3). fp16 activations: use 0 or 4 (1-3 fold 1024 into a float32 sum: too lossy)
     mode: int = 0  # 0 full kernel; diagnostics: 1 load only, 2 load + unpack
 
 
-def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 64,
-                       device: torch.device | None = None, programs_per_sm: int = 4) -> int:
-    """A fixed split count from static shapes only (CUDA-graph safe): enough programs to fill the GPU."""
-    sms = 4
-    if device is not None and device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = math.ceil(programs_per_sm * sms / max(batch * h_kv, 1))
-    most = max(1, math.ceil(hist_capacity / (2 * block_n)))
+def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
+                       device: torch.device | None = None, tokens_per_split: int = 2048,
+                       min_programs: int = 1024) -> int:
+    """A fixed split count from static shapes only (CUDA-graph safe).
+
+    At most ``tokens_per_split`` history tokens per program, at least ``min_programs`` programs (fills the
+    H200's 132 SMs several times over; measured in docs/KERNELS.md), at least one tile per split.
+    """
+    del device  # the measured choice does not depend on the SM count within H100/H200; kept for callers
+    want = max(math.ceil(hist_capacity / tokens_per_split), math.ceil(min_programs / max(batch * h_kv, 1)))
+    most = max(1, math.ceil(hist_capacity / block_n))
     return max(1, min(want, most, 256))
 
 
@@ -232,6 +236,8 @@ class DecodePlan:
     ) -> None:
         cfg = config or DecodeConfig()
         dev = q.device
+        if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
+            cfg = replace(cfg, magic=3)
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
         b, h_q, d = q.shape

@@ -20,7 +20,7 @@ from oscar_kernels import ops  # noqa: E402
 from oscar_kernels import reference as ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-TINY = ops.DecodeConfig(block_n=16, block_nb=16, num_warps=4, num_stages=1)
+TINY = ops.DecodeConfig(block_n=16, block_nb=16, num_warps=4, num_stages=1, magic=3)
 
 
 def _orth(d: int, gen: torch.Generator) -> torch.Tensor:
@@ -191,7 +191,8 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
     out = run_op(c, out=_poisoned(c))
     assert_budget(out, c)
     if heads == (32, 8) and d == 128:  # the other unpack variants, on one head layout (compile time)
-        for magic in (0, 1, 3):
+        # magic 1-3 fold 1024 + c into a float32 sum for fp16 (too lossy: documented); 0 and 4 are exact
+        for magic in (0, 1, 2, 3) if dtype == torch.bfloat16 else (0,):
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
 
 
