@@ -177,3 +177,43 @@ def test_token_never_printed_logged_or_written(
     for token in (WRITE_TOKEN, bad):
         assert token not in text
         assert _leaks(token, tmp_path) == []  # artifacts, staged card, HF cache, the Hub's git objects
+
+
+def _summary(art: Path, resolved: str) -> dict:
+    """The shape of `oscar eval-ruler`'s summary.json (scores[method][task][ctx], 0-100)."""
+    return {
+        "config": {"artifact": str(art), "methods": ["bf16", "oscar"]},
+        "model": {"reference": "smollm2-135m", "resolved": resolved},
+        "scores": {"bf16": {"niah_single_1": {"1024": 100.0}}, "oscar": {"niah_single_1": {"1024": 75.0}}},
+        "counts": {"bf16": {"niah_single_1": {"1024": 4}}, "oscar": {"niah_single_1": {"1024": 4}}},
+        "environment": {"device": "cpu"},
+    }
+
+
+def test_export_with_eval_summary(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    import yaml
+
+    art = make_artifact(tmp_path, 0)
+    local_manifest = (art / "manifest.json").read_bytes()
+    summary = tmp_path / "summary.json"
+    resolved = json.loads(local_manifest)["model"]["resolved"]
+    summary.write_text(json.dumps(_summary(art, resolved)))
+    args = ["export", str(art), "--repo-id", REPO, "--tag", "v0.1.0", "--eval-summary", str(summary),
+            "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    sha = out.strip().split("@")[1]
+    tree = {e.path: e.oid for e in fake_hub.store.tree("model", REPO, sha)}
+    published = json.loads(fake_hub.store.read_blob("model", REPO, tree["manifest.json"]))
+    rows = published["evaluation"]["results"]
+    assert [(r["method"], r["ctx"], r["value"], r["samples"]) for r in rows] == [
+        ("oscar", 1024, 75.0, 4), ("bf16", 1024, 100.0, 4)]
+    meta = yaml.safe_load(fake_hub.store.read_blob("model", REPO, tree["README.md"]).decode().split("---")[1])
+    assert [r["metrics"][0]["value"] for r in meta["model-index"][0]["results"]] == [75.0]
+    assert (art / "manifest.json").read_bytes() == local_manifest  # the local artifact is untouched
+    code, out2, _ = run_cli(capsys, *args)  # identical re-export (same summary): no new commit
+    assert code == 0 and out2 == out
+    summary.write_text(json.dumps(_summary(art, "sha256:" + "0" * 64)))
+    code, _, err = run_cli(capsys, *args[:4], "--eval-summary", str(summary), "--dry-run")
+    assert code == 1 and "measured on sha256:000" in err
+

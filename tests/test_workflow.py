@@ -70,10 +70,23 @@ def oscar_invocations() -> list[tuple[str, list[str]]]:
     return out
 
 
+def _parse_command(command: Any, name: str, args: list[str], parent: Any) -> None:
+    """Parse ``args`` with ``command``'s real option parser, without converting values (paths made by earlier
+    steps do not exist here; ``$VARS`` are unexpanded). Raises Click's UsageError subclasses."""
+    ctx = command.context_class(command, info_name=name, parent=parent)
+    given, extra, _ = command.make_parser(ctx).parse_args(args=list(args))  # unknown option → NoSuchOption
+    if extra:
+        raise ValueError(f"unexpected extra argument(s) {extra}")
+    missing = [p.name for p in command.params if p.required and p.name not in given]
+    if missing:
+        raise ValueError(f"missing required {', '.join(missing)}")
+
+
 def check_invocation(argv: list[str]) -> str:
     """Parse ``oscar argv...`` with the real CLI; return the subcommand name ("" for root-only calls).
 
-    Raises pytest's failure with Click's message on an unknown command/option or a bad usage.
+    Fails the test (with Click's message) on an unknown command or option, an option without its value, a
+    missing required argument/option or an extra argument.
     """
     root = typer.main.get_command(app)
     if argv == ["--version"]:
@@ -87,10 +100,10 @@ def check_invocation(argv: list[str]) -> str:
         commands = root.commands  # type: ignore[attr-defined]
         if name not in commands:
             pytest.fail(f"oscar {' '.join(argv)}: no command {name!r} (registered: {', '.join(sorted(commands))})")
-        commands[name].make_context(name, args, parent=ctx)
+        _parse_command(commands[name], name, args, ctx)
     except pytest.fail.Exception:
         raise
-    except Exception as exc:  # Click usage errors (NoSuchOption, MissingParameter, BadParameter, ...)
+    except Exception as exc:  # Click usage errors (NoSuchOption, BadOptionUsage, ...) and the checks above
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         pytest.fail(f"oscar {' '.join(argv)}: {type(exc).__name__}: {message}")
     return name
@@ -109,7 +122,14 @@ def test_shell_commands_parser() -> None:
 def test_checker_rejects_unknown_options_and_commands() -> None:
     """The check below can fail: a wrong option, command or a missing argument is caught."""
     assert check_invocation(["export", "a", "--repo-id", "o/n"]) == "export"
-    for bad in (["export", "a", "--repo-id", "o/n", "--no-such-option"], ["no-such-command"], ["export", "a"]):
+    for bad in (
+        ["export", "a", "--repo-id", "o/n", "--no-such-option"],  # unknown option
+        ["no-such-command"],
+        ["export", "a"],  # missing required --repo-id
+        ["export", "a", "--repo-id"],  # option without its value
+        ["export", "a", "b", "--repo-id", "o/n"],  # extra argument
+        ["--no-such-global", "export", "a", "--repo-id", "o/n"],
+    ):
         with pytest.raises(pytest.fail.Exception):
             check_invocation(bad)
 

@@ -17,6 +17,7 @@ A failure before 5 leaves no tag; every Hub/network failure becomes one :class:`
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import shutil
@@ -37,6 +38,7 @@ _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _REPO_ID_RE = re.compile(rf"^{_PART}/{_PART}$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 CARD_NAME = "README.md"
+MANIFEST_NAME = "manifest.json"
 TOKEN_HINT = "pass --token, set HF_TOKEN, or run: hf auth login"
 
 
@@ -245,8 +247,11 @@ def checked_manifest(path: Path) -> dict[str, Any]:
     return verify_artifact(path).to_dict()
 
 
-def stage_artifact(path: Path, manifest: dict[str, Any], repo_id: str, staging: Path) -> list[dict[str, Any]]:
-    """Copy the artifact's files into ``staging`` and write the rendered model card; return the file list."""
+def stage_artifact(
+    path: Path, manifest: dict[str, Any], repo_id: str, staging: Path, *, rewrite_manifest: bool = False
+) -> list[dict[str, Any]]:
+    """Copy the artifact's files into ``staging`` (``manifest.json`` re-serialised from ``manifest`` when
+    ``rewrite_manifest``, else copied byte for byte) and write the rendered model card; return the file list."""
     from oscar_cli.artifact.card import render_model_card
 
     for src in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -256,7 +261,10 @@ def stage_artifact(path: Path, manifest: dict[str, Any], repo_id: str, staging: 
         dst = staging / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
+    if rewrite_manifest:
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     (staging / CARD_NAME).write_text(render_model_card(manifest, repo_id), encoding="utf-8")
+    checked_manifest(staging)  # what is uploaded is itself a valid artifact
     return [
         {"path": p.relative_to(staging).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(staging.rglob("*")) if p.is_file()
@@ -294,8 +302,12 @@ def push_artifact(
     endpoint: str | None = None,
     dry_run: bool = False,
     commit_message: str | None = None,
+    evaluation: dict[str, Any] | None = None,
 ) -> PushResult:
     """Validate the artifact at ``path`` and publish it to ``repo_id`` (see the module docstring).
+
+    ``evaluation`` (see ``card.evaluation_from_ruler``) is written into the *published* manifest and card;
+    the local artifact directory is never modified.
 
     Returns:
         A :class:`PushResult`; ``commit`` is the sha now holding exactly these files (``None`` on a dry run).
@@ -312,11 +324,13 @@ def push_artifact(
         validate_tag(tag)
     path = Path(path)
     manifest = checked_manifest(path)
+    if evaluation is not None:
+        manifest["evaluation"] = evaluation
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     result = PushResult(repo_id=repo_id, commit=None, tag=tag, dry_run=dry_run, private=private, endpoint=endpoint)
     with tempfile.TemporaryDirectory(prefix="oscar-export-") as tmp:
         staging = Path(tmp)
-        result.files = stage_artifact(path, manifest, repo_id, staging)
+        result.files = stage_artifact(path, manifest, repo_id, staging, rewrite_manifest=evaluation is not None)
         if dry_run:
             return result
         token = resolve_token(token)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -16,6 +17,7 @@ EXAMPLES = """
   oscar export artifacts/smollm2-135m/oscar-1a2b3c4d --repo-id my-org/smollm2-135m-oscar --tag v0.1.0
   oscar export ARTIFACT --repo-id my-org/NAME --dry-run       # list what would be uploaded; touches nothing
   oscar --json export ARTIFACT --repo-id my-org/NAME --tag v0.2.0 --private
+  oscar export ARTIFACT --repo-id my-org/NAME --tag v0.2.0 --eval-summary ruler-results/summary.json
   HF_TOKEN=hf_... oscar export ARTIFACT --repo-id my-org/NAME # token from HF_TOKEN or `hf auth login`
 
 Prints [bold]ORG/NAME@<commit sha>[/bold]: pin that (or the tag) in `oscar pull` / `hf://ORG/NAME@REV`.
@@ -46,6 +48,15 @@ EndpointOpt = Annotated[
     str | None, typer.Option("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co).")
 ]
 MessageOpt = Annotated[str | None, typer.Option("--message", "-m", help="Commit message (default: generated).")]
+EvalOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--eval-summary",
+        help="summary.json of `oscar eval-ruler` on this artifact: its scores go into the published manifest "
+        "and model card (the local artifact is not modified).",
+        exists=True, dir_okay=False, show_default=False,
+    ),
+]
 
 
 def export(
@@ -59,13 +70,15 @@ def export(
     token: TokenOpt = None,
     endpoint: EndpointOpt = None,
     message: MessageOpt = None,
+    eval_summary: EvalOpt = None,
 ) -> None:
     """Validate ARTIFACT (manifest, hashes), render its model card, upload it to the Hub and tag the commit."""
     from oscar_cli.artifact.hub import push_artifact
 
+    evaluation = _evaluation(eval_summary, artifact) if eval_summary is not None else None
     result = push_artifact(
         artifact, repo_id, tag=tag, private=private, token=token, endpoint=endpoint, dry_run=dry_run,
-        commit_message=message,
+        commit_message=message, evaluation=evaluation,
     )
     if SETTINGS.json:
         emit_json(result.to_dict())
@@ -88,6 +101,21 @@ def export(
     if tag:
         info(f"tagged {tag} -> {result.commit}" if result.created_tag else f"tag {tag} already names {result.commit}")
     stdout.print(result.ref, highlight=False, markup=False)
+
+
+def _evaluation(summary_path: Path, artifact: Path) -> dict[str, Any]:
+    """``manifest.evaluation`` from an eval-ruler summary, checked against the artifact."""
+    from oscar_cli.artifact.card import evaluation_from_ruler
+    from oscar_cli.artifact.hub import checked_manifest
+    from oscar_cli.errors import ArtifactError
+
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"cannot read the eval summary {summary_path} ({type(exc).__name__})") from None
+    if not isinstance(summary, dict):
+        raise ArtifactError(f"{summary_path} is not an oscar eval-ruler summary (expected a JSON object)")
+    return evaluation_from_ruler(summary, checked_manifest(artifact))
 
 
 def register(app: typer.Typer) -> None:
