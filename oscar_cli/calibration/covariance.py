@@ -174,36 +174,36 @@ class LayerStatistics:
             self.res_filled = max(self.res_filled, int(slots.max()) + 1)
 
     def finalize(self) -> LayerTargets:
-        """Targets per KV head (float64, CPU). Raises ValueError if nothing was accumulated."""
+        """Targets per KV head (float64, moved to CPU at the end; the work runs on the statistics' device).
+
+        Raises ValueError if nothing was accumulated."""
         if self.n == 0:
             raise ValueError("no tokens were accumulated for this layer")
         n, g = self.n, self.group
-        k_mean = (self.k_sum / n).cpu()
-        v_mean = (self.v_sum / n).cpu()
-        a = (self.qq / (n * g)).cpu() if self.qq is not None else None
+        a = self.qq / (n * g) if self.qq is not None else None
         if self.k_target == "qqt":
             assert a is not None
             k_t = a
         else:
             assert self.kk is not None
-            k_t = (self.kk / n).cpu()
-        wmean = torch.ones(self.h_kv, dtype=F64)
+            k_t = self.kk / n
+        wmean = torch.ones(self.h_kv, dtype=F64, device=self.k_sum.device)
         if self.v_target == "sst":
             assert a is not None and self.res_k is not None and self.res_v is not None
-            kk = self.res_k[: self.res_filled].to(F64).cpu().transpose(0, 1)  # [H_kv, m, D]
-            vv = self.res_v[: self.res_filled].to(F64).cpu().transpose(0, 1)
-            w = torch.einsum("hmd,hde,hme->hm", kk, a, kk)  # squared logits averaged over the group
+            kk = self.res_k[: self.res_filled].to(F64).transpose(0, 1)  # [H_kv, m, D]
+            vv = self.res_v[: self.res_filled].to(F64).transpose(0, 1)
+            w = ((kk @ a) * kk).sum(-1)  # k A kᵀ: squared logits averaged over the group's queries [H_kv, m]
             w = w * (w.shape[1] / w.sum(1, keepdim=True).clamp_min(1e-12))  # mean 1 per head
             wmean = w.mean(1)
             v_t = (vv * w.unsqueeze(-1)).transpose(1, 2) @ vv / w.shape[1]
         elif self.v_target == "vtv":
             assert self.vv is not None
-            v_t = (self.vv / n).cpu()
+            v_t = self.vv / n
         else:
             assert self.wvv is not None and self.wsum is not None
-            v_t = (self.wvv / self.wsum.clamp_min(1e-12)[:, None, None]).cpu()
-        sym = lambda m: (m + m.transpose(-1, -2)) / 2  # noqa: E731
-        return LayerTargets(sym(k_t), sym(v_t), k_mean, v_mean, wmean, n)
+            v_t = self.wvv / self.wsum.clamp_min(1e-12)[:, None, None]
+        sym = lambda m: ((m + m.transpose(-1, -2)) / 2).cpu()  # noqa: E731
+        return LayerTargets(sym(k_t), sym(v_t), (self.k_sum / n).cpu(), (self.v_sum / n).cpu(), wmean.cpu(), n)
 
 
 def reservoir_plan(
