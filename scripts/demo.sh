@@ -8,3 +8,10 @@ stage() { printf '\n\033[1m== %s ==\033[0m\n' "$*" >&2; }
 stage "1/1 resolve + load the embedded model, its identity and the INT2 bits-per-element table"
 oscar --version
 oscar info smollm2-135m   # first run converts the GGUF once (~30 s); later runs read the cache (seconds)
+
+stage "calibrate: OSCAR rotations, means and per-layer clip ratios for the embedded model (2K tokens, ~30 s)"
+# --data docs: this repo's own Markdown as calibration text keeps the demo quick; the default (--data self)
+# lets the model generate its own calibration text (16K tokens: minutes on 2 CPU cores).
+oscar calibrate smollm2-135m --data docs --tokens 2k --out artifacts/demo/smollm2-135m --overwrite
+oscar --json calibrate smollm2-135m --data docs --tokens 2k --out artifacts/demo/smollm2-135m --overwrite \
+  | python -c 'import json,sys; d=json.load(sys.stdin); print("artifact:", d["artifact"], "| timings:", d["timings_s"])'
