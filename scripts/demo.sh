@@ -13,5 +13,5 @@ stage "calibrate: OSCAR rotations, means and per-layer clip ratios for the embed
 # --data docs: this repo's own Markdown as calibration text keeps the demo quick; the default (--data self)
 # lets the model generate its own calibration text (16K tokens: minutes on 2 CPU cores).
 oscar calibrate smollm2-135m --data docs --tokens 2k --out artifacts/demo/smollm2-135m --overwrite
-oscar --json calibrate smollm2-135m --data docs --tokens 2k --out artifacts/demo/smollm2-135m --overwrite \
-  | python -c 'import json,sys; d=json.load(sys.stdin); print("artifact:", d["artifact"], "| timings:", d["timings_s"])'
+python -c 'from oscar_cli.artifact import open_artifact as o; a = o("artifacts/demo/smollm2-135m")
+print("verified:", a.path, a.method, len(a.layers), "layers, k_rotation", tuple(a.layers[0].k_rotation.shape))'
