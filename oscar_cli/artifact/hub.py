@@ -117,10 +117,23 @@ def quiet_hub_logs() -> Iterator[None]:
         hub_logger.setLevel(before)
 
 
+def _network_errors() -> tuple[type[Exception], ...]:
+    """Network failures: the HTTP library's transport errors (``httpx2`` under huggingface_hub 2.x, ``httpx``
+    under 1.x) and the builtin connection/timeout errors."""
+    try:
+        import httpx2
+
+        transport: type[Exception] = httpx2.TransportError
+    except ImportError:  # huggingface_hub 1.x
+        import httpx
+
+        transport = httpx.TransportError
+    return (transport, ConnectionError, TimeoutError)
+
+
 @contextmanager
 def hub_errors(action: str, repo_id: str, endpoint: str, revision: str | None = None) -> Iterator[None]:
     """Translate ``huggingface_hub`` / network exceptions raised while ``action`` runs into one-line HubErrors."""
-    import httpx2
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -179,7 +192,7 @@ def hub_errors(action: str, repo_id: str, endpoint: str, revision: str | None = 
             f"and {why}",
             hint="pull it once online; offline, only revisions already in the cache resolve",
         ) from None
-    except (httpx2.TransportError, ConnectionError, TimeoutError) as exc:
+    except _network_errors() as exc:
         raise HubError(
             f"{action}: cannot reach the Hub at {endpoint} ({type(exc).__name__})",
             hint="check the network or --endpoint / HF_ENDPOINT",
@@ -406,14 +419,9 @@ def pull_artifact(
     """
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-    from huggingface_hub.utils import disable_progress_bars
-
-    from oscar_cli._output import progress_enabled
 
     hub_ref = parse_hub_ref(ref)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
-    if not progress_enabled():
-        disable_progress_bars()
     if not hub_ref.revision:
         logger.warning("%s is not pinned: fetching the head of main; pin @<sha> for reproducibility", hub_ref)
     kwargs: dict[str, Any] = {"revision": hub_ref.revision, "cache_dir": cache_dir, "token": token or None}
@@ -422,5 +430,25 @@ def pull_artifact(
             return Path(snapshot_download(hub_ref.repo_id, local_files_only=True, **kwargs))
         except LocalEntryNotFoundError:
             pass
-    with quiet_hub_logs(), hub_errors("pull", hub_ref.repo_id, endpoint, hub_ref.revision):
+    with quiet_hub_logs(), _hub_progress_bars(), hub_errors("pull", hub_ref.repo_id, endpoint, hub_ref.revision):
         return Path(snapshot_download(hub_ref.repo_id, endpoint=endpoint, **kwargs))
+
+
+@contextmanager
+def _hub_progress_bars() -> Iterator[None]:
+    """huggingface_hub's download bars only where oscar shows progress (a TTY, no --json); restored after.
+
+    Plain calls (not ``with disable_progress_bars()``) so huggingface_hub 1.x, where it is a function, works too.
+    """
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    from oscar_cli._output import progress_enabled
+
+    if progress_enabled() or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
