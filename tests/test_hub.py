@@ -312,3 +312,13 @@ def test_model_card_metadata_and_determinism() -> None:
     assert "model-index" not in meta and meta["oscar"]["quant"]["group_size"] == 16
     m["model"] = {"reference": "./local-model", "resolved": "sha256:" + "0" * 64}
     assert "base_model" not in yaml.safe_load(render_model_card(m, "org/x").split("---")[1])
+
+
+def test_token_from_the_hf_login_file(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+    from huggingface_hub import constants
+
+    token_file = Path(constants.HF_TOKEN_PATH)  # under tmp_path (hf_isolated), as `hf auth login` writes it
+    token_file.parent.mkdir(parents=True, exist_ok=True)
+    token_file.write_text(WRITE_TOKEN)
+    res = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0", token=None)
+    assert _tags(fake_hub) == {"v0.1.0": res.commit}
