@@ -19,6 +19,20 @@ pytestmark = pytest.mark.unit
 REPO = "org/cli-art"
 
 
+@pytest.fixture(autouse=True)
+def _restore_cli_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI sets global output settings and logging; give later tests (other files) what they had."""
+    from oscar_cli._output import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "json", SETTINGS.json)
+    monkeypatch.setattr(SETTINGS, "verbose", SETTINGS.verbose)
+    for name in ("oscar_cli", "oscar_kernels"):
+        log = logging.getLogger(name)
+        monkeypatch.setattr(log, "handlers", list(log.handlers))
+        monkeypatch.setattr(log, "level", log.level)
+        monkeypatch.setattr(log, "propagate", log.propagate)
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """Run ``oscar argv...`` in-process; return (exit code, stdout, stderr)."""
     try:
