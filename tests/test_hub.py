@@ -7,6 +7,7 @@ asserted here are git objects, not bookkeeping of the test double.
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 from pathlib import Path
 
@@ -322,3 +323,18 @@ def test_token_from_the_hf_login_file(fake_hub: FakeHub, tmp_path: Path) -> None
     token_file.write_text(WRITE_TOKEN)
     res = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0", token=None)
     assert _tags(fake_hub) == {"v0.1.0": res.commit}
+
+
+def test_unpinned_pull_fetches_main_and_warns(
+    fake_hub: FakeHub, tmp_path: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
+    v2 = _push(fake_hub, make_artifact(tmp_path, 1))
+    hub_logger = logging.getLogger("oscar_cli.artifact.hub")
+    hub_logger.addHandler(caplog.handler)  # direct: the CLI may have turned off propagation of "oscar_cli"
+    try:
+        path = pull_artifact(f"hf://{REPO}")
+    finally:
+        hub_logger.removeHandler(caplog.handler)
+    assert path.name == v2.commit
+    assert any("not pinned" in r.getMessage() for r in caplog.records)
