@@ -189,7 +189,7 @@ def _int2_split(
     bt_ptr, stride_btb, hist_len_ptr, page_size,  # block table [B, max_pages] int32, lengths [B] int32
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
+    MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``."""
     # value that code 0 unpacks to (folded into the per-token zero term); MAGIC 4 on fp16 subtracts it exactly
@@ -222,8 +222,12 @@ def _int2_split(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         valid = tok < end
-        page = tl.load(bt_ptr + b * stride_btb + tok // page_size, mask=valid, other=0).to(tl.int64)
-        off = tok % page_size
+        if PAGED:
+            page = tl.load(bt_ptr + b * stride_btb + tok // page_size, mask=valid, other=0).to(tl.int64)
+            off = tok % page_size
+        else:  # one "page" of T rows per sequence (the non-paged layout): no table lookups
+            page = tl.full([BLOCK_N], 0, tl.int64) + b
+            off = tok
         cbase = page * stride_cp + h * stride_ch + off * NW
         mbase = page * stride_mp + h * stride_mh + off
         kw = tl.load(kc_ptr + cbase[:, None] + wcols[None, :], mask=valid[:, None], other=0)
@@ -344,7 +348,7 @@ def _decode_stage1_kernel(
     num_splits,  # S
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
-    ACT: tl.constexpr,
+    ACT: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Stage 1: partial attention per (batch, KV head, split); split ``S`` is the BF16 sink + recent tiers.
 
@@ -360,7 +364,7 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr, page_size,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED)
     else:
         _bf16_tiers(b, h, sp, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

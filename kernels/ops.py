@@ -169,10 +169,10 @@ def quantize_rows(x: torch.Tensor, rotation: torch.Tensor | None = None, mean: t
 class DecodeConfig:
     """Tile configuration of the decode kernels (see docs/KERNELS.md for the measured sweep)."""
 
-    block_n: int = 64  # INT2 tokens per tile
+    block_n: int = 64  # INT2 tokens per tile (H200 sweep: 64 best at batch 1, 128 at batch 16; see KERNELS.md)
     block_nb: int = 64  # BF16 tokens per tile
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     magic: int = 4  # unpack: 0 shift/and/convert; 1, 2 magic number on int32 words (natural order,
     # lane-paired order); 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes (CUDA only; CPU
     # interpreter runs 3). fp16 activations: use 0 or 4 (1-3 fold 1024 into a float32 sum: too lossy)
@@ -232,7 +232,7 @@ class DecodePlan:
         rotation_k: torch.Tensor | None = None, rotation_v: torch.Tensor | None = None,
         mean_v: torch.Tensor | None = None, sm_scale: float | None = None, num_splits: int | None = None,
         config: DecodeConfig | None = None, out: torch.Tensor | None = None,
-        workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+        workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
     ) -> None:
         cfg = config or DecodeConfig()
         dev = q.device
@@ -247,6 +247,8 @@ class DecodePlan:
         h_kv, page = int(kc.shape[1]), int(kc.shape[2])
         _check_cache(k_cache, v_cache, kc, h_kv, page, dev)
         _check("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
+        if not paged and (block_table.shape[1] != 1 or kc.shape[0] != b):
+            raise ValueError("paged=False needs k_cache [B, H_kv, T, D/4] and a [B, 1] block table (page b = row b)")
         if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and block_table.numel():
             if int(block_table.min()) < 0 or int(block_table.max()) >= kc.shape[0]:
                 raise ValueError(f"block_table: entries outside [0, {kc.shape[0]})")
@@ -292,7 +294,8 @@ class DecodePlan:
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
-                 MODE=cfg.mode, ACT=_ttype(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages))
         self._merge: tuple[Any, ...] = ((b * h_q,), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
@@ -380,5 +383,5 @@ def decode_attention_contiguous(
     out = decode_attention(
         q, hist_k, hist_v, table, t if hist_len is None else hist_len,
         sink_k, sink_v, int(sink_k.shape[2]) if sink_len is None else sink_len,
-        recent_k, recent_v, int(recent_k.shape[2]) if recent_len is None else recent_len, **kwargs)
+        recent_k, recent_v, int(recent_k.shape[2]) if recent_len is None else recent_len, paged=False, **kwargs)
     return out.unsqueeze(2) if squeeze else out

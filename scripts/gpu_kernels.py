@@ -33,8 +33,8 @@ def save() -> None:
 
 
 def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = None, graphs: bool = True,
-            rep: int = 40) -> dict:
-    bc = H.BenchConfig(shape=SHAPE, rep_ms=rep)
+            rep: int = 40, paged: bool = True) -> dict:
+    bc = H.BenchConfig(shape=SHAPE, rep_ms=rep, paged=paged)
     t0 = time.time()
     try:
         us, g, s = H.bench_int2(SHAPE, batch, ctx, bc, DEV, L2, decode_config=cfg, splits=splits, graphs=graphs)
@@ -43,17 +43,17 @@ def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = No
         print("ERROR", cfg, batch, ctx, repr(exc)[:300], flush=True)
         return {"us": float("inf")}
     h = ops.LAST_LAUNCH.get("stage1")
-    row = {"cfg": dict(cfg.__dict__), "batch": batch, "ctx": ctx, "splits": s, "us": us, "graph_us": g,
+    row = {"cfg": dict(cfg.__dict__), "paged": paged, "batch": batch, "ctx": ctx, "splits": s, "us": us, "graph_us": g,
            "regs": getattr(h, "n_regs", None), "spills": getattr(h, "n_spills", None),
            "gbps": H.int2_bytes(SHAPE, batch, ctx, 64, 256, 64) / (us * 1e-6) / 1e9, "wall_s": time.time() - t0}
-    print(f"{str(cfg.__dict__):90s} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} {us:9.1f} us  graph={g}  "
+    print(f"{str(cfg.__dict__):90s} paged={int(paged)} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} {us:9.1f} us  graph={g}  "
           f"regs={row['regs']} spills={row['spills']} {row['gbps']:.0f} GB/s", flush=True)
     return row
 
 
 def stage_tests() -> None:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "8", "--no-header", "-p", "no:cacheprovider",
-           "tests/test_kernels_pack.py", "tests/test_kernels_decode.py"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "-n", "8", "--no-header", "-p", "no:cacheprovider",
+           "tests/test_kernels_pack.py", "tests/test_kernels_decode.py", "tests/test_bench_cli.py"]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True)
     (OUT / "tests.log").write_text(p.stdout + p.stderr)
@@ -127,6 +127,18 @@ def stage_pieces(cfg: ops.DecodeConfig) -> None:
             cub.unlink()
 
 
+def stage_layout() -> None:
+    """Paged (page 64, shuffled) vs non-paged layout, load-only and full, pipelining depth 2 vs 3."""
+    RESULTS["layout"] = []
+    for paged in (True, False):
+        for mode in (1, 0):
+            for bn, st in ((64, 2), (128, 3), (128, 2)):
+                c = ops.DecodeConfig(block_n=bn, num_stages=st, magic=4, mode=mode)
+                for b, ctx in CELLS[:2]:
+                    RESULTS["layout"].append(measure(c, b, ctx, paged=paged))
+        save()
+
+
 def stage_bench(cfg: ops.DecodeConfig) -> None:
     """The full `oscar bench` grid through the harness, with the chosen tile config."""
     from dataclasses import asdict
@@ -160,6 +172,8 @@ if __name__ == "__main__":
                 chosen = stage_sweep()
             elif st == "pieces":
                 stage_pieces(chosen)
+            elif st == "layout":
+                stage_layout()
             elif st == "bench":
                 stage_bench(chosen)
         except Exception:  # noqa: BLE001

@@ -42,12 +42,13 @@ class BenchConfig:
     num_splits: int | None = None
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
-    magic: int = 2
+    num_stages: int = 2
+    magic: int = 4
     graphs: bool = True
     rep_ms: int = 100
     quant_tokens: int = 16384
     seed: int = 0
+    paged: bool = True  # False: the non-paged layout [B, H_kv, T, D/4] (no block-table lookups)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,13 @@ def _orth(d: int, device: torch.device) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(d, d, device=device, dtype=torch.float32))[0].contiguous()
 
 
+def page_geometry(cfg: BenchConfig, hist: int) -> tuple[int, int]:
+    """(page size, pages per sequence): ``cfg.page_size`` pages, or one page of the whole history."""
+    if cfg.paged:
+        return cfg.page_size, max(1, math.ceil(hist / cfg.page_size))
+    return max(64, math.ceil(hist / 64) * 64), 1
+
+
 def build_int2_case(
     shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, seed: int
 ) -> dict[str, Any]:
@@ -204,14 +212,14 @@ def build_int2_case(
     act = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
     hp = min(ctx, cfg.sink + cfg.recent)
     hist = ctx - hp
-    n_pp = max(1, math.ceil(hist / cfg.page_size))
+    page_size, n_pp = page_geometry(cfg, hist)
     pages = batch * n_pp
     h, d = shape.h_kv, shape.d
 
     def rows() -> QuantizedRows:
-        codes = torch.randint(0, 256, (pages, h, cfg.page_size, d // 4), dtype=torch.uint8, device=device)
-        scale = (torch.rand(pages, h, cfg.page_size, 1, device=device) * 0.1 + 0.01).to(torch.bfloat16)
-        zero = (torch.randn(pages, h, cfg.page_size, 1, device=device) * 0.2).to(torch.bfloat16)
+        codes = torch.randint(0, 256, (pages, h, page_size, d // 4), dtype=torch.uint8, device=device)
+        scale = (torch.rand(pages, h, page_size, 1, device=device) * 0.1 + 0.01).to(torch.bfloat16)
+        zero = (torch.randn(pages, h, page_size, 1, device=device) * 0.2).to(torch.bfloat16)
         return QuantizedRows(codes, scale, zero)
 
     def tier(n: int) -> torch.Tensor:
@@ -236,7 +244,8 @@ def build_int2_case(
     }
 
 
-def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor) -> Any:
+def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor,
+              paged: bool = True) -> Any:
     """A validated :class:`oscar_kernels.ops.DecodePlan` over one case (launch with ``.run()``)."""
     from oscar_kernels import ops
 
@@ -244,7 +253,7 @@ def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, ou
             "recent_k", "recent_v", "recent_len")
     return ops.DecodePlan(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
                           rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
-                          config=config, workspace=workspace, out=out)
+                          config=config, workspace=workspace, out=out, paged=paged)
 
 
 def bench_int2(
@@ -265,13 +274,14 @@ def bench_int2(
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, magic=cfg.magic
     )
     hist = max(ctx - cfg.sink - cfg.recent, 0)
-    cap = max(1, math.ceil(hist / cfg.page_size)) * cfg.page_size
+    ps, n_pp = page_geometry(cfg, hist)
+    cap = ps * n_pp
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, cap, dc.block_n, device)
     nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
     cases = rotating(lambda i: build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i), nbytes, l2)
     ws = ops.make_workspace(batch, shape.h_q, shape.d, s, device)
     out = torch.empty(batch, shape.h_q, shape.d, dtype=cases[0]["q"].dtype, device=device)
-    plans = [int2_plan(c, s, dc, ws, out) for c in cases]
+    plans = [int2_plan(c, s, dc, ws, out, cfg.paged) for c in cases]
     eager = median_us(cycle(plans, lambda p: p.run()), cfg.rep_ms)
     g = graph_us([p.run for p in (plans if len(plans) > 1 else plans * 4)], cfg.rep_ms) if graphs else None
     del cases

@@ -55,6 +55,8 @@ def bench(
     splits: Annotated[int | None, typer.Option("--splits", help="INT2 split count (default: from shapes).")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot of time vs context here.")] = None,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays.")] = True,
+    paged: Annotated[bool, typer.Option("--paged/--contiguous",
+                                        help="INT2 cache layout: shuffled pages of 64 tokens, or [B, H_kv, T, D/4].")] = True,
 ) -> None:
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
     from oscar_cli.bench.shapes import parse_int_list, parse_shape
@@ -70,7 +72,7 @@ def bench(
     from oscar_cli.bench import harness
 
     config = harness.BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
-                                 graphs=graphs)
+                                 graphs=graphs, paged=paged)
     with _output.progress() as p:
         task = p.add_task("bench", total=len(batches) * len(ctxs))
 
