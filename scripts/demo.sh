@@ -15,3 +15,9 @@ stage "calibrate: OSCAR rotations, means and per-layer clip ratios for the embed
 oscar calibrate smollm2-135m --data docs --tokens 2k --out artifacts/demo/smollm2-135m --overwrite
 python -c 'from oscar_cli.artifact import open_artifact as o; a = o("artifacts/demo/smollm2-135m")
 print("verified:", a.path, a.method, len(a.layers), "layers, k_rotation", tuple(a.layers[0].k_rotation.shape))'
+
+stage "eval-ruler: RULER niah_single_1 at 1K, 3 samples, bf16 vs oscar through the INT2 cache (CPU, ~1-2 min)"
+# the artifact the calibrate stage above wrote (artifacts/demo/smollm2-135m)
+# a rerun resumes from runs/demo-ruler/samples.jsonl (finished samples are skipped)
+oscar eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 3 --methods bf16,oscar \
+    --artifact artifacts/demo/smollm2-135m --out runs/demo-ruler

@@ -273,3 +273,41 @@ def test_oscar_method_from_artifact_and_refusal_for_another_model(tmp_path) -> N
     other.num_hidden_layers = 3
     with pytest.raises(ArtifactError, match="another model"):
         build_method("oscar", other, artifact=str(path))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_cache_matches_cpu_reference_bitwise() -> None:
+    """The same rows quantized by the cache on CUDA and on CPU: identical codes, scales, zeros and views."""
+    t = random_transform(21)
+    meth = oscar_method([t], sink=8, recent=16)
+    k, v = torch.randn(3, H, 140, D).bfloat16(), torch.randn(3, H, 140, D).bfloat16()
+    layers = {}
+    for dev in ("cpu", "cuda"):
+        # rotate on CPU once, so both devices quantize the very same bf16 rows (GPU matmul order differs)
+        layer = Int2Layer(meth, LayerTransform(k_mean=t.k_mean, v_mean=t.v_mean, k_clip=0.9, v_clip=0.9))
+        feed(layer, k.to(dev), v.to(dev), [100, 20], 20)
+        layers[dev] = layer
+    for which in ("k", "v"):
+        cpu, gpu = layers["cpu"].history(which), layers["cuda"].history(which)
+        assert cpu is not None and gpu is not None
+        for a, b in zip(cpu, gpu, strict=True):
+            assert torch.equal(a, b.cpu())
+    assert torch.equal(layers["cpu"].keys, layers["cuda"].keys.cpu())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bf16_method_generates_like_plain_model() -> None:
+    model = tiny_model(dtype=torch.bfloat16).cuda()
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(5)).cuda()
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    with use_method(model, bf16_method()) as session:
+        ours = greedy_generate(model, session.new_cache(), ids, torch.ones_like(ids), 16, [])
+    assert ours == plain[:, 48:].tolist()
+    with use_method(model, build_method("quarot-int2", model.config)) as session:
+        out = greedy_generate(model, session.new_cache(), ids, torch.ones_like(ids), 4, [], chunk_size=16)
+    assert len(out[0]) == 4

@@ -89,6 +89,8 @@ def render(res: dict[str, Any]) -> None:
             d.add_row(task if i == 0 else "", m, *(_fmt(res["scores"][m][task][L]) for L in lengths))
         d.add_section()
     out.print(d)
+    if not res["complete"]:
+        out.print("[bold yellow]incomplete:[/bold yellow] --time-budget reached; rerun the command to finish.")
     out.print(
         f"{res['evaluated']} samples evaluated, {res['resumed']} resumed from {res['files']['samples']}; "
         f"{res['seconds']:.0f} s. Heatmap: {res['files']['heatmap']}. BPE: stored bits per K/V element "
@@ -132,6 +134,10 @@ def eval_ruler(
     ] = None,
     chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="Prefill chunk in tokens.")] = 4096,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Greedy tokens per answer.")] = 128,
+    time_budget: Annotated[
+        float | None,
+        typer.Option("--time-budget", min=1, help="Seconds; no new batch starts after it (rerun to resume)."),
+    ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:
@@ -162,6 +168,7 @@ def eval_ruler(
         dtype=dtype,
         chunk_size=chunk_size,
         max_new_tokens=max_new_tokens,
+        time_budget=time_budget,
     )
     res = run_ruler(cfg).to_json()
     if _output.SETTINGS.json:

@@ -53,6 +53,7 @@ class RulerConfig:
     chunk_size: int = 4096
     max_new_tokens: int = 128
     seed: int = 42
+    time_budget: float | None = None  # seconds; no new batch starts after it (the run stays resumable)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class RulerResult:
     evaluated: int
     resumed: int
     seconds: float
+    complete: bool
     prompt_tokens: dict[int, float]
     environment: dict[str, Any] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
@@ -200,8 +202,12 @@ def run_method_samples(
     cfg: RulerConfig,
     sink: Callable[[list[dict[str, Any]]], None],
     advance: Callable[[int], None],
-) -> None:
-    """Generate, score and hand over (``sink``) the records of ``pending`` samples for one attached method."""
+    deadline: float | None = None,
+) -> bool:
+    """Generate, score and hand over (``sink``) the records of ``pending`` samples for one attached method.
+
+    Returns False when ``deadline`` (``time.perf_counter()`` value) passed before every batch ran.
+    """
     from oscar_cli.quant import greedy_generate, left_pad, use_method
 
     model, tok = loaded.model, loaded.tokenizer
@@ -216,6 +222,8 @@ def run_method_samples(
             items.sort(key=lambda it: len(it[1]))
             size = cfg.batch_size or default_batch_size(length, loaded.device)
             for batch in _batches(items, size):
+                if deadline is not None and time.perf_counter() > deadline:
+                    return False
                 cache = session.new_cache()
                 ids, mask = left_pad([b[1] for b in batch], pad_id, loaded.device)
                 t0 = time.perf_counter()
@@ -246,6 +254,7 @@ def run_method_samples(
                     )
                 sink(records)
                 advance(len(batch))
+    return True
 
 
 def aggregate(
@@ -326,6 +335,14 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         gen_task = p.add_task("building prompts", total=len(cfg.tasks) * len(cfg.lengths))
         samples = build_samples(cfg, loaded.tokenizer, lambda _what: p.advance(gen_task))
         evaluated = resumed = 0
+        complete = True
+
+        def write(recs: list[dict[str, Any]]) -> None:
+            nonlocal evaluated
+            _append(path, recs)
+            evaluated += len(recs)
+
+        deadline = None if cfg.time_budget is None else t0 + cfg.time_budget
         # lengths outer, methods inner: an interrupted run leaves complete columns for the shorter lengths
         bars = {m: p.add_task(m, total=len(cfg.tasks) * len(cfg.lengths) * cfg.samples) for m in cfg.methods}
         for length in cfg.lengths:
@@ -338,9 +355,8 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
                 def advance(n: int, bar: Any = bars[m]) -> None:
                     p.advance(bar, n)
 
-                if pending:
-                    run_method_samples(loaded, methods[m], pending, cfg, lambda recs: _append(path, recs), advance)
-                evaluated += len(pending)
+                if pending and complete:
+                    complete = run_method_samples(loaded, methods[m], pending, cfg, write, advance, deadline)
     scores, counts, mean, bpe, ptoks = aggregate(read_records(path), cfg, sources, head_dim, methods)
     result = RulerResult(
         config=asdict(cfg),
@@ -355,6 +371,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         bpe=bpe,
         evaluated=evaluated,
         resumed=resumed,
+        complete=complete,
         seconds=round(time.perf_counter() - t0, 1),
         prompt_tokens=ptoks,
         environment=environment(),

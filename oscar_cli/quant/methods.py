@@ -213,8 +213,14 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
         recent=int(quant.get("recent", DEFAULT_RECENT)),
         group_size=quant.get("group_size"),
         meta_dtype=_META.get(str(quant.get("meta_dtype", "bfloat16")), torch.bfloat16),
-        source=f"{ref} ({art.manifest.method})",
+        source=f"{ref} ({art.manifest.method}, rotations {_short_hash(art.manifest.files)})",
     )
+
+
+def _short_hash(files: dict[str, str]) -> str:
+    """The first 12 hex digits of the rotations file's sha256 (results resume only for the same tensors)."""
+    sha = files.get("rotations.safetensors") or next(iter(sorted(files.values())), "")
+    return sha[:12] or "unhashed"
 
 
 def build_method(name: str, config: Any, artifact: str | None = None) -> QuantMethod:

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# RULER NIAH sweep + eval-kl of the embedded model on one GPU (the numbers in docs/RESULTS.md).
+#
+# The embedded GGUF (98 MB) is larger than one device call may carry (64 MiB), so the run is two calls made
+# back to back (the machine stays warm ~30 s between them). Prepared here (all git-ignored via
+# .git/info/exclude):
+#   .gpu-ruler/p1/gguf.part00, .gpu-ruler/p2/gguf.part01   split -b 49500000 -d <gguf> gguf.part
+#   .gpu-ruler/whl/*.whl      gguf 0.19.0 and wonderwords 3.0.1 (not on the device image)
+#   .gpu-ruler/corpus/        essay haystack prose (austen_emma.txt)
+#   .gpu-ruler/austen_persuasion.txt                       held-out prose for eval-kl
+#   artifacts/smollm2-135m/<artifact>                       made on CPU with `oscar calibrate`
+# Call 1: carry .gpu-ruler/p1 .gpu-ruler/whl .gpu-ruler/corpus .gpu-ruler/austen_persuasion.txt ARTIFACT
+#         command: bash scripts/gpu_ruler_sweep.sh stage ARTIFACT
+# Call 2: carry .gpu-ruler/p2
+#         command: RULER_BUDGET=240 bash scripts/gpu_ruler_sweep.sh run
+# Results land in $OUT: kl.json, ruler.json, samples.jsonl, heatmap.png and their logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=/tmp/gpu-ruler
+GGUF=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+export PYTHONPATH=/tmp/site:$PWD OSCAR_CACHE_DIR=$STAGE/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-$STAGE/out}
+mkdir -p "$STAGE" "$OUT"
+oscar() { python3 -c "from oscar_cli.main import main; main()" "$@"; }
+
+case "${1:-}" in
+stage)
+    art=${2:?artifact path}
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-ruler/whl/*.whl
+    cp .gpu-ruler/p1/gguf.part00 "$STAGE/"
+    rm -rf "$STAGE/corpus" "$STAGE/artifact"
+    cp -r .gpu-ruler/corpus "$STAGE/corpus"
+    cp .gpu-ruler/austen_persuasion.txt "$STAGE/"
+    cp -r "$art" "$STAGE/artifact"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+    python3 -m pytest tests/test_cache.py -m gpu -q -p no:cacheprovider
+    ;;
+run)
+    cat "$STAGE/gguf.part00" .gpu-ruler/p2/gguf.part01 > "$GGUF"
+    echo "$GGUF_SHA  $GGUF" | sha256sum -c -
+    methods=${RULER_METHODS:-bf16,naive-int2,quarot-int2,kivi-2,oscar}
+    t0=$(date +%s)
+    oscar --json eval-kl "$GGUF" --text "$STAGE/austen_persuasion.txt" --artifact "$STAGE/artifact" \
+        --methods "${methods#bf16,}" --ctx "${KL_CTX:-2k,8k}" --tokens 64 --windows 8 \
+        > "$OUT/kl.json" 2> "$OUT/kl.log" || { tail -20 "$OUT/kl.log"; exit 1; }
+    echo "eval-kl: $(( $(date +%s) - t0 )) s"
+    t1=$(date +%s)
+    oscar --json eval-ruler "$GGUF" --artifact "$STAGE/artifact" --haystack-dir "$STAGE/corpus" \
+        --ctx "${RULER_CTX:-1k,2k,4k,8k}" --samples "${RULER_SAMPLES:-50}" --methods "$methods" \
+        --tasks "${RULER_TASKS:-all}" --out "$STAGE/ruler" --time-budget "${RULER_BUDGET:-240}" \
+        > "$OUT/ruler.json" 2> "$OUT/ruler.log" || { tail -20 "$OUT/ruler.log"; exit 1; }
+    echo "eval-ruler: $(( $(date +%s) - t1 )) s"
+    cp "$STAGE/ruler/samples.jsonl" "$STAGE/ruler/heatmap.png" "$OUT/"
+    python3 - "$OUT/ruler.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("complete:", r["complete"], "evaluated:", r["evaluated"], "seconds:", r["seconds"])
+for m, per in r["mean"].items():
+    print(m, per, {L: v["formula"] for L, v in r["bpe"][m].items()})
+EOF
+    ;;
+*)
+    echo "usage: $0 stage ARTIFACT | run" >&2
+    exit 2
+    ;;
+esac
