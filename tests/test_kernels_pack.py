@@ -30,9 +30,15 @@ def _rows(seed: int, b: int, h: int, t: int, d: int, dtype: torch.dtype) -> torc
     return x.to(dtype).to(DEV)
 
 
+def _ref_cpu(x: torch.Tensor, *args: object) -> ref.QuantizedRows:
+    """The reference on CPU: torch's CUDA ``t / 3.0`` multiplies by a rounded reciprocal, not IEEE division."""
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    return ref.quantize_rows(x.cpu(), *cpu)  # type: ignore[arg-type]
+
+
 def _assert_same(a: ref.QuantizedRows, r: ref.QuantizedRows) -> None:
     for name in ("packed", "scale", "zero"):
-        x, y = getattr(a, name), getattr(r, name)
+        x, y = getattr(a, name).cpu(), getattr(r, name).cpu()
         assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"
         bad = (x != y).nonzero()
         assert bad.numel() == 0, f"{name}: {bad.shape[0]} mismatches, first at {bad[0].tolist()}"
@@ -58,7 +64,7 @@ def test_quantize_bitwise_on_rotated_rows(case: tuple) -> None:
     before = x.clone()
     got = ops.quantize_rows(x, None, mean, clip, g, meta)
     assert torch.equal(x, before), "input modified"
-    _assert_same(got, ref.quantize_rows(x, None, mean, clip, g, meta))
+    _assert_same(got, _ref_cpu(x, None, mean, clip, g, meta))
 
 
 @pytest.mark.unit
@@ -68,7 +74,9 @@ def test_quantize_with_rotation_matches_up_to_rounding_ties() -> None:
     gen = torch.Generator().manual_seed(2)
     r = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0].float().to(DEV)
     got = ops.quantize_rows(x, r, None, 0.0, None, torch.float32)
-    want = ref.quantize_rows(x, r, None, 0.0, None, torch.float32)
+    want = _ref_cpu(x, r, None, 0.0, None, torch.float32)
+    x, r = x.cpu(), r.cpu()
+    got = ref.QuantizedRows(got.packed.cpu(), got.scale.cpu(), got.zero.cpu())
     torch.testing.assert_close(got.scale, want.scale, rtol=1e-5, atol=0)
     torch.testing.assert_close(got.zero, want.zero, rtol=1e-5, atol=1e-6)
     cg, cw = ref.unpack_int2(got.packed).int(), ref.unpack_int2(want.packed).int()
@@ -89,7 +97,8 @@ def test_quantize_write_paged_slots_and_skip() -> None:
     slots = torch.randperm(4 * page, generator=torch.Generator().manual_seed(0))[:n].to(DEV)
     slots[3] = -1
     ops.quantize_write(x, cache, slots)
-    want = ref.quantize_rows(x, meta_dtype=torch.float16)  # [N, H_kv, D/4]
+    want = _ref_cpu(x, None, None, 0.0, None, torch.float16)  # [N, H_kv, D/4]
+    want = ref.QuantizedRows(*(t.to(DEV) for t in (want.packed, want.scale, want.zero)))
     ok = slots >= 0
     flat = cache.packed.permute(0, 2, 1, 3).reshape(4 * page, h, d // 4)
     assert torch.equal(flat[slots[ok]], want.packed[ok])
@@ -121,7 +130,4 @@ def test_quantize_bad_inputs_name_the_tensor() -> None:
 def test_quantize_gpu_grid(clip: float, meta: torch.dtype, d: int, dtype: torch.dtype) -> None:
     x = _rows(int(clip * 100) + d, 2, 8, 4097, d, dtype)
     mean = torch.randn(8, d, device=DEV) * 0.2
-    got = ops.quantize_rows(x, None, mean, clip, None, meta)
-    # the reference runs on CPU: torch's CUDA `/ 3.0` multiplies by a rounded reciprocal (not IEEE division)
-    want = ref.quantize_rows(x.cpu(), None, mean.cpu(), clip, None, meta)
-    _assert_same(ref.QuantizedRows(got.packed.cpu(), got.scale.cpu(), got.zero.cpu()), want)
+    _assert_same(ops.quantize_rows(x, None, mean, clip, None, meta), _ref_cpu(x, None, mean, clip, None, meta))
