@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_model = time.perf_counter() - t_start
     recipe = load_recipe(args.recipe or recipe_for_model(slug),
                          {"data": {"tokens": parse_ctx(args.tokens), "source": args.data}})
+    cpu0 = time.process_time()
     res = calibrate_model(model, tokenizer, recipe, reference=reference, resolved=resolved, out=args.out,
                           overwrite=True)
+    calibrate_cpu = time.process_time() - cpu0
     end_to_end = time.perf_counter() - t_start
     t = res.timings
     import transformers
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "timings_s": {k: round(v, 2) for k, v in t.items()},
         "capture_solve_clip_s": round(t["capture"] + t["solve"] + t["clip"], 2),
         "end_to_end_s": round(end_to_end, 2),
+        "calibrate_process_cpu_s": round(calibrate_cpu, 2),  # all threads; with --threads 1 ~ an idle core's wall
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None,
         "device": str(next(model.parameters()).device),
