@@ -237,7 +237,7 @@ class DecodePlan:
         cfg = config or DecodeConfig()
         dev = q.device
         if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
-            cfg = replace(cfg, magic=3)
+            cfg = replace(cfg, magic=3 if q.dtype == torch.bfloat16 else 0)  # fp16: the exact variant
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
         b, h_q, d = q.shape
