@@ -150,6 +150,9 @@ def test_local_files_folder_and_jsonl(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}))
     with pytest.raises(CalibrationError, match="no string field 'text'"):
         local_texts(str(tmp_path / "bad.jsonl"), "text")
+    (tmp_path / "d" / "numbers.json").write_text(json.dumps({"speed": 1}))  # data, not text: skipped, recorded
+    texts, ident = local_texts(str(tmp_path / "d"), "text")
+    assert len(texts) == 21 and ident["skipped_files"] == ["numbers.json"] and ident["files"] == 2
     with pytest.raises(CalibrationError, match="not found"):
         local_texts(str(tmp_path / "missing"), "text")
 
@@ -204,3 +207,26 @@ def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert again.exit_code != 0 and isinstance(again.exception, ArtifactError)
     bad = CliRunner().invoke(app, ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "lots"])
     assert bad.exit_code == 2
+
+
+@pytest.mark.slow
+def test_embedded_model_small_budget(tmp_path: Path) -> None:
+    """The one test on the embedded model: 2K tokens of the repo's docs through the real command."""
+    pytest.importorskip("gguf")
+    from oscar_cli.main import app
+    from oscar_cli.models import architecture_fingerprint, load_config
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    out = tmp_path / "smollm2"
+    result = CliRunner().invoke(app, ["calibrate", "smollm2-135m", "--data", str(docs), "--tokens", "2k",
+                                      "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["data"]["tokens"] == 2048 and len(doc["layers"]) == 30
+    _, config = load_config("smollm2-135m")
+    art = open_artifact(out, expect_architecture=architecture_fingerprint(config))
+    assert art.layers[0].k_rotation.shape == (1, 64, 64) and art.layers[0].k_mean.shape == (3, 64)
+    grid = load_recipe("smollm2-135m").clip
+    assert all(layer.k_clip in grid.k_grid and layer.v_clip in grid.v_grid for layer in art.layers)
+    # keys of a real model are anisotropic: the target's top eigenvalue is far above the mean
+    assert all(s["k_spread"] > 2.0 for s in doc["layers"])

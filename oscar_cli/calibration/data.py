@@ -135,16 +135,30 @@ def local_texts(source: str, text_field: str) -> tuple[list[str], dict[str, Any]
         raise CalibrationError(f"{source}: no {', '.join(suffixes)} files found")
     h = hashlib.sha256()
     texts: list[str] = []
+    skipped: list[str] = []
     for f in files:
-        h.update(f.read_bytes())
         try:
             if f.suffix in JSON_SUFFIXES:
-                texts.extend(_texts_from_json(f, text_field))
+                found = list(_texts_from_json(f, text_field))
             else:
-                texts.append(f.read_text(encoding="utf-8"))
+                found = [f.read_text(encoding="utf-8")]
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CalibrationError(f"{f}: cannot read it as text/JSON ({exc.__class__.__name__})") from None
-    return texts, {"files": len(files), "files_sha256": h.hexdigest()}
+        except CalibrationError:
+            if not root.is_dir():
+                raise
+            # inside a folder, a JSON file without the text field is data, not text: skip it, loudly
+            logger.warning("skipping %s: no string field %r in its entries", f, text_field)
+            skipped.append(str(f.relative_to(root)))
+            continue
+        h.update(f.read_bytes())
+        texts.extend(found)
+    if not texts:
+        raise CalibrationError(f"{source}: no text found (JSON files need the field {text_field!r})")
+    ident: dict[str, Any] = {"files": len(files) - len(skipped), "files_sha256": h.hexdigest()}
+    if skipped:
+        ident["skipped_files"] = skipped
+    return texts, ident
 
 
 def hf_texts(source: str, cfg: DataConfig, need_tokens: int, tokenizer: Any) -> tuple[list[str], dict[str, Any]]:
