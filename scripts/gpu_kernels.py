@@ -139,6 +139,16 @@ def stage_layout() -> None:
         save()
 
 
+def stage_warps() -> None:
+    """Fewer warps per program (no cross-warp softmax reductions), against the default."""
+    RESULTS["warps"] = []
+    for bn, w in ((64, 4), (32, 1), (64, 1), (32, 2), (64, 2)):
+        c = ops.DecodeConfig(block_n=bn, num_warps=w, num_stages=2, magic=4)
+        for b, ctx in CELLS[:2]:
+            RESULTS["warps"].append(measure(c, b, ctx))
+        save()
+
+
 def stage_bench(cfg: ops.DecodeConfig) -> None:
     """The full `oscar bench` grid through the harness, with the chosen tile config."""
     from dataclasses import asdict
@@ -172,6 +182,8 @@ if __name__ == "__main__":
                 chosen = stage_sweep()
             elif st == "pieces":
                 stage_pieces(chosen)
+            elif st == "warps":
+                stage_warps()
             elif st == "layout":
                 stage_layout()
             elif st == "bench":
