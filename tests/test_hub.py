@@ -139,6 +139,10 @@ def test_pull_offline_uses_the_cache(fake_hub: FakeHub, tmp_path: Path, monkeypa
 
     res = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
     online = pull_artifact(f"hf://{REPO}@v0.1.0")
+    with socket.socket() as s:  # the Hub unreachable (nothing listens there): a pulled tag still resolves
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert pull_artifact(f"hf://{REPO}@v0.1.0", endpoint=dead) == online
     fake_hub.requests.clear()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert pull_artifact(f"hf://{REPO}@v0.1.0") == online
