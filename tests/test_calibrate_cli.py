@@ -77,8 +77,21 @@ def test_oscar_rotation_beats_identity_on_held_out_error(tmp_path: Path) -> None
     for method in ("identity", "oscar"):
         r = _recipe(method=method, **fixed)
         res = calibrate_model(model, None, r, reference="t", resolved=RESOLVED, out=tmp_path / method)
-        errs[method] = sum(s.clip_error for s in res.layers)
+        errs[method] = sum(s.clip_error or 0.0 for s in res.layers)
     assert errs["oscar"] < errs["identity"]
+
+
+@pytest.mark.unit
+def test_global_clips_without_held_out_tokens_write_valid_json(tmp_path: Path) -> None:
+    from oscar_cli.calibration import calibrate_model as lazy
+
+    model = tiny_model("llama")
+    r = _recipe(clip={"mode": "global", "holdout_tokens": 0})
+    res = lazy(model, None, r, reference="t", resolved=RESOLVED, out=tmp_path / "g")
+    manifest = json.loads((res.artifact_path / "manifest.json").read_text(), parse_constant=lambda c: 1 / 0)
+    assert manifest["calibration"]["holdout_tokens"] == 0
+    assert all(c["error"] is None for c in manifest["calibration"]["clip"]["layers"])
+    assert json.dumps(res.to_dict(), allow_nan=False)
 
 
 @pytest.mark.unit

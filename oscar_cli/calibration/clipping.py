@@ -30,7 +30,7 @@ class ClipChoice:
     v_ratio: float
     k_objective: dict[float, float] = field(default_factory=dict)
     v_objective: dict[float, float] = field(default_factory=dict)
-    error: float = float("nan")
+    error: float | None = None  # None: not evaluated (no held-out tokens with an INT2 tier)
 
     def to_dict(self) -> dict[str, Any]:
         return {"k_ratio": self.k_ratio, "v_ratio": self.v_ratio, "error": self.error,
@@ -136,7 +136,7 @@ def _argmin(errors: dict[float, float]) -> float:
 
 
 def search_clip(problems: list[LayerClipProblem], k_grid: tuple[float, ...], v_grid: tuple[float, ...]) -> ClipChoice:
-    """Coordinate search over the grids; errors are summed over the layer's held-out sequences."""
+    """Coordinate search over the grids; errors are averaged over the layer's held-out sequences."""
     k_err = {r: 0.0 for r in k_grid}
     for p in problems:
         for r in k_grid:

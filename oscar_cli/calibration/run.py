@@ -52,7 +52,7 @@ class LayerSummary:
     v_spread: float
     k_clip: float
     v_clip: float
-    clip_error: float
+    clip_error: float | None  # held-out relative output error at the chosen clips (None: not evaluated)
 
 
 @dataclass

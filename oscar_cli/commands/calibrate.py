@@ -59,7 +59,7 @@ def _render(result: Any) -> None:
     for row in d["layers"]:
         err = row["clip_error"]
         table.add_row(str(row["index"]), f"{row['k_spread']:.2f}", f"{row['v_spread']:.2f}",
-                      f"{row['k_clip']:g}", f"{row['v_clip']:g}", "-" if err != err else f"{err:.4f}")
+                      f"{row['k_clip']:g}", f"{row['v_clip']:g}", "-" if err is None else f"{err:.4f}")
     out.print(table)
 
 
