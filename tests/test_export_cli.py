@@ -220,6 +220,7 @@ def test_export_with_eval_summary(fake_hub: FakeHub, tmp_path: Path, capsys: pyt
     tree = {e.path: e.oid for e in fake_hub.store.tree("model", REPO, sha)}
     published = json.loads(fake_hub.store.read_blob("model", REPO, tree["manifest.json"]))
     rows = published["evaluation"]["results"]
+    assert published["evaluation"]["complete"] is True
     assert [(r["method"], r["ctx"], r["value"], r["samples"]) for r in rows] == [
         ("oscar", 1024, 75.0, 4), ("bf16", 1024, 100.0, 4)]
     meta = yaml.safe_load(fake_hub.store.read_blob("model", REPO, tree["README.md"]).decode().split("---")[1])

@@ -140,7 +140,8 @@ def evaluation_from_ruler(summary: Mapping[str, Any], manifest: Mapping[str, Any
         for method, tasks in scores.items() for task, by_ctx in tasks.items() for ctx, value in by_ctx.items()
     ]
     rows.sort(key=lambda r: (r["method"] != "oscar", r["method"], r["task"], r["ctx"]))
-    return {"source": "oscar eval-ruler", "results": rows, "environment": summary.get("environment") or {}}
+    return {"source": "oscar eval-ruler", "complete": bool(summary.get("complete", True)), "results": rows,
+            "environment": summary.get("environment") or {}}
 
 
 def card_data(manifest: Mapping[str, Any], repo_id: str) -> ModelCardData:
@@ -227,9 +228,14 @@ def render_model_card(manifest: Mapping[str, Any], repo_id: str) -> str:
                   "| bits/element | " + " | ".join(f"{v:.3f}" for v in bpe.values()) + " |"]
     rows = evaluation_rows(manifest)
     if rows:
-        lines += ["", "## Evaluation", "", "| method | task | metric | value |", "|---|---|---|---|"]
+        ev = manifest.get("evaluation")
+        partial = isinstance(ev, Mapping) and ev.get("complete") is False
+        lines += ["", "## Evaluation", ""]
+        if partial:
+            lines += ["Partial run (stopped by its time budget): not every requested sample was evaluated.", ""]
+        lines += ["| method | task | metric | value | samples |", "|---|---|---|---|---|"]
         lines += [f"| {r.get('method', manifest.get('method', 'oscar'))} | {_row_label(r)} | {r['metric']} | "
-                  f"{r['value']:.4f} |" for r in rows]
+                  f"{r['value']:.4f} | {r.get('samples', '')} |" for r in rows]
     lines += [
         "", "## Provenance", "",
         f"- model: `{model.get('resolved', model.get('reference', '?'))}`",
