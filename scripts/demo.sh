@@ -21,3 +21,8 @@ stage "eval-ruler: RULER niah_single_1 at 1K, 3 samples, bf16 vs oscar through t
 # a rerun resumes from runs/demo-ruler/samples.jsonl (finished samples are skipped)
 oscar eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 3 --methods bf16,oscar \
     --artifact artifacts/demo/smollm2-135m --out runs/demo-ruler
+
+stage "export (dry run): validate the artifact, render its Hub model card with the eval scores, list the upload"
+# offline and without a token: nothing is sent. To publish: drop --dry-run, set HF_TOKEN (docs/EXPORT.md)
+oscar export artifacts/demo/smollm2-135m --repo-id my-org/smollm2-135m-oscar --tag v0.1.0 \
+    --eval-summary runs/demo-ruler/summary.json --dry-run
