@@ -40,6 +40,8 @@ class LayerRuntime:
 
     q_rotation: torch.Tensor | None = None
     out_rotation: torch.Tensor | None = None
+    backend: str = "reference"
+    session: Any = None  # the MethodSession (its ``active`` cache feeds the Triton decode path)
 
 
 def rotate_heads(x: torch.Tensor, r: torch.Tensor, head_axis: int) -> torch.Tensor:
@@ -74,6 +76,10 @@ def oscar_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rt: LayerRuntime | None = getattr(module, "_oscar_runtime", None)
+    if rt is not None and rt.backend == "triton" and query.shape[2] == 1:
+        fast = kernel_decode(module, query, rt, scaling)
+        if fast is not None:
+            return fast, None
     if rt is not None and rt.q_rotation is not None:
         query = rotate_heads(query, rt.q_rotation, head_axis=1)
     out, weights = sdpa_attention_forward(
@@ -82,6 +88,63 @@ def oscar_attention(
     if rt is not None and rt.out_rotation is not None:
         out = rotate_heads(out, rt.out_rotation, head_axis=2)
     return out, weights
+
+
+def kernel_decode(
+    module: torch.nn.Module, query: torch.Tensor, rt: LayerRuntime, scaling: float | None
+) -> torch.Tensor | None:
+    """One decode step through ``oscar_kernels.ops.decode_attention_contiguous``, or None when it does not apply.
+
+    Applies to per-token INT2 layers with a recent window (the new token sits in it), ``G = D``, a non-empty
+    history, an unpadded batch and a bf16/fp16 query on CUDA (or on CPU under ``TRITON_INTERPRET=1``).
+    The kernel rotates ``q`` with ``R_K`` itself and reads the BF16 tiers **centred** like the INT2 tier, so
+    the tiers are centred here; it returns ``o + mu_V`` in the rotated value space, then ``R_Vᵀ`` is applied
+    by the folded ``o_proj`` (or below, at run time, when not folded). Same result as the reference path
+    within the kernel error budget.
+    """
+    import os
+
+    from oscar_cli.quant.cache import Int2Layer, rotation_matrix
+
+    cache = getattr(rt.session, "active", None)
+    if cache is None or query.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    layer = cache.oscar_layers[int(module.layer_idx)]  # type: ignore[arg-type]
+    d = int(query.shape[-1])
+    if not isinstance(layer, Int2Layer) or not layer.quantize or layer.n_hist == 0 or layer.method.recent == 0:
+        return None
+    if layer.sink_slots != layer.method.sink or layer.method.group_size not in (None, d):
+        return None
+    from oscar_kernels.ops import decode_attention_contiguous
+    from oscar_kernels.reference import QuantizedRows
+
+    def centred(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+        if mean is None:
+            return x.contiguous()
+        m = mean.unsqueeze(-2) if mean.dim() == 2 else mean
+        return (x.float() - m).to(x.dtype).contiguous()
+
+    assert layer.sink_k is not None and layer.sink_v is not None
+    assert layer.recent_k is not None and layer.recent_v is not None
+    rot_k = rotation_matrix(layer.transform.k_rotation)
+    out = decode_attention_contiguous(
+        query.contiguous(),
+        QuantizedRows(*layer.hist_k),
+        QuantizedRows(*layer.hist_v),
+        centred(layer.sink_k, layer.k_mean),
+        centred(layer.sink_v, layer.v_mean),
+        centred(layer.recent_k, layer.k_mean),
+        centred(layer.recent_v, layer.v_mean),
+        rotation_k=None if rot_k is None else rot_k.to(query.device).float().contiguous(),
+        mean_v=None if layer.v_mean is None else layer.v_mean.float().reshape(-1, d).squeeze(0).contiguous(),
+        sm_scale=scaling,
+    )  # [B, H_q, 1, D], rotated value space
+    out = out.transpose(1, 2)
+    if rt.out_rotation is not None:
+        out = rotate_heads(out, rt.out_rotation, head_axis=2)
+    return out
 
 
 _registered = False

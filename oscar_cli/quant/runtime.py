@@ -38,10 +38,13 @@ class MethodSession:
     model: Any
     method: QuantMethod
     rotate_values: bool
+    backend: str = "reference"
+    active: Int2Cache | None = None
 
     def new_cache(self) -> Int2Cache:
-        """A fresh, empty cache for one batch."""
-        return Int2Cache(self.method, self.model.config.num_hidden_layers, rotate_values=self.rotate_values)
+        """A fresh, empty cache for one batch (also the one the Triton decode path reads)."""
+        self.active = Int2Cache(self.method, self.model.config.num_hidden_layers, rotate_values=self.rotate_values)
+        return self.active
 
 
 def decoder_attention_modules(model: Any) -> list[Any]:
@@ -85,8 +88,17 @@ def _set_attn(model: Any, name: str) -> None:
 
 
 @contextmanager
-def use_method(model: Any, method: QuantMethod, *, fold_values: bool = True) -> Iterator[MethodSession]:
-    """Attach ``method`` to ``model`` for the duration of the block (see the module docstring)."""
+def use_method(
+    model: Any, method: QuantMethod, *, fold_values: bool = True, backend: str = "reference"
+) -> Iterator[MethodSession]:
+    """Attach ``method`` to ``model`` for the duration of the block (see the module docstring).
+
+    ``backend="triton"`` routes decode steps of INT2 layers through ``oscar_kernels.ops`` where it applies
+    (:func:`oscar_cli.quant.attention.kernel_decode`); everything else stays on the torch reference path.
+    """
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"backend: expected 'reference' or 'triton', got {backend!r}")
+    session = MethodSession(model, method, rotate_values=not fold_values, backend=backend)
     name = register_attention()
     cfg = model.config
     n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
@@ -117,9 +129,11 @@ def use_method(model: Any, method: QuantMethod, *, fold_values: bool = True) -> 
             attn._oscar_runtime = LayerRuntime(
                 q_rotation=None if q_rot is None else q_rot.to(dev),
                 out_rotation=None if out_rot is None else out_rot.to(dev),
+                backend=backend,
+                session=session,
             )
         _set_attn(model, name)
-        yield MethodSession(model, method, rotate_values=not fold_values)
+        yield session
     finally:
         for attn, wv, bv, wo in saved:
             attn.v_proj.weight.data.copy_(wv)
