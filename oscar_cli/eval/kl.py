@@ -138,7 +138,7 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
         model={
             "reference": loaded.identity.reference,
             "resolved": loaded.identity.resolved,
-            "dtype": str(loaded.dtype),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
         },
         metrics={m: metrics[m] for m in names if m in cfg.methods or m == "bf16"},
         bpe=bpe,
