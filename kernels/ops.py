@@ -8,7 +8,8 @@ Public API (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET
 - :func:`decode_attention` — one decode step over paged INT2 history + BF16 sink and recent tiers;
   :class:`DecodePlan` — the same, validated once and launched many times (CUDA graphs, benchmarks).
 - :func:`decode_attention_contiguous` — the same over a non-paged cache (``codes [B, H_kv, T, D/4]``).
-- :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_num_splits`.
+- :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
+  :func:`default_num_splits`.
 
 Paged layout: ``codes uint8 [num_pages, H_kv, P, D/4]``, ``scale``/``zero`` ``md [num_pages, H_kv, P, D/G]``,
 ``block_table int32 [B, max_pages]``; token ``t`` of sequence ``b`` lives in page ``block_table[b, t // P]``
@@ -32,6 +33,7 @@ __all__ = [
     "DecodePlan",
     "decode_attention",
     "decode_attention_contiguous",
+    "default_config",
     "default_num_splits",
     "make_workspace",
     "new_paged_cache",
@@ -179,6 +181,12 @@ class DecodeConfig:
     mode: int = 0  # 0 full kernel; diagnostics: 1 load only, 2 load + unpack
 
 
+def default_config(batch: int) -> DecodeConfig:
+    """The measured H200 choice: 4 warps per program below batch 16, one warp from batch 16 (no cross-warp
+    softmax reductions; 16 x 128K: 1381 µs vs 1617 µs with 4 warps, batch 1: 134 vs 125 µs)."""
+    return DecodeConfig() if batch < 16 else DecodeConfig(num_warps=1)
+
+
 def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
                        device: torch.device | None = None, tokens_per_split: int = 2048,
                        min_programs: int = 1024) -> int:
@@ -234,7 +242,7 @@ class DecodePlan:
         config: DecodeConfig | None = None, out: torch.Tensor | None = None,
         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
     ) -> None:
-        cfg = config or DecodeConfig()
+        cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1)
         dev = q.device
         if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
             cfg = replace(cfg, magic=3 if q.dtype == torch.bfloat16 else 0)  # fp16: the exact variant

@@ -40,10 +40,11 @@ class BenchConfig:
     sink: int = 64
     recent: int = 256
     num_splits: int | None = None
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    magic: int = 4
+    # INT2 tile config; None = ``oscar_kernels.ops.default_config(batch)``
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    magic: int | None = None
     graphs: bool = True
     rep_ms: int = 100
     quant_tokens: int = 16384
@@ -270,9 +271,10 @@ def bench_int2(
     """(eager µs, graph µs, splits) of one INT2 decode step over rotating caches."""
     from oscar_kernels import ops
 
+    base = ops.default_config(batch)
     dc = decode_config or ops.DecodeConfig(
-        block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, magic=cfg.magic
-    )
+        block_n=cfg.block_n or base.block_n, num_warps=cfg.num_warps or base.num_warps,
+        num_stages=cfg.num_stages or base.num_stages, magic=base.magic if cfg.magic is None else cfg.magic)
     hist = max(ctx - cfg.sink - cfg.recent, 0)
     ps, n_pp = page_geometry(cfg, hist)
     cap = ps * n_pp
