@@ -344,3 +344,13 @@ def test_unpinned_pull_fetches_main_and_warns(
         hub_logger.removeHandler(caplog.handler)
     assert path.name == v2.commit
     assert any("not pinned" in r.getMessage() for r in caplog.records)
+
+
+def test_republish_from_an_hf_ref(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+    art = make_artifact(tmp_path, 0)
+    src = _push(fake_hub, art, tag="v0.1.0")
+    dst = _push(fake_hub, f"hf://{REPO}@{src.commit}", repo_id="other-org/mirror", tag="v0.1.0")  # type: ignore[arg-type]
+    a = {e.path: e.oid for e in fake_hub.store.tree("model", REPO, src.commit)}  # type: ignore[arg-type]
+    b = {e.path: e.oid for e in fake_hub.store.tree("model", "other-org/mirror", dst.commit)}  # type: ignore[arg-type]
+    assert a.keys() == b.keys()
+    assert all(a[k] == b[k] for k in a if k != "README.md")  # same artifact; the card names the new repo

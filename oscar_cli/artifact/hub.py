@@ -74,7 +74,7 @@ def validate_repo_id(repo_id: str) -> str:
     ):
         raise HubError(
             f"invalid Hub repo id {repo_id!r}: expected ORG/NAME (letters, digits, '-', '_', '.')",
-            hint="e.g. --repo-id my-org/smollm2-135m-oscar-int2",
+            hint="e.g. my-org/smollm2-135m-oscar",
         )
     return repo_id
 
@@ -233,6 +233,8 @@ def push_artifact(
     validate_repo_id(repo_id)
     if tag is not None:
         validate_tag(tag)
+    if is_hub_ref(str(path)):  # re-publish a released artifact (e.g. to another org): pull it first
+        path = pull_artifact(str(path), token=token, endpoint=endpoint)
     path = Path(path)
     manifest = checked_manifest(path)
     if evaluation is not None:

@@ -61,7 +61,9 @@ EvalOpt = Annotated[
 
 def export(
     artifact: Annotated[
-        Path, typer.Argument(help="Artifact directory written by `oscar calibrate`.", show_default=False)
+        str,
+        typer.Argument(help="Artifact directory written by `oscar calibrate` (or hf://ORG/NAME@REV to re-publish).",
+                       show_default=False),
     ],
     repo_id: RepoIdOpt,
     tag: TagOpt = None,
@@ -103,7 +105,7 @@ def export(
     stdout.print(result.ref, highlight=False, markup=False)
 
 
-def _evaluation(summary_path: Path, artifact: Path) -> dict[str, Any]:
+def _evaluation(summary_path: Path, artifact: str) -> dict[str, Any]:
     """``manifest.evaluation`` from an eval-ruler summary, checked against the artifact."""
     from oscar_cli.artifact.card import evaluation_from_ruler
     from oscar_cli.artifact.hub import checked_manifest
@@ -115,7 +117,11 @@ def _evaluation(summary_path: Path, artifact: Path) -> dict[str, Any]:
         raise ArtifactError(f"cannot read the eval summary {summary_path} ({type(exc).__name__})") from None
     if not isinstance(summary, dict):
         raise ArtifactError(f"{summary_path} is not an oscar eval-ruler summary (expected a JSON object)")
-    return evaluation_from_ruler(summary, checked_manifest(artifact))
+    if artifact.startswith("hf://"):
+        from oscar_cli.artifact.hub import pull_artifact
+
+        return evaluation_from_ruler(summary, checked_manifest(pull_artifact(artifact)))
+    return evaluation_from_ruler(summary, checked_manifest(Path(artifact)))
 
 
 def register(app: typer.Typer) -> None:
