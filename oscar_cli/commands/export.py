@@ -34,7 +34,7 @@ PrivateOpt = Annotated[
     bool, typer.Option("--private", help="Create the repo private (an existing repo keeps its visibility).")
 ]
 DryRunOpt = Annotated[
-    bool, typer.Option("--dry-run", help="Validate and list the files that would be uploaded; no network.")
+    bool, typer.Option("--dry-run", help="Validate and list the files that would be uploaded; sends nothing (no network for a local ARTIFACT).")
 ]
 TokenOpt = Annotated[
     str | None,
