@@ -221,3 +221,24 @@ def test_decode_cuda_graph_replay_equals_eager() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_budget(out, c)
+
+
+@pytest.mark.unit
+def test_decode_plan_refill_in_place_and_empty_rows() -> None:
+    """A DecodePlan re-run after refilling its tensors follows the new data; a row with no keys gives zeros."""
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(5, 2, 4, 1, 64, [20, 9], [2, 0], [3, 0], 16, torch.float16, dev, meta=torch.float16)
+    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+            "recent_k", "recent_v", "recent_len")
+    plan = ops.DecodePlan(c["q"], *(c[k] for k in keys), rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
+                          mean_v=c["mean_v"], num_splits=2, config=TINY, out=_poisoned(c))
+    assert_budget(plan.run(), c)
+    c["q"].copy_(torch.randn_like(c["q"].float()).to(c["q"].dtype))
+    c["hist_len"].copy_(torch.tensor([13, 0], dtype=torch.int32))
+    plan.out.fill_(float("nan"))
+    out = plan.run()
+    assert_budget(out, c)
+    # row 1 has no keys at all: zeros (then + mu_V, rotated back), never NaN
+    want = (c["mean_v"].float() @ c["rotation_v"].T).to(out.dtype)
+    torch.testing.assert_close(out[1], want.expand_as(out[1]), rtol=0, atol=2e-3)
+    assert ops.default_config(1).num_warps == 4 and ops.default_config(16).num_warps == 1
