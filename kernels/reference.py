@@ -180,7 +180,9 @@ def quantize_int2(
     y32 = y.float().reshape(*y.shape[:-1], d // g, g)
     mn = y32.amin(dim=-1)
     mx = y32.amax(dim=-1)
-    s = torch.clamp(mx - mn, min=1e-8) / 3.0
+    # Divide by a same-device tensor, not a Python scalar: torch on CUDA turns `x / 3.0` into `x * (1/3)`,
+    # which is not IEEE division and would break bitwise agreement with the kernels (div_rn).
+    s = torch.clamp(mx - mn, min=1e-8) / torch.full_like(mx, 3.0)
     scale = s.to(meta_dtype)
     zero = mn.to(meta_dtype)
     sf = scale.float().unsqueeze(-1)
