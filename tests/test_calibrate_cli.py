@@ -211,11 +211,14 @@ def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(load_recipe(overrides=TINY).to_yaml())
     out = tmp_path / "art"
-    args = ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "1536", "--out", str(out), "--json"]
+    args = ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "1536", "--seq-len", "256", "--seed",
+            "3", "--out", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["artifact"] == str(out) and len(doc["layers"]) == 2 and doc["data"]["tokens"] == 1536
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["seed"] == 3 and manifest["recipe"]["data"]["seq_len"] == 256
     again = CliRunner().invoke(app, args)
     assert again.exit_code != 0 and isinstance(again.exception, ArtifactError)
     bad = CliRunner().invoke(app, ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "lots"])

@@ -78,6 +78,12 @@ def calibrate(
     tokens: Annotated[
         str | None, typer.Option("--tokens", help="Token budget, e.g. 16k (statistics + held-out).")
     ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", min=8, help="Tokens per calibration sequence (recipe data.seq_len).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed for generation, sampling and the sst reservoir (data.seed).")
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option("--out", help="Artifact directory (default: artifacts/<model>/<recipe>-<hash>)."),
@@ -105,6 +111,10 @@ def calibrate(
             overrides.setdefault("data", {})["tokens"] = parse_ctx(tokens)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--tokens") from None
+    if seq_len is not None:
+        overrides.setdefault("data", {})["seq_len"] = seq_len
+    if seed is not None:
+        overrides.setdefault("data", {})["seed"] = seed
     recipe_obj = load_recipe(recipe or recipe_for_model(model_slug(model)), overrides)
     _output.info(f"calibrating {model} with recipe {recipe_obj.name} ({recipe_obj.method}, "
                  f"{recipe_obj.data.tokens} tokens from {recipe_obj.data.source})")
