@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_capture import tiny_model
 from typer.testing import CliRunner
 
 from oscar_cli.artifact import open_artifact
@@ -17,7 +18,6 @@ from oscar_cli.calibration.data import local_texts, pack, prepare_data
 from oscar_cli.calibration.run import calibrate_model, plan_budget
 from oscar_cli.errors import ArtifactError, CalibrationError, UnsupportedModelError
 from oscar_cli.recipe import load_recipe
-from tests.test_capture import tiny_model
 
 RESOLVED = "sha256:" + "0" * 64
 TINY = {"data": {"source": "random", "tokens": 1536, "seq_len": 256, "batch_size": 2},
