@@ -14,8 +14,13 @@ def plot_heatmap(
     methods: list[str],
     path: str | Path,
     title: str = "",
+    counts: dict[str, dict[str, dict[int, int]]] | None = None,
+    samples: int | None = None,
 ) -> Path:
-    """Write the heatmap atomically to ``path``; cells show the score (0-100), empty cells are grey."""
+    """Write the heatmap atomically to ``path``; cells show the score (0-100), empty cells are grey.
+
+    With ``counts`` and ``samples``, a cell scored on fewer samples than asked shows ``score*`` (partial run).
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -37,11 +42,13 @@ def plot_heatmap(
         for i in range(len(tasks)):
             for j in range(len(lengths)):
                 if not math.isnan(data[i, j]):
-                    ax.text(j, i, f"{data[i, j]:.0f}", ha="center", va="center", fontsize=7)
+                    cnt = (counts or {}).get(m, {}).get(tasks[i], {}).get(lengths[j], samples)
+                    mark = "*" if samples is not None and cnt is not None and cnt < samples else ""
+                    ax.text(j, i, f"{data[i, j]:.0f}{mark}", ha="center", va="center", fontsize=7)
     if image is not None:
         fig.colorbar(image, ax=list(axes[0]), shrink=0.8, label="string_match_all")
     if title:
-        fig.suptitle(f"RULER NIAH — {title}", fontsize=11)
+        fig.suptitle(f"RULER NIAH — {title}" + ("   (* = fewer samples than asked)" if samples else ""), fontsize=11)
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")

@@ -377,7 +377,9 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         environment=environment(),
         files={"samples": str(path), "summary": str(out / SUMMARY_FILE), "heatmap": str(out / HEATMAP_FILE)},
     )
-    plot_heatmap(scores, cfg.tasks, cfg.lengths, cfg.methods, out / HEATMAP_FILE, title=loaded.identity.reference)
+    plot_heatmap(
+        scores, cfg.tasks, cfg.lengths, cfg.methods, out / HEATMAP_FILE, loaded.identity.reference, counts, cfg.samples
+    )
     tmp = out / f".{SUMMARY_FILE}.tmp"
     tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / SUMMARY_FILE)
