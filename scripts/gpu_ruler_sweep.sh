@@ -12,7 +12,8 @@
 # Call 1: carry .gpu-ruler/p1 .gpu-ruler/whl .gpu-ruler/corpus .gpu-ruler/austen_persuasion.txt ARTIFACT
 #         command: bash scripts/gpu_ruler_sweep.sh stage ARTIFACT
 # Call 2: carry .gpu-ruler/p2
-#         command: RULER_BUDGET=240 bash scripts/gpu_ruler_sweep.sh run
+#         command: RULER_BUDGET=225 bash scripts/gpu_ruler_sweep.sh run
+# (eval-kl contexts must leave room for the 64 scored tokens: 8K + 64 is beyond SmolLM2's 8192 positions.)
 # Results land in $OUT: kl.json, ruler.json, samples.jsonl, heatmap.png and their logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,7 @@ case "${1:-}" in
 stage)
     art=${2:?artifact path}
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-ruler/whl/*.whl
+    ln -sfn "$PWD/kernels" /tmp/site/oscar_kernels  # the package is not installed there: kernels/ is oscar_kernels
     cp .gpu-ruler/p1/gguf.part00 "$STAGE/"
     rm -rf "$STAGE/corpus" "$STAGE/artifact"
     cp -r .gpu-ruler/corpus "$STAGE/corpus"
@@ -43,7 +45,7 @@ run)
     methods=${RULER_METHODS:-bf16,naive-int2,quarot-int2,kivi-2,oscar}
     t0=$(date +%s)
     oscar --json eval-kl "$GGUF" --text "$STAGE/austen_persuasion.txt" --artifact "$STAGE/artifact" \
-        --methods "${methods#bf16,}" --ctx "${KL_CTX:-2k,8k}" --tokens 64 --windows 8 \
+        --methods "${methods#bf16,}" --ctx "${KL_CTX:-2k,4k}" --tokens 64 --windows 8 \
         > "$OUT/kl.json" 2> "$OUT/kl.log" || { tail -20 "$OUT/kl.log"; exit 1; }
     echo "eval-kl: $(( $(date +%s) - t0 )) s"
     t1=$(date +%s)
