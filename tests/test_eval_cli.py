@@ -88,3 +88,18 @@ def test_essay_task_without_haystack_dir_is_an_error(tmp_path: Path, monkeypatch
     res = runner.invoke(app, ["eval-ruler", "tiny", "--tasks", "niah_single_2", "--ctx", "1k", "--samples", "1",
                               "--methods", "bf16", "--out", str(tmp_path)])  # fmt: skip
     assert isinstance(res.exception, EvalError) and "--haystack-dir" in res.exception.message
+
+
+def test_time_budget_stops_early_and_a_rerun_completes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time as time_mod
+
+    import oscar_cli.eval.ruler as ruler_mod
+
+    clock = iter(range(0, 10_000, 100))  # every perf_counter() call advances 100 s: the budget runs out at once
+    monkeypatch.setattr(ruler_mod.time, "perf_counter", lambda: float(next(clock)))
+    partial = _run(tmp_path, monkeypatch, "--time-budget", "150")
+    assert partial["complete"] is False and 0 < partial["evaluated"] < 8
+    monkeypatch.setattr(ruler_mod.time, "perf_counter", time_mod.monotonic)
+    rest = _run(tmp_path, monkeypatch)
+    assert rest["complete"] is True and rest["resumed"] == partial["evaluated"]
+    assert rest["evaluated"] + rest["resumed"] == 8
