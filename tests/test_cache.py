@@ -387,3 +387,17 @@ def test_triton_decode_path_matches_reference_on_cuda() -> None:
     ref = _decode_logits(model, meth, "reference", "cuda", 8)
     fast = _decode_logits(model, meth, "triton", "cuda", 8)
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
+
+
+def test_equal_window_override_applies_to_per_token_int2_methods() -> None:
+    from oscar_cli.quant.methods import parse_windows
+
+    cfg = tiny_model().config
+    naive = build_method("naive-int2", cfg, windows=(8, 16))
+    assert (naive.sink, naive.recent) == (8, 16) and "+windows S0=8 W=16" in naive.source
+    assert build_method("kivi-2", cfg, windows=(8, 16)).recent == 128  # KIVI keeps its own residual
+    assert parse_windows("64,256") == (64, 256) and parse_windows(None) is None
+    with pytest.raises(EvalError, match="multiples of 8"):
+        build_method("quarot-int2", cfg, windows=(5, 16))
+    with pytest.raises(EvalError, match="SINK,RECENT"):
+        parse_windows("64")

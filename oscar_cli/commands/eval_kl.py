@@ -70,12 +70,20 @@ def eval_kl(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Teacher-forced decode positions M per window.")] = 64,
     windows: Annotated[int, typer.Option("--windows", min=1, help="Windows N cut from the text.")] = 4,
     chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="Prefill chunk in tokens.")] = 4096,
+    bf16_windows: Annotated[
+        str | None,
+        typer.Option(
+            "--bf16-windows",
+            help="SINK,RECENT: override the BF16 sink/recent windows of naive-int2, quarot-int2 and oscar "
+            "(e.g. 64,256: an equal-window ablation).",
+        ),
+    ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:
     """KL divergence and top-1 agreement of each method's next-token distributions against BF16."""
     from oscar_cli.eval.kl import KLConfig, run_kl
-    from oscar_cli.quant.methods import parse_methods
+    from oscar_cli.quant.methods import parse_methods, parse_windows
 
     if not text:
         raise typer.BadParameter("--text FILE is required (held-out prose)", param_hint="--text")
@@ -90,6 +98,7 @@ def eval_kl(
         device=device,
         dtype=dtype,
         chunk_size=chunk_size,
+        bf16_windows=parse_windows(bf16_windows),
     )
     res = run_kl(cfg).to_json()
     if _output.SETTINGS.json:

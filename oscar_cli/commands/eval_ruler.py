@@ -138,6 +138,14 @@ def eval_ruler(
         float | None,
         typer.Option("--time-budget", min=1, help="Seconds; no new batch starts after it (rerun to resume)."),
     ] = None,
+    bf16_windows: Annotated[
+        str | None,
+        typer.Option(
+            "--bf16-windows",
+            help="SINK,RECENT: override the BF16 sink/recent windows of naive-int2, quarot-int2 and oscar "
+            "(e.g. 64,256: an equal-window ablation).",
+        ),
+    ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:
@@ -145,7 +153,7 @@ def eval_ruler(
     from oscar_cli.eval.niah import parse_tasks
     from oscar_cli.eval.ruler import RulerConfig, run_ruler
     from oscar_cli.models import resolve_model
-    from oscar_cli.quant.methods import parse_methods
+    from oscar_cli.quant.methods import parse_methods, parse_windows
 
     lengths = parse_ctx_list(ctx)
     if not out:
@@ -167,6 +175,7 @@ def eval_ruler(
         device=device,
         dtype=dtype,
         chunk_size=chunk_size,
+        bf16_windows=parse_windows(bf16_windows),
         max_new_tokens=max_new_tokens,
         time_budget=time_budget,
     )

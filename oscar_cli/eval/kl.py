@@ -40,6 +40,7 @@ class KLConfig:
     device: str | None = None
     dtype: str | None = None
     chunk_size: int = 4096
+    bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
 
 
 @dataclass
@@ -116,7 +117,7 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
         raise EvalError(f"context {max(cfg.lengths)} + {cfg.tokens} tokens is beyond the model's {native} positions")
     ids = list(tok(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"])
     names = ["bf16"] + [m for m in cfg.methods if m != "bf16"]
-    methods = {m: build_method(m, model.config, cfg.artifact) for m in names}
+    methods = {m: build_method(m, model.config, cfg.artifact, cfg.bf16_windows) for m in names}
     head_dim = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
     metrics: dict[str, dict[int, dict[str, float]]] = {m: {} for m in names}
     with progress() as p:

@@ -54,6 +54,7 @@ class RulerConfig:
     max_new_tokens: int = 128
     seed: int = 42
     time_budget: float | None = None  # seconds; no new batch starts after it (the run stays resumable)
+    bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
 
 
 @dataclass
@@ -323,7 +324,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     model = loaded.model
     apply_rope_scaling(model, cfg.lengths, cfg.rope_scaling, cfg.rope_factor)
-    methods = {m: build_method(m, model.config, cfg.artifact) for m in cfg.methods}
+    methods = {m: build_method(m, model.config, cfg.artifact, cfg.bf16_windows) for m in cfg.methods}
     sources = {m: meth.source for m, meth in methods.items()}
     head_dim = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
 

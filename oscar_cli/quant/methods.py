@@ -223,24 +223,48 @@ def _short_hash(files: dict[str, str]) -> str:
     return sha[:12] or "unhashed"
 
 
-def build_method(name: str, config: Any, artifact: str | None = None) -> QuantMethod:
-    """A method by name for a model ``config``; ``oscar`` needs ``artifact`` (path or ``hf://``)."""
+def build_method(
+    name: str, config: Any, artifact: str | None = None, windows: tuple[int, int] | None = None
+) -> QuantMethod:
+    """A method by name for a model ``config``; ``oscar`` needs ``artifact`` (path or ``hf://``).
+
+    ``windows = (S0, W)`` overrides the BF16 sink and recent window of the per-token INT2 methods
+    (``naive-int2``, ``quarot-int2``, ``oscar``) — an equal-window ablation; ``bf16`` and ``kivi-2`` keep
+    their own layout. The override is recorded in ``source`` (so resumed results never mix layouts).
+    """
     if name == "bf16":
         return bf16_method()
-    if name == "naive-int2":
-        return naive_int2_method()
-    if name == "quarot-int2":
-        return quarot_int2_method(config)
     if name == "kivi-2":
         return kivi2_method()
-    if name == "oscar":
+    if name == "naive-int2":
+        meth = naive_int2_method()
+    elif name == "quarot-int2":
+        meth = quarot_int2_method(config)
+    elif name == "oscar":
         if artifact is None:
             raise EvalError(
                 "method oscar needs --artifact (a calibration artifact: local path or hf://ORG/NAME@REV)",
                 hint="run: oscar calibrate MODEL, or drop oscar from --methods",
             )
-        return oscar_from_artifact(artifact, config)
-    raise EvalError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
+        meth = oscar_from_artifact(artifact, config)
+    else:
+        raise EvalError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
+    if windows is None:
+        return meth
+    sink, recent = windows
+    if sink < 0 or recent < 0 or sink % 8 or recent % 8:
+        raise EvalError(f"--bf16-windows {sink},{recent}: sink and recent must be non-negative multiples of 8")
+    return replace(meth, sink=sink, recent=recent, source=f"{meth.source} +windows S0={sink} W={recent}")
+
+
+def parse_windows(text: str | None) -> tuple[int, int] | None:
+    """``"64,256"`` -> ``(64, 256)``; None/empty -> None."""
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise EvalError(f"--bf16-windows {text!r}: expected SINK,RECENT such as 64,256")
+    return int(parts[0]), int(parts[1])
 
 
 def parse_methods(text: str | list[str]) -> list[str]:
