@@ -103,3 +103,18 @@ def test_time_budget_stops_early_and_a_rerun_completes(tmp_path: Path, monkeypat
     rest = _run(tmp_path, monkeypatch)
     assert rest["complete"] is True and rest["resumed"] == partial["evaluated"]
     assert rest["evaluated"] + rest["resumed"] == 8
+
+
+@pytest.mark.slow
+def test_embedded_model_finds_the_needle_through_the_cache(tmp_path: Path) -> None:
+    """The one embedded-model check: sample 0 of niah_single_1 at 1K, bf16 through the INT2 cache's path."""
+    from oscar_cli.eval.ruler import RulerConfig, run_ruler
+
+    cfg = RulerConfig(
+        lengths=[1024], tasks=["niah_single_1"], methods=["bf16"], samples=1, out=str(tmp_path), max_new_tokens=16
+    )
+    res = run_ruler(cfg)
+    rec = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
+    assert rec["answers"][0] in rec["pred"], rec
+    assert res.scores["bf16"]["niah_single_1"][1024] == 100.0
+    assert 1024 - 128 - 40 <= rec["prompt_tokens"] <= 1024 - 128
