@@ -343,7 +343,7 @@ def _kernel_model_and_method():
     return model, oscar_method([t], sink=8, recent=16)
 
 
-def _decode_logits(model, meth, backend: str, device: str, steps: int) -> torch.Tensor:
+def _decode_logits(model, meth, backend: str, device: str, steps: int, caches: list | None = None) -> torch.Tensor:
     from oscar_cli.quant.generation import decode_step
 
     ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(9)).to(device)
@@ -354,6 +354,8 @@ def _decode_logits(model, meth, backend: str, device: str, steps: int) -> torch.
         for i in range(steps):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             out.append(decode_step(model, cache, ids[:, i], mask))
+    if caches is not None:
+        caches.append(cache)
     return torch.stack(out, 1)
 
 
@@ -373,9 +375,13 @@ def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest
 
     monkeypatch.setattr(ops, "decode_attention_contiguous", counting)
     model, meth = _kernel_model_and_method()
-    ref = _decode_logits(model, meth, "reference", "cpu", 2)
-    fast = _decode_logits(model, meth, "triton", "cpu", 2)
+    caches: list = []
+    ref = _decode_logits(model, meth, "reference", "cpu", 2, caches)
+    fast = _decode_logits(model, meth, "triton", "cpu", 2, caches)
     assert len(calls) == 2  # one layer x two decode steps went through the kernel
+    for which in ("k", "v"):  # the prefill's INT2 rows, written by the Triton quantizer: bitwise the reference's
+        a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
 
 

@@ -35,6 +35,7 @@ counts only what a server stores: sink + packed history + metadata + recent.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -66,9 +67,12 @@ class Int2Layer(CacheLayerMixin):
     keys: torch.Tensor  # the dense view attention reads (set in lazy_initialization)
     values: torch.Tensor
 
-    def __init__(self, method: QuantMethod, transform: LayerTransform, rotate_values: bool = True) -> None:
+    def __init__(
+        self, method: QuantMethod, transform: LayerTransform, rotate_values: bool = True, backend: str = "reference"
+    ) -> None:
         super().__init__()
         self.method = method
+        self.backend = backend  # "triton": the write path uses oscar_kernels.ops.quantize_rows (bitwise twin)
         self.transform = transform
         self.k_rot = rotation_matrix(transform.k_rotation)
         self.v_rot = rotation_matrix(transform.v_rotation) if rotate_values else None
@@ -175,17 +179,17 @@ class Int2Layer(CacheLayerMixin):
 
     def _demote(self, m: int) -> None:
         """Quantize the ``m`` oldest recent tokens into the INT2 history (reference write path)."""
-        from oscar_kernels.reference import QuantizedRows, dequantize_rows, quantize_rows
+        from oscar_kernels.reference import QuantizedRows, dequantize_rows
 
         assert self.recent_k is not None and self.recent_v is not None
-        t, meth = self.transform, self.method
+        t = self.transform
         start = self.n_sink + self.n_hist
         for name, rows, mean, clip in (
             ("k", self.recent_k[..., :m, :], self.k_mean, t.k_clip),
             ("v", self.recent_v[..., :m, :], self.v_mean, t.v_clip),
         ):
             mean_d = mean
-            q = quantize_rows(rows, None, mean_d, clip, meth.group_size, meth.meta_dtype)
+            q = self._quantize(rows, mean_d, clip)
             store = self.hist_k if name == "k" else self.hist_v
             if store:
                 store[:] = [torch.cat([a, b], -2) for a, b in zip(store, (q.packed, q.scale, q.zero), strict=True)]
@@ -199,6 +203,19 @@ class Int2Layer(CacheLayerMixin):
         self.recent_k = self.recent_k[..., m:, :]
         self.recent_v = self.recent_v[..., m:, :]
         self.n_hist += m
+
+    def _quantize(self, rows: torch.Tensor, mean: torch.Tensor | None, clip: float) -> Any:
+        """Reference write path, or its Triton twin (``backend="triton"``, CUDA or ``TRITON_INTERPRET=1``)."""
+        from oscar_kernels.reference import quantize_rows
+
+        meth = self.method
+        kernel_ok = rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        if self.backend == "triton" and kernel_ok and rows.shape[-1] % 16 == 0:
+            from oscar_kernels import ops
+
+            m = None if mean is None else (mean.reshape(-1) if mean.shape[0] == 1 else mean).float().contiguous()
+            return ops.quantize_rows(rows.contiguous(), None, m, clip, meth.group_size, meth.meta_dtype)
+        return quantize_rows(rows, None, mean, clip, meth.group_size, meth.meta_dtype)
 
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -248,7 +265,7 @@ class Int2Layer(CacheLayerMixin):
         self.hist_v = [x.repeat_interleave(repeats, dim=0) for x in self.hist_v]
 
     def reset(self) -> None:
-        self.__init__(self.method, self.transform, self.v_rot is not None)  # type: ignore[misc]
+        self.__init__(self.method, self.transform, self.v_rot is not None, self.backend)  # type: ignore[misc]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an INT2 cache cannot be cropped (quantized history is not reversible)")
@@ -263,14 +280,16 @@ class Int2Cache(Cache):
         rotate_values: True when ``R_V`` is applied here at run time (not folded into ``v_proj``).
     """
 
-    def __init__(self, method: QuantMethod, num_layers: int, rotate_values: bool = False) -> None:
+    def __init__(
+        self, method: QuantMethod, num_layers: int, rotate_values: bool = False, backend: str = "reference"
+    ) -> None:
         layers: list[Any]
         if method.kind == "kivi":
             from oscar_cli.quant.kivi import KiviLayer
 
             layers = [KiviLayer(method) for _ in range(num_layers)]
         else:
-            layers = [Int2Layer(method, method.layer(i), rotate_values) for i in range(num_layers)]
+            layers = [Int2Layer(method, method.layer(i), rotate_values, backend) for i in range(num_layers)]
         super().__init__(layers=layers)
         self.method = method
         self.oscar_layers: list[Any] = layers  # the same objects, typed for our own attributes

@@ -43,7 +43,8 @@ class MethodSession:
 
     def new_cache(self) -> Int2Cache:
         """A fresh, empty cache for one batch (also the one the Triton decode path reads)."""
-        self.active = Int2Cache(self.method, self.model.config.num_hidden_layers, rotate_values=self.rotate_values)
+        n_layers = self.model.config.num_hidden_layers
+        self.active = Int2Cache(self.method, n_layers, rotate_values=self.rotate_values, backend=self.backend)
         return self.active
 
 
