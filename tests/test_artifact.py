@@ -172,7 +172,8 @@ def test_update_manifest_rehashes_and_keeps_unknown_fields(tmp_path: Path) -> No
 
 
 def test_export_helpers_fixture_artifact_is_accepted(tmp_path: Path) -> None:
-    fixtures = pytest.importorskip("tests.fakehub.artifacts")
+    from fakehub import artifacts as fixtures  # tests/ is on sys.path (rootdir layout, no package)
+
     path = fixtures.make_artifact(tmp_path, 0)
     art = open_artifact(path)
     assert art.layers[0].mean_per_head("k", art.num_kv_heads).shape == (art.num_kv_heads, art.head_dim)
