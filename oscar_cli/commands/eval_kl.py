@@ -9,7 +9,7 @@ from rich.table import Table
 
 from oscar_cli import _output
 from oscar_cli._options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelArg, format_ctx, parse_ctx_list
-from oscar_cli.commands.eval_ruler import _ctx_callback, _methods_callback
+from oscar_cli.commands.eval_ruler import _backend_callback, _ctx_callback, _methods_callback
 
 EXAMPLES = """
 [bold]Examples[/bold]
@@ -78,6 +78,14 @@ def eval_kl(
             "(e.g. 64,256: an equal-window ablation).",
         ),
     ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="reference (torch) or triton: INT2 writes and unpadded decode steps through oscar_kernels (CUDA).",
+            callback=_backend_callback,
+        ),
+    ] = "reference",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:
@@ -99,6 +107,7 @@ def eval_kl(
         dtype=dtype,
         chunk_size=chunk_size,
         bf16_windows=parse_windows(bf16_windows),
+        backend=backend,
     )
     res = run_kl(cfg).to_json()
     if _output.SETTINGS.json:

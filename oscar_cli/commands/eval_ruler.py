@@ -53,6 +53,12 @@ def _ctx_callback(value: str) -> str:
     return value
 
 
+def _backend_callback(value: str) -> str:
+    if value not in ("reference", "triton"):
+        raise typer.BadParameter(f"unknown backend {value!r}; valid backends: reference, triton")
+    return value
+
+
 def _fmt(x: float) -> str:
     return "—" if isinstance(x, float) and math.isnan(x) else f"{x:.1f}"
 
@@ -146,6 +152,14 @@ def eval_ruler(
             "(e.g. 64,256: an equal-window ablation).",
         ),
     ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="reference (torch) or triton: INT2 writes and unpadded decode steps through oscar_kernels (CUDA).",
+            callback=_backend_callback,
+        ),
+    ] = "reference",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:
@@ -176,6 +190,7 @@ def eval_ruler(
         dtype=dtype,
         chunk_size=chunk_size,
         bf16_windows=parse_windows(bf16_windows),
+        backend=backend,
         max_new_tokens=max_new_tokens,
         time_budget=time_budget,
     )

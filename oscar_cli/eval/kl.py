@@ -41,6 +41,7 @@ class KLConfig:
     dtype: str | None = None
     chunk_size: int = 4096
     bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
+    backend: str = "reference"  # "triton": INT2 writes and unpadded decode steps through oscar_kernels.ops
 
 
 @dataclass
@@ -127,7 +128,7 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
             targets = batch[:, length:]
             ref: torch.Tensor | None = None
             for m in names:
-                with use_method(model, methods[m]) as session:
+                with use_method(model, methods[m], backend=cfg.backend) as session:
                     lp = teacher_forced_logprobs(model, session, batch, length, cfg.chunk_size)
                 if ref is None:
                     ref = lp

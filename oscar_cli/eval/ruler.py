@@ -55,6 +55,7 @@ class RulerConfig:
     seed: int = 42
     time_budget: float | None = None  # seconds; no new batch starts after it (the run stays resumable)
     bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
+    backend: str = "reference"  # "triton": INT2 writes and unpadded decode steps through oscar_kernels.ops
 
 
 @dataclass
@@ -218,7 +219,7 @@ def run_method_samples(
     by_len: dict[int, list[tuple[NiahSample, list[int]]]] = defaultdict(list)
     for item in pending:
         by_len[item[0].length].append(item)
-    with use_method(model, method) as session:
+    with use_method(model, method, backend=cfg.backend) as session:
         for length, items in sorted(by_len.items()):
             items.sort(key=lambda it: len(it[1]))
             size = cfg.batch_size or default_batch_size(length, loaded.device)
