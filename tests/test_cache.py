@@ -343,11 +343,14 @@ def _kernel_model_and_method():
     return model, oscar_method([t], sink=8, recent=16)
 
 
-def _decode_logits(model, meth, backend: str, device: str, steps: int, caches: list | None = None) -> torch.Tensor:
+def _decode_logits(
+    model, meth, backend: str, device: str, steps: int, caches: list | None = None, pad: int = 0
+) -> torch.Tensor:
     from oscar_cli.quant.generation import decode_step
 
     ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(9)).to(device)
     mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
     with use_method(model, meth, backend=backend) as session:
         cache = session.new_cache()
         out = [prefill(model, cache, ids, mask, 4096)]
@@ -383,6 +386,11 @@ def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest
         a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
+    calls.clear()
+    ref_pad = _decode_logits(model, meth, "reference", "cpu", 1, pad=5)  # left-padded row: sink gathered
+    fast_pad = _decode_logits(model, meth, "triton", "cpu", 1, pad=5)
+    assert len(calls) == 1
+    assert (ref_pad - fast_pad).abs().max().item() < 2e-3 * max(1.0, ref_pad.abs().max().item())
 
 
 @pytest.mark.gpu

@@ -95,8 +95,9 @@ def kernel_decode(
 ) -> torch.Tensor | None:
     """One decode step through ``oscar_kernels.ops.decode_attention_contiguous``, or None when it does not apply.
 
-    Applies to per-token INT2 layers with a recent window (the new token sits in it), ``G = D``, a non-empty
-    history, an unpadded batch and a bf16/fp16 query on CUDA (or on CPU under ``TRITON_INTERPRET=1``).
+    Applies to per-token INT2 layers with a recent window (the new token sits in it), ``G = D``, a full sink
+    and a non-empty history, and a bf16/fp16 query on CUDA (or on CPU under ``TRITON_INTERPRET=1``). In a
+    left-padded batch each row's real sink tokens are gathered to the front and ``sink_len`` excludes the pads.
     The kernel rotates ``q`` with ``R_K`` itself and reads the BF16 tiers **centred** like the INT2 tier, so
     the tiers are centred here; it returns ``o + mu_V`` in the rotated value space, then ``R_Vᵀ`` is applied
     by the folded ``o_proj`` (or below, at run time, when not folded). Same result as the reference path
@@ -115,7 +116,7 @@ def kernel_decode(
     d = int(query.shape[-1])
     if not isinstance(layer, Int2Layer) or not layer.quantize or layer.n_hist == 0 or layer.method.recent == 0:
         return None
-    if layer.sink_slots != layer.method.sink or layer.method.group_size not in (None, d):
+    if layer.method.group_size not in (None, d) or layer.n_sink < layer.sink_slots:
         return None
     from oscar_kernels.ops import decode_attention_contiguous
     from oscar_kernels.reference import QuantizedRows
@@ -128,15 +129,25 @@ def kernel_decode(
 
     assert layer.sink_k is not None and layer.sink_v is not None
     assert layer.recent_k is not None and layer.recent_v is not None
+    sink_k, sink_v = layer.sink_k, layer.sink_v
+    sink_len: torch.Tensor | None = None
+    if layer.sink_slots != layer.method.sink:  # left-padded batch: move each row's real sink tokens to the front
+        s = layer.sink_slots
+        pads = torch.tensor(layer.pads, device=query.device)
+        idx = (pads[:, None] + torch.arange(s, device=query.device)[None, :]).clamp(max=s - 1)  # [B, S]
+        gather = idx[:, None, :, None].expand(-1, sink_k.shape[1], -1, d)
+        sink_k, sink_v = sink_k.gather(2, gather), sink_v.gather(2, gather)
+        sink_len = (s - pads).to(torch.int32)
     rot_k = rotation_matrix(layer.transform.k_rotation)
     out = decode_attention_contiguous(
         query.contiguous(),
         QuantizedRows(*layer.hist_k),
         QuantizedRows(*layer.hist_v),
-        centred(layer.sink_k, layer.k_mean),
-        centred(layer.sink_v, layer.v_mean),
+        centred(sink_k, layer.k_mean),
+        centred(sink_v, layer.v_mean),
         centred(layer.recent_k, layer.k_mean),
         centred(layer.recent_v, layer.v_mean),
+        sink_len=sink_len,
         rotation_k=None if rot_k is None else rot_k.to(query.device).float().contiguous(),
         mean_v=None if layer.v_mean is None else layer.v_mean.float().reshape(-1, d).squeeze(0).contiguous(),
         sm_scale=scaling,

@@ -78,6 +78,7 @@ class Int2Layer(CacheLayerMixin):
         self.v_rot = rotation_matrix(transform.v_rotation) if rotate_values else None
         self.cumulative_length = 0
         self.sink_slots = method.sink
+        self.pads: list[int] = []  # left padding per row (set by Int2Cache.set_padding)
         self.final_chunk = True
         self.quantize = method.kind == "int2"
         self.n_sink = 0
@@ -307,6 +308,7 @@ class Int2Cache(Cache):
                 layer.set_padding(pads)
             elif isinstance(layer, Int2Layer):
                 layer.sink_slots = self.method.sink + (max(pads) if pads and self.method.sink > 0 else 0)
+                layer.pads = pads
 
     @contextmanager
     def chunk(self, final: bool) -> Iterator[None]:
