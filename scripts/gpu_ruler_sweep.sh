@@ -15,6 +15,9 @@
 #         command: RULER_BUDGET=225 bash scripts/gpu_ruler_sweep.sh run
 # (eval-kl contexts must leave room for the 64 scored tokens: 8K + 64 is beyond SmolLM2's 8192 positions.)
 # Results land in $OUT: kl.json, ruler.json, samples.jsonl, heatmap.png and their logs.
+# To resume a partial sweep (docs/RESULTS.md), also carry .gpu-ruler/samples.jsonl in call 2
+# (gunzip -c docs/results/ruler-smollm2-135m-h200.samples.jsonl.gz > .gpu-ruler/samples.jsonl) and add
+# SKIP_KL=1; the artifact path /tmp/gpu-ruler/artifact is part of the oscar rows' resume key.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=/tmp/gpu-ruler
@@ -44,11 +47,15 @@ run)
     echo "$GGUF_SHA  $GGUF" | sha256sum -c -
     methods=${RULER_METHODS:-bf16,naive-int2,quarot-int2,kivi-2,oscar}
     t0=$(date +%s)
-    oscar --json eval-kl "$GGUF" --text "$STAGE/austen_persuasion.txt" --artifact "$STAGE/artifact" \
+    [ -n "${SKIP_KL:-}" ] || oscar --json eval-kl "$GGUF" --text "$STAGE/austen_persuasion.txt" --artifact "$STAGE/artifact" \
         --methods "${methods#bf16,}" --ctx "${KL_CTX:-2k,4k}" --tokens 64 --windows 8 \
         > "$OUT/kl.json" 2> "$OUT/kl.log" || { tail -20 "$OUT/kl.log"; exit 1; }
     echo "eval-kl: $(( $(date +%s) - t0 )) s"
     t1=$(date +%s)
+    mkdir -p "$STAGE/ruler"
+    if [ -f .gpu-ruler/samples.jsonl ] && [ ! -f "$STAGE/ruler/samples.jsonl" ]; then
+        cp .gpu-ruler/samples.jsonl "$STAGE/ruler/"  # resume: finished samples are skipped
+    fi
     oscar --json eval-ruler "$GGUF" --artifact "$STAGE/artifact" --haystack-dir "$STAGE/corpus" \
         --ctx "${RULER_CTX:-1k,2k,4k,8k}" --samples "${RULER_SAMPLES:-50}" --methods "$methods" \
         --tasks "${RULER_TASKS:-all}" --out "$STAGE/ruler" --time-budget "${RULER_BUDGET:-240}" \
