@@ -194,6 +194,9 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
         # magic 1-3 fold 1024 + c into a float32 sum for fp16 (too lossy: documented); 0 and 4 are exact
         for magic in (0, 1, 2, 3) if dtype == torch.bfloat16 else (0,):
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
+        # both warp counts that default_config picks (4 below batch 16, 1 from batch 16), at every length
+        for warps in (1, 4):
+            assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(num_warps=warps)), c)
 
 
 @pytest.mark.gpu
