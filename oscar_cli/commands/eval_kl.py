@@ -9,7 +9,14 @@ from rich.table import Table
 
 from oscar_cli import _output
 from oscar_cli._options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelArg, format_ctx, parse_ctx_list
-from oscar_cli.commands.eval_ruler import _backend_callback, _ctx_callback, _methods_callback
+from oscar_cli.commands._eval_options import (
+    ArtifactOpt,
+    BackendOpt,
+    Bf16WindowsOpt,
+    ChunkSizeOpt,
+    ctx_list_callback,
+    methods_callback,
+)
 
 EXAMPLES = """
 [bold]Examples[/bold]
@@ -54,38 +61,22 @@ def render(res: dict[str, Any]) -> None:
 def eval_kl(
     model: ModelArg = DEFAULT_MODEL,
     text: Annotated[str, typer.Option("--text", help="Held-out prose (plain text) to cut windows from.")] = "",
-    artifact: Annotated[
-        str | None,
-        typer.Option("--artifact", help="OSCAR artifact (local path or hf://ORG/NAME@REV); needed by oscar."),
-    ] = None,
+    artifact: ArtifactOpt = None,
     methods: Annotated[
         str,
         typer.Option(
-            "--methods", help="Comma-separated methods (bf16 is always the reference).", callback=_methods_callback
+            "--methods", help="Comma-separated methods (bf16 is always the reference).", callback=methods_callback
         ),
     ] = "naive-int2,quarot-int2,kivi-2,oscar",
     ctx: Annotated[
-        str, typer.Option("--ctx", help="Context lengths before the scored tokens (k = 1024).", callback=_ctx_callback)
+        str,
+        typer.Option("--ctx", help="Context lengths before the scored tokens (k = 1024).", callback=ctx_list_callback),
     ] = "2k",
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Teacher-forced decode positions M per window.")] = 64,
     windows: Annotated[int, typer.Option("--windows", min=1, help="Windows N cut from the text.")] = 4,
-    chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="Prefill chunk in tokens.")] = 4096,
-    bf16_windows: Annotated[
-        str | None,
-        typer.Option(
-            "--bf16-windows",
-            help="SINK,RECENT: override the BF16 sink/recent windows of naive-int2, quarot-int2 and oscar "
-            "(e.g. 64,256: an equal-window ablation).",
-        ),
-    ] = None,
-    backend: Annotated[
-        str,
-        typer.Option(
-            "--backend",
-            help="reference (torch) or triton: INT2 writes and unpadded decode steps through oscar_kernels (CUDA).",
-            callback=_backend_callback,
-        ),
-    ] = "reference",
+    chunk_size: ChunkSizeOpt = 4096,
+    bf16_windows: Bf16WindowsOpt = None,
+    backend: BackendOpt = "reference",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:

@@ -10,6 +10,14 @@ from rich.table import Table
 
 from oscar_cli import _output
 from oscar_cli._options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelArg, format_ctx, parse_ctx_list
+from oscar_cli.commands._eval_options import (
+    ArtifactOpt,
+    BackendOpt,
+    Bf16WindowsOpt,
+    ChunkSizeOpt,
+    ctx_list_callback,
+    methods_callback,
+)
 from oscar_cli.errors import EvalError
 
 EXAMPLES = """
@@ -32,30 +40,6 @@ def _tasks_callback(value: str) -> str:
         parse_tasks(value)
     except EvalError as exc:
         raise typer.BadParameter(exc.message) from None
-    return value
-
-
-def _methods_callback(value: str) -> str:
-    from oscar_cli.quant.methods import parse_methods
-
-    try:
-        parse_methods(value)
-    except EvalError as exc:
-        raise typer.BadParameter(exc.message) from None
-    return value
-
-
-def _ctx_callback(value: str) -> str:
-    try:
-        parse_ctx_list(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    return value
-
-
-def _backend_callback(value: str) -> str:
-    if value not in ("reference", "triton"):
-        raise typer.BadParameter(f"unknown backend {value!r}; valid backends: reference, triton")
     return value
 
 
@@ -106,13 +90,12 @@ def render(res: dict[str, Any]) -> None:
 
 def eval_ruler(
     model: ModelArg = DEFAULT_MODEL,
-    artifact: Annotated[
-        str | None,
-        typer.Option("--artifact", help="OSCAR artifact (local path or hf://ORG/NAME@REV); needed by oscar."),
-    ] = None,
+    artifact: ArtifactOpt = None,
     ctx: Annotated[
         str,
-        typer.Option("--ctx", help="Context lengths, comma-separated: 1k,2k,4k,8k (k = 1024).", callback=_ctx_callback),
+        typer.Option(
+            "--ctx", help="Context lengths, comma-separated: 1k,2k,4k,8k (k = 1024).", callback=ctx_list_callback
+        ),
     ] = "1k,2k,4k,8k",
     tasks: Annotated[
         str, typer.Option("--tasks", help="Comma-separated NIAH tasks, or 'all'.", callback=_tasks_callback)
@@ -122,7 +105,7 @@ def eval_ruler(
         typer.Option(
             "--methods",
             help="Comma-separated: bf16, naive-int2, quarot-int2, kivi-2, oscar.",
-            callback=_methods_callback,
+            callback=methods_callback,
         ),
     ] = "bf16,naive-int2,quarot-int2,kivi-2,oscar",
     samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per task and length.")] = 50,
@@ -138,28 +121,14 @@ def eval_ruler(
         int | None,
         typer.Option("--batch-size", min=1, help="Prompts per batch (default: 4 on CPU, ~1M tokens on GPU)."),
     ] = None,
-    chunk_size: Annotated[int, typer.Option("--chunk-size", min=16, help="Prefill chunk in tokens.")] = 4096,
+    chunk_size: ChunkSizeOpt = 4096,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Greedy tokens per answer.")] = 128,
     time_budget: Annotated[
         float | None,
         typer.Option("--time-budget", min=1, help="Seconds; no new batch starts after it (rerun to resume)."),
     ] = None,
-    bf16_windows: Annotated[
-        str | None,
-        typer.Option(
-            "--bf16-windows",
-            help="SINK,RECENT: override the BF16 sink/recent windows of naive-int2, quarot-int2 and oscar "
-            "(e.g. 64,256: an equal-window ablation).",
-        ),
-    ] = None,
-    backend: Annotated[
-        str,
-        typer.Option(
-            "--backend",
-            help="reference (torch) or triton: INT2 writes and unpadded decode steps through oscar_kernels (CUDA).",
-            callback=_backend_callback,
-        ),
-    ] = "reference",
+    bf16_windows: Bf16WindowsOpt = None,
+    backend: BackendOpt = "reference",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:

@@ -1,0 +1,60 @@
+"""Options shared by ``oscar eval-ruler`` and ``oscar eval-kl``: one definition and one help text each."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from oscar_cli._options import parse_ctx_list
+from oscar_cli.errors import EvalError
+
+
+def methods_callback(value: str) -> str:
+    """Validate ``--methods`` early (usage error, exit 2, listing the valid names)."""
+    from oscar_cli.quant.methods import parse_methods
+
+    try:
+        parse_methods(value)
+    except EvalError as exc:
+        raise typer.BadParameter(exc.message) from None
+    return value
+
+
+def ctx_list_callback(value: str) -> str:
+    """Validate a comma-separated ``--ctx`` list (``1k,2k``; empty → usage error)."""
+    try:
+        parse_ctx_list(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def backend_callback(value: str) -> str:
+    """``--backend`` is ``reference`` or ``triton``."""
+    if value not in ("reference", "triton"):
+        raise typer.BadParameter(f"unknown backend {value!r}; valid backends: reference, triton")
+    return value
+
+
+ArtifactOpt = Annotated[
+    str | None,
+    typer.Option("--artifact", help="OSCAR artifact (local path or hf://ORG/NAME@REV); needed by oscar."),
+]
+ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", min=16, help="Prefill chunk in tokens.")]
+Bf16WindowsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--bf16-windows",
+        help="SINK,RECENT: override the BF16 sink/recent windows of naive-int2, quarot-int2 and oscar "
+        "(e.g. 64,256: an equal-window ablation).",
+    ),
+]
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        help="reference (torch) or triton: INT2 writes and unpadded decode steps through oscar_kernels (CUDA).",
+        callback=backend_callback,
+    ),
+]
