@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
 
 from oscar_cli.models import LoadedModel, ModelIdentity
 
@@ -26,20 +26,7 @@ class CharTokenizer:
 
 
 def tiny_loaded(seed: int = 0, max_positions: int = 4096) -> LoadedModel:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        vocab_size=128,
-        intermediate_size=128,
-        max_position_embeddings=max_positions,
-        eos_token_id=4,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(seed, max_position_embeddings=max_positions, eos_token_id=4, pad_token_id=0)
     ident = ModelIdentity(reference="tiny-llama", kind="dir", resolved="sha256:" + "1" * 64, path=Path("."))
     return LoadedModel(model, CharTokenizer(), ident, torch.device("cpu"), torch.float32)
 

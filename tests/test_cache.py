@@ -10,6 +10,7 @@ import torch
 
 if not torch.cuda.is_available():  # the Triton decode path runs in the interpreter on CPU (before any kernel import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+from tiny_models import tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_cli.errors import EvalError
@@ -26,18 +27,7 @@ H, D = 2, 16
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        vocab_size=128,
-        intermediate_size=128,
-        max_position_embeddings=2048,
-    )
-    return LlamaForCausalLM(cfg).to(dtype).eval()
+    return tiny_llama(seed, dtype)
 
 
 def random_orthogonal(n: int, d: int, seed: int) -> torch.Tensor:
