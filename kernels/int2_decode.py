@@ -2,14 +2,16 @@
 
 Only ``@triton.jit`` code lives here; launchers, checks, allocation and grids are in :mod:`oscar_kernels.ops`.
 
-Stage 1 (``_decode_stage1_kernel``, grid ``(B * H_kv, S + 1)``): programs ``0..S-1`` of a (batch, KV head)
-each take one split of the INT2 history; program ``S`` takes the sink and recent tiers (BF16/fp16). Every K/V
+Stage 1 (``_decode_stage1_kernel``, grid ``(B * H_kv, S + TIER_PARTS)``): programs ``0..S-1`` of a (batch,
+KV head) each take one split of the INT2 history; programs ``S..S+TIER_PARTS-1`` split the BF16/fp16 sink and
+recent tiers (concatenated: sink rows then recent rows) into ``TIER_PARTS`` contiguous ranges, so the 320 BF16
+rows are not one program's sequential loop (the critical path at short contexts). Every K/V
 tile is loaded once and shared by the ``g`` query heads of the KV head (the GQA group is the M dimension of
 ``tl.dot``, padded to ``GP >= 16``). ``q @ R_K`` is computed in the kernel (``tl.dot`` on float32, tf32x3 on
 GPUs) with the softmax scale and ``log2(e)`` folded in. Each program writes a partial ``(o, lse)`` (lse in the
 log2 domain) to scratch; an empty split writes ``lse = -inf, o = 0`` so scratch never holds stale data.
 
-Stage 2 (``_merge_rotate_kernel``, grid ``(B * H_q,)``): log-sum-exp merge of the ``S + 1`` partials, add
+Stage 2 (``_merge_rotate_kernel``, grid ``(B * H_q,)``): log-sum-exp merge of the ``S + TIER_PARTS`` partials, add
 ``mu_V``, rotate back with ``R_Vᵀ``, cast to the activation dtype.
 
 INT2 arithmetic (per token ``n``, K scale ``s_n``, K zero/minimum ``m_n``; codes ``c``):
@@ -307,15 +309,17 @@ def _online_bf16_segment(qa, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.c
 
 @triton.jit
 def _bf16_tiers(
-    b, h, sp,
+    b, h, sp, part,
     q_ptr, stride_qb, stride_qh,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink [B, H_kv, T_s, D]
     rk2_ptr, rv2_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_NB: tl.constexpr,
-    ACT: tl.constexpr, MAGIC: tl.constexpr,
+    ACT: tl.constexpr, MAGIC: tl.constexpr, TIER_PARTS: tl.constexpr,
 ):
-    """Sink then recent tier of one (batch, KV head) in one online softmax; writes partial ``sp``."""
+    """Range ``part`` of ``TIER_PARTS`` over [sink rows | recent rows] of one (batch, KV head) in one online
+    softmax; writes partial ``sp``. Ranges are whole tiles of ``BLOCK_NB`` rows; an empty range writes
+    ``lse = -inf, o = 0``."""
     cols = tl.arange(0, D)
     rows = tl.arange(0, GP)
     qa = tl.load(q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + _perm(cols, MAGIC)[None, :],
@@ -323,12 +327,21 @@ def _bf16_tiers(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    n_sink = tl.load(sink_len_ptr + b)
+    n_all = n_sink + tl.load(recent_len_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(n_all, TIER_PARTS), BLOCK_NB) * BLOCK_NB
+    start = part * chunk
+    end = tl.minimum(start + chunk, n_all)
+    s0 = tl.minimum(start, n_sink)  # sink rows [s0, s1) of this range
+    s1 = tl.minimum(end, n_sink)
+    r0 = tl.maximum(start - n_sink, 0)  # recent rows [r0, r1)
+    r1 = tl.maximum(end - n_sink, 0)
+    sink_off = b * stride_sb + h * stride_sh + s0 * stride_st
     m_i, l_i, acc = _online_bf16_segment(
-        qa, sk_ptr + b * stride_sb + h * stride_sh, sv_ptr + b * stride_sb + h * stride_sh, stride_st,
-        tl.load(sink_len_ptr + b), m_i, l_i, acc, D, BLOCK_NB, ACT)
+        qa, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB, ACT)
+    recent_off = b * stride_rb + h * stride_rh + r0 * stride_rt
     m_i, l_i, acc = _online_bf16_segment(
-        qa, rk2_ptr + b * stride_rb + h * stride_rh, rv2_ptr + b * stride_rb + h * stride_rh, stride_rt,
-        tl.load(recent_len_ptr + b), m_i, l_i, acc, D, BLOCK_NB, ACT)
+        qa, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D, BLOCK_NB, ACT)
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -344,15 +357,15 @@ def _decode_stage1_kernel(
     bt_ptr, stride_btb, hist_len_ptr, page_size,  # block table [B, max_pages] int32; hist_len [B] int32
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
-    op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+1,D], lse [B,H_q,S+1]
+    op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
     num_splits,  # S
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
-    ACT: tl.constexpr, PAGED: tl.constexpr,
+    ACT: tl.constexpr, PAGED: tl.constexpr, TIER_PARTS: tl.constexpr,
 ):
-    """Stage 1: partial attention per (batch, KV head, split); split ``S`` is the BF16 sink + recent tiers.
+    """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
-    Grid: ``(B * H_kv, S + 1)``.
+    Grid: ``(B * H_kv, S + TIER_PARTS)``.
     """
     pid = tl.program_id(0)
     b = pid // H_KV
@@ -366,11 +379,11 @@ def _decode_stage1_kernel(
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED)
     else:
-        _bf16_tiers(b, h, sp, q_ptr, stride_qb, stride_qh,
+        _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_NB, ACT, MAGIC)
+                    GROUP, GP, D, BLOCK_NB, ACT, MAGIC, TIER_PARTS)
 
 
 @triton.jit
@@ -379,7 +392,7 @@ def _merge_rotate_kernel(
     mu_ptr, stride_muh,  # mu_V [H_r, D] float32 (rotated space)
     rv_ptr, stride_rvh,  # R_V [H_r, D, D] float32
     out_ptr, stride_outb, stride_outh,  # out [B, H_q, D] act dtype
-    n_parts,  # S + 1
+    n_parts,  # S + TIER_PARTS
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_MU: tl.constexpr, HAS_R: tl.constexpr,
 ):

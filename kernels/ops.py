@@ -201,11 +201,17 @@ def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int =
     return max(1, min(want, most, 256))
 
 
+# Stage-1 programs per (batch, KV head) that share the BF16 sink + recent rows (320 at the defaults): one program
+# looping over all of them was the critical path at short contexts (docs/KERNELS.md, v5).
+TIER_PARTS = 4
+
+
 def make_workspace(batch: int, h_q: int, d: int, num_splits: int, device: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch for the partials: ``o float32 [B, H_q, S+1, D]``, ``lse float32 [B, H_q, S+1]``."""
-    return (torch.empty(batch, h_q, num_splits + 1, d, dtype=torch.float32, device=device),
-            torch.empty(batch, h_q, num_splits + 1, dtype=torch.float32, device=device))
+    """Scratch for the partials: ``o float32 [B, H_q, S+TIER_PARTS, D]``, ``lse float32 [B, H_q, S+TIER_PARTS]``."""
+    n = num_splits + TIER_PARTS
+    return (torch.empty(batch, h_q, n, d, dtype=torch.float32, device=device),
+            torch.empty(batch, h_q, n, dtype=torch.float32, device=device))
 
 
 def _lengths(name: str, v: torch.Tensor | int, b: int, cap: int, dev: torch.device) -> torch.Tensor:
@@ -275,8 +281,9 @@ class DecodePlan:
             rk, rk_stride = torch.eye(d, dtype=torch.float32, device=dev), 0
         s = num_splits or default_num_splits(b, h_kv, cap, cfg.block_n, dev)
         o_part, lse_part = workspace if workspace is not None else make_workspace(b, h_q, d, s, dev)
-        _check("workspace[0]", o_part, f"float32 [{b}, {h_q}, {s + 1}, {d}]", (b, h_q, s + 1, d), (torch.float32,), dev)
-        _check("workspace[1]", lse_part, f"float32 [{b}, {h_q}, {s + 1}]", (b, h_q, s + 1), (torch.float32,), dev)
+        n_parts = s + TIER_PARTS
+        _check("workspace[0]", o_part, f"float32 [{b}, {h_q}, {n_parts}, {d}]", (b, h_q, n_parts, d), (torch.float32,), dev)
+        _check("workspace[1]", lse_part, f"float32 [{b}, {h_q}, {n_parts}]", (b, h_q, n_parts), (torch.float32,), dev)
         if out is None:
             out = torch.empty(b, h_q, d, dtype=q.dtype, device=dev)
         _check("out", out, f"{q.dtype} [{b}, {h_q}, {d}]", (b, h_q, d), (q.dtype,), dev)
@@ -294,7 +301,7 @@ class DecodePlan:
                                    q_rot.stride(1), scale),
                      dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, MAGIC=cfg.magic, PREC="tf32x3", num_warps=4))
         ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
-        self._stage1: tuple[Any, ...] = ((b * h_kv, s + 1), (
+        self._stage1: tuple[Any, ...] = ((b * h_kv, n_parts), (
             q_rot, q_rot.stride(0), q_rot.stride(1), kcw, vcw, kcw.stride(0), kcw.stride(1),
             ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl, page,
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
@@ -302,14 +309,14 @@ class DecodePlan:
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
-                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, num_warps=cfg.num_warps,
+                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, TIER_PARTS=TIER_PARTS, num_warps=cfg.num_warps,
                  num_stages=cfg.num_stages))
         self._merge: tuple[Any, ...] = ((b * h_q,), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
             mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
-            out, out.stride(0), out.stride(1), s + 1),
-            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << s.bit_length()), BLOCK_E=32,
+            out, out.stride(0), out.stride(1), n_parts),
+            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32,
                  HAS_MU=mu is not None, HAS_R=rv is not None, num_warps=4))
 
     def run(self) -> torch.Tensor:

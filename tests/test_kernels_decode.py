@@ -129,6 +129,8 @@ CPU_CASES = [
     ("hist97-page-boundary", (1, 4, 1, 64), [97], [3], [16], 16, 3),
     ("short-no-hist", (2, 4, 2, 64), [0, 0], [2, 4], [0, 7], 16, 2),
     ("D128-page64", (1, 4, 1, 128), [64], [1], [2], 64, 2),
+    # BF16 rows split over ops.TIER_PARTS programs in tiles of 16: ranges straddle sink/recent, one is empty
+    ("tier-parts-straddle-ragged", (2, 4, 2, 64), [5, 0], [20, 3], [30, 0], 16, 1),
 ]
 
 
