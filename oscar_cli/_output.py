@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +87,14 @@ def emit_json(obj: Any) -> None:
     """Write one JSON document to stdout (the machine-readable result of a command)."""
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
     sys.stdout.flush()
+
+
+def emit(result: Any, render: Callable[[Any], None]) -> None:
+    """A command's result: one JSON document under ``--json``, else ``render(result)`` for people."""
+    if SETTINGS.json:
+        emit_json(result)
+    else:
+        render(result)
 
 
 def _json_default(o: Any) -> Any:

@@ -121,10 +121,7 @@ def calibrate(
     with _output.progress() as p:
         result = run_calibrate(model, recipe=recipe_obj, device=device, dtype=dtype, revision=revision, out=out,
                                overwrite=overwrite, report=_progress_reporter(p))
-    if _output.SETTINGS.json:
-        _output.emit_json(result.to_dict())
-    else:
-        _render(result)
+    _output.emit(result.to_dict(), lambda _: _render(result))
 
 
 def register(app: typer.Typer) -> None:

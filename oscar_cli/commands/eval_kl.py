@@ -101,10 +101,7 @@ def eval_kl(
         backend=backend,
     )
     res = run_kl(cfg).to_json()
-    if _output.SETTINGS.json:
-        _output.emit_json(res)
-    else:
-        render(res)
+    _output.emit(res, render)
 
 
 def register(app: typer.Typer) -> None:

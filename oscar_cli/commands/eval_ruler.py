@@ -164,10 +164,7 @@ def eval_ruler(
         time_budget=time_budget,
     )
     res = run_ruler(cfg).to_json()
-    if _output.SETTINGS.json:
-        _output.emit_json(res)
-    else:
-        render(res)
+    _output.emit(res, render)
 
 
 def register(app: typer.Typer) -> None:

@@ -117,10 +117,7 @@ def info(
         report = model_report(
             model, revision=revision, device=device, dtype=dtype, load=load, ctxs=ctxs, group_sizes=group_size
         )
-    if _output.SETTINGS.json:
-        _output.emit_json(report)
-    else:
-        _render(report)
+    _output.emit(report, _render)
 
 
 def register(app: typer.Typer) -> None:
