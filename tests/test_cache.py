@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():  # the Triton decode path runs in the interpreter on CPU (before any kernel import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from tiny_models import tiny_llama
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from oscar_cli.errors import EvalError
 from oscar_cli.quant import LayerTransform, build_method, greedy_generate, oscar_method, parse_methods, use_method
@@ -308,18 +308,7 @@ def test_cuda_bf16_method_generates_like_plain_model() -> None:
 
 
 def _kernel_model_and_method():
-    cfg = LlamaConfig(
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=1,
-        vocab_size=128,
-        intermediate_size=128,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).half().eval()
+    model = tiny_llama(0, torch.float16, hidden_size=128, head_dim=64, num_hidden_layers=1)
     g = torch.Generator().manual_seed(8)
     q, _ = torch.linalg.qr(torch.randn(1, 64, 64, generator=g, dtype=torch.float64))
     t = LayerTransform(

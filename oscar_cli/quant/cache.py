@@ -55,17 +55,30 @@ def rotation_matrix(r: torch.Tensor | None) -> torch.Tensor | None:
     return r
 
 
-class Int2Layer(CacheLayerMixin):
-    """One decoder layer's tiered cache (dense or per-token INT2). See the module docstring.
-
-    ``_layer_type`` stays unset on purpose: setting it would silently replace transformers' DynamicLayer for
-    every ``DynamicCache(config=...)`` in the process.
-    """
+class AppendLayer(CacheLayerMixin):
+    """What every oscar cache layer shares: an append-only, unbounded, full-attention layer whose length is
+    ``cumulative_length`` (``_layer_type`` unset on purpose: setting it would silently replace transformers'
+    DynamicLayer for every ``DynamicCache(config=...)`` in the process)."""
 
     is_sliding = False
     is_croppable = False
     keys: torch.Tensor  # the dense view attention reads (set in lazy_initialization)
     values: torch.Tensor
+    cumulative_length: int
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class Int2Layer(AppendLayer):
+    """One decoder layer's tiered cache (dense or per-token INT2). See the module docstring."""
+
 
     def __init__(
         self, method: QuantMethod, transform: LayerTransform, rotate_values: bool = True, backend: str = "reference"
@@ -109,15 +122,6 @@ class Int2Layer(CacheLayerMixin):
         self.v_rot = None if self.v_rot is None else self.v_rot.to(dev)
         self.k_mean = None if self.transform.k_mean is None else self.transform.k_mean.to(dev)
         self.v_mean = None if self.transform.v_mean is None else self.transform.v_mean.to(dev)
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

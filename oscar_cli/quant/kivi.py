@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
+from oscar_cli.quant.cache import AppendLayer
 from oscar_cli.quant.methods import KIVI_GROUP, KIVI_RESIDUAL, QuantMethod
 
 
@@ -65,13 +65,8 @@ def dequantize_channels(packed: torch.Tensor, scale: torch.Tensor, zero: torch.T
     return y.transpose(-1, -2)
 
 
-class KiviLayer(CacheLayerMixin):
-    """One decoder layer of a KIVI-2 cache (``_layer_type`` unset on purpose)."""
-
-    is_sliding = False
-    is_croppable = False
-    keys: torch.Tensor  # the dense view attention reads (set in lazy_initialization)
-    values: torch.Tensor
+class KiviLayer(AppendLayer):
+    """One decoder layer of a KIVI-2 cache."""
 
     def __init__(self, method: QuantMethod) -> None:
         super().__init__()
@@ -93,15 +88,6 @@ class KiviLayer(CacheLayerMixin):
         self.values = value_states[..., :0, :]
         self.batch_size = key_states.shape[0]
         self.is_initialized = True
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
