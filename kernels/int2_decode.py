@@ -5,26 +5,30 @@ Only ``@triton.jit`` code lives here; launchers, checks, allocation and grids ar
 Stage 1 (``_decode_stage1_kernel``, grid ``(B * H_kv, S + TIER_PARTS)``): programs ``0..S-1`` of a (batch,
 KV head) each take one split of the INT2 history; programs ``S..S+TIER_PARTS-1`` split the BF16/fp16 sink and
 recent tiers (concatenated: sink rows then recent rows) into ``TIER_PARTS`` contiguous ranges, so the 320 BF16
-rows are not one program's sequential loop (the critical path at short contexts). Every K/V
-tile is loaded once and shared by the ``g`` query heads of the KV head (the GQA group is the M dimension of
-``tl.dot``, padded to ``GP >= 16``). ``q @ R_K`` is computed in the kernel (``tl.dot`` on float32, tf32x3 on
-GPUs) with the softmax scale and ``log2(e)`` folded in. Each program writes a partial ``(o, lse)`` (lse in the
-log2 domain) to scratch; an empty split writes ``lse = -inf, o = 0`` so scratch never holds stale data.
+rows are not one program's sequential loop (the critical path at short contexts). Every K/V tile is loaded
+once and shared by the ``g`` query heads of the KV head. In the INT2 splits the tokens are the M dimension of
+``tl.dot`` and the query heads its N (padded to ``GP``): ``Sᵀ = C_K·qᵀ``, ``Oᵀ += C_Vᵀ·(P∘s_V)ᵀ`` (the BF16
+tiers likewise). Each program writes a partial ``(o, lse)`` (lse in the log2
+domain) to scratch; an empty split writes ``lse = -inf, o = 0`` so scratch never holds stale data.
 
-Stage 2 (``_merge_rotate_kernel``, grid ``(B * H_q,)``): log-sum-exp merge of the ``S + TIER_PARTS`` partials, add
-``mu_V``, rotate back with ``R_Vᵀ``, cast to the activation dtype.
+Before stage 1, ``_rotate_q_kernel`` computes ``q @ R_K`` (``tl.dot`` on float32, tf32x3 on GPUs) with the
+softmax scale and ``log2(e)`` folded in. Stage 2 (``_merge_rotate_kernel``, grid ``(B * H_q,)``): log-sum-exp
+merge of the ``S + TIER_PARTS`` partials, add ``mu_V``, rotate back with ``R_Vᵀ``, cast to the activation dtype.
 
 INT2 arithmetic (per token ``n``, K scale ``s_n``, K zero/minimum ``m_n``; codes ``c``):
 ``score = s_n·(q·c_n) + m_n·Σq`` and ``Σ_n p_n·v̂_n = Σ_n (p_n·s_n)·c_n + Σ_n p_n·m_n``, so the dot products run
 on raw codes and every per-token factor is applied once per token, outside the dot.
 
-Unpack (``MAGIC`` 1 or 2): codes are read as int32 words. ``(w >> 2j + 8s) & 0x00030003 | 0x43004300`` puts two
-codes of quarter ``j`` into two bf16 lanes whose value is ``128 + c`` exactly (bf16's ulp at 128 is 1; fp16 uses
-``0x6400`` = 1024); no int->float conversion. The ``128`` folds into the per-token zero term. With ``MAGIC == 2``
-the two lanes of one word stay adjacent (what an MMA operand register pairs) and the unpacked column ``c``
-holds dimension ``perm(c)`` (bits 0 and 1 of ``c`` swapped), matched by permuting the columns of ``R_K`` when
-rotating q and the output columns of V; ``MAGIC == 1`` interleaves into natural order. ``MAGIC == 0`` is the
-straightforward shift/and/convert unpack, kept as the measured baseline.
+Layouts (see ``reference.py``): keys are quarter-packed rows ``[pages, H_kv, P, D/4]`` (a byte holds dims
+``i, i + D/4, i + D/2, i + 3D/4`` of one token: unpacking quarter ``t`` yields consecutive dims, the reduction
+axis of ``C_K·qᵀ``); values are token quads ``[pages, H_kv, D, P/4]`` (a byte holds tokens ``4i .. 4i+3`` of one
+dim: unpacking residue ``j`` yields consecutive quads, the reduction axis of ``C_Vᵀ·Pᵀ``). With the row layout
+for values, the V operand had to be transposed byte by byte through shared memory (docs/KERNELS.md, v2–v5).
+
+Unpack (``MAGIC``): 4 = inline PTX per 32-bit register of 4 code bytes (``shr``, ``and 0x03030303``, two
+``prmt`` with the constant byte 0x43: four bf16 ``128 + c`` exactly, bf16's ulp at 128 being 1; no conversion);
+3 = the same magic number per element (the CPU interpreter); 0 = shift/and/int->float convert. The ``128``
+folds into the per-token zero term; fp16 uses 0x64 (``1024 + c``) and subtracts 1024 exactly in the asm.
 """
 
 from __future__ import annotations
@@ -61,22 +65,15 @@ _ASM_F16_3 = tl.constexpr(_unpack_asm(6, True))
 
 
 @triton.jit
-def _quarter_cols(J: tl.constexpr, D: tl.constexpr, MAGIC: tl.constexpr):
-    """Head-dim index held by each of the ``D/4`` unpacked columns of quarter ``J``."""
-    return _perm(tl.arange(0, D // 4), MAGIC) + J * (D // 4)
+def _unpack_quarter(raw, J: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
+    """Codes in bits ``2J, 2J+1`` of every byte of ``raw`` (uint8, any shape) as ``ACT`` values ``OFF + c``.
 
-
-@triton.jit
-def _unpack_quarter(raw, J: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MAGIC: tl.constexpr,
-                    ACT: tl.constexpr):
-    """Codes of quarter ``J`` as an ``ACT [BLOCK_N, D/4]`` tile.
-
-    ``raw``: int32 words ``[BLOCK_N, D/16]`` when ``MAGIC`` is 1 or 2 (values ``OFF + c``), else uint8 bytes
-    ``[BLOCK_N, D/4]`` (values ``c`` for ``MAGIC == 0``, ``OFF + c`` for ``MAGIC == 3``). Column order: natural for ``MAGIC`` 0 and 1; for ``MAGIC == 2`` the two
-    16-bit lanes of one int32 sit in adjacent columns (dims ``4w + s`` and ``4w + s + 2``), see
-    :func:`_quarter_cols`.
+    ``MAGIC == 4``: inline PTX per 32-bit register of 4 bytes (shift, and, two byte-permutes, see
+    :func:`_unpack_asm`; CUDA only). ``MAGIC == 3``: the magic number per element. ``MAGIC == 0``: shift, and,
+    int->float conversion (``OFF = 0``). ``OFF`` is 128 for bf16 (1024 for fp16 with ``MAGIC == 3``) and 0 for
+    fp16 with ``MAGIC == 4`` (the asm subtracts 1024 exactly).
     """
-    if MAGIC == 4:  # bytes; PTX per 32-bit register of 4 codes: shift, and, two byte-permutes (see _UNPACK_ASM)
+    if MAGIC == 4:
         if ACT == tl.float16:
             if J == 0:
                 out = tl.inline_asm_elementwise(_ASM_F16_0, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
@@ -96,22 +93,9 @@ def _unpack_quarter(raw, J: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
             else:
                 out = tl.inline_asm_elementwise(_ASM_BF16_3, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
         return out
-    elif MAGIC == 3:  # bytes in natural layout, magic number per element
+    elif MAGIC == 3:
         m16: tl.constexpr = 0x6400 if ACT == tl.float16 else 0x4300
         return (((raw.to(tl.int16) >> (2 * J)) & 3) | m16).to(ACT, bitcast=True)
-    elif MAGIC != 0:
-        magic: tl.constexpr = 0x64006400 if ACT == tl.float16 else 0x43004300
-        x0 = ((raw >> (2 * J)) & 0x00030003) | magic
-        x1 = ((raw >> (2 * J + 8)) & 0x00030003) | magic
-        lo0 = x0.to(tl.int16).to(ACT, bitcast=True)
-        hi0 = (x0 >> 16).to(tl.int16).to(ACT, bitcast=True)
-        lo1 = x1.to(tl.int16).to(ACT, bitcast=True)
-        hi1 = (x1 >> 16).to(tl.int16).to(ACT, bitcast=True)
-        if MAGIC == 2:  # element [n, w, s, lane] -> column 4w + 2s + lane
-            t = tl.join(tl.join(lo0, lo1), tl.join(hi0, hi1))
-        else:  # element [n, w, lane, s] -> column 4w + 2·lane + s = its dim
-            t = tl.join(tl.join(lo0, hi0), tl.join(lo1, hi1))
-        return tl.reshape(t, [BLOCK_N, D // 4])
     else:
         return ((raw >> (2 * J)) & 3).to(ACT)
 
@@ -120,94 +104,200 @@ def _unpack_quarter(raw, J: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
 def _rotate_q_kernel(
     q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
     r_ptr, stride_rh,  # R_K [H_r, D, D] float32 (stride 0: shared)
-    out_ptr, stride_ob, stride_oh,  # q_rot [B, H_q, D] act dtype, columns in stage-1 order
+    out_ptr, stride_ob, stride_oh,  # q_rot [B, H_q, D] act dtype
     qk_scale,  # softmax scale * log2(e)
-    H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MAGIC: tl.constexpr,
+    H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """``q_rot = (q @ R_K) * qk_scale`` for the ``g`` query heads of one KV head.
-
-    Column ``i`` of the output holds rotated dimension ``perm(i)`` when ``MAGIC == 2`` (the order the INT2
-    tiles unpack in; ``perm`` swaps bits 0 and 1, an involution), else dimension ``i``.
-    Grid: ``(B * H_kv,)``.
-    """
+    """``q_rot[:, e] = (q @ R_K[:, e]) * qk_scale`` for the ``g`` query heads of one KV head and output columns
+    ``[e0, e0 + BLOCK_E)``. Grid: ``(B * H_kv, D / BLOCK_E)``."""
     pid = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     b = pid // H_KV
     h = pid % H_KV
-    q32 = _load_q(q_ptr, b, h, stride_qb, stride_qh, GROUP, GP, D)
+    rows = tl.arange(0, GP)
     cols = tl.arange(0, D)
-    src = _perm(cols, MAGIC)
-    r = tl.load(r_ptr + h * stride_rh + tl.arange(0, D)[:, None] * D + src[None, :])
+    ok = (rows < GROUP)[:, None]
+    q32 = tl.load(q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + cols[None, :], mask=ok,
+                  other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + h * stride_rh + cols[:, None] * D + e[None, :])
     qr = tl.dot(q32, r, input_precision=PREC) * qk_scale
-    rows = tl.arange(0, GP)
-    ptrs = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + cols[None, :]
-    tl.store(ptrs, qr.to(out_ptr.dtype.element_ty), mask=(rows < GROUP)[:, None])
+    ptrs = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + e[None, :]
+    tl.store(ptrs, qr.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _perm(c, MAGIC: tl.constexpr):
-    """Swap bits 0 and 1 of ``c`` when ``MAGIC == 2`` (lane-paired unpack order), else identity."""
-    if MAGIC == 2:
-        c = (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
-    return c
+def _load_qt(q_ptr, b, h, stride_qb, stride_qh, J: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+             D: tl.constexpr):
+    """Quarter ``J`` of the rotated queries of KV head ``h``, transposed: ``[D/4, GP]`` (pad columns 0)."""
+    heads = tl.arange(0, GP)
+    ptrs = (q_ptr + b * stride_qb + (h * GROUP + heads)[None, :] * stride_qh
+            + (J * (D // 4) + tl.arange(0, D // 4))[:, None])
+    return tl.load(ptrs, mask=(heads < GROUP)[None, :], other=0.0)
 
 
 @triton.jit
-def _load_q(q_ptr, b, h, stride_qb, stride_qh, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
-    """Query rows of KV head ``h``: float32 ``[GP, D]`` (rows ``>= GROUP`` are zero)."""
-    rows = tl.arange(0, GP)
-    ptrs = q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + tl.arange(0, D)[None, :]
-    return tl.load(ptrs, mask=(rows < GROUP)[:, None], other=0.0).to(tl.float32)
+def _store_partial_t(ot, lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """Write ``oᵀ [D, GP]`` (float32) and ``lse [GP]`` as partial ``sp`` of the ``g`` heads of KV head ``h``."""
+    heads = tl.arange(0, GP)
+    ok = heads < GROUP
+    base = op_ptr + b * stride_ob + (h * GROUP + heads)[None, :] * stride_oh + sp * stride_os
+    tl.store(base + tl.arange(0, D)[:, None], ot, mask=ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + (h * GROUP + heads) * stride_lh + sp, lse, mask=ok)
 
 
 @triton.jit
-def _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, J: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
-                 D: tl.constexpr):
-    """Columns ``[J·D/4, (J+1)·D/4)`` of the rotated queries of KV head ``h``: ``[GP, D/4]`` (pad rows 0)."""
-    rows = tl.arange(0, GP)
-    ptrs = (q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh
-            + (J * (D // 4) + tl.arange(0, D // 4))[None, :])
-    return tl.load(ptrs, mask=(rows < GROUP)[:, None], other=0.0)
+def _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kbase, mbase, koff, valid,
+                    D: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr):
+    """Scoresᵀ ``[NQ, GP]`` (log2 domain) of one token residue: K rows at ``kbase + koff`` (``[NQ]`` each)."""
+    kptr = kc_ptr + (kbase + koff * (D // 4))[:, None] + tl.arange(0, D // 4)[None, :]
+    if MASKED:
+        kb = tl.load(kptr, mask=valid[:, None], other=0)
+        ks = tl.load(ks_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
+    else:
+        kb = tl.load(kptr)
+        ks = tl.load(ks_ptr + mbase + koff).to(tl.float32)
+        kz = tl.load(kz_ptr + mbase + koff).to(tl.float32)
+    raw = tl.dot(_unpack_quarter(kb, 0, MAGIC, ACT), q0)
+    raw = tl.dot(_unpack_quarter(kb, 1, MAGIC, ACT), q1, raw)
+    raw = tl.dot(_unpack_quarter(kb, 2, MAGIC, ACT), q2, raw)
+    raw = tl.dot(_unpack_quarter(kb, 3, MAGIC, ACT), q3, raw)
+    s = raw * ks[:, None] + (kz - OFF * ks)[:, None] * qsum[None, :]
+    if MASKED:
+        s = tl.where(valid[:, None], s, float("-inf"))
+    return s
 
 
 @triton.jit
-def _store_partial(o, lse, op_ptr, lse_ptr, b, h, sp, cols, stride_ob, stride_oh, stride_os, stride_lb,
-                   stride_lh, GROUP: tl.constexpr, GP: tl.constexpr):
-    """Write ``o [GP, len(cols)]`` to dims ``cols`` of split ``sp`` and (once, with the first tile) ``lse [GP]``."""
-    rows = tl.arange(0, GP)
-    heads = h * GROUP + rows
-    ok = rows < GROUP
-    base = op_ptr + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os
-    tl.store(base + cols[None, :], o, mask=ok[:, None])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=ok)
+def _residue_values(p, vs_ptr, vz_ptr, mbase, koff, valid, ACT: tl.constexpr, OFF: tl.constexpr,
+                    MASKED: tl.constexpr):
+    """``(p∘s_v)`` as the ``[NQ, GP]`` MMA operand, and the per-token zero terms ``p·m_v − OFF·(p∘s_v)``
+    (``[NQ, GP]``; the caller reduces the four residues' terms over tokens at once)."""
+    if MASKED:
+        vs = tl.load(vs_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
+    else:
+        vs = tl.load(vs_ptr + mbase + koff).to(tl.float32)
+        vz = tl.load(vz_ptr + mbase + koff).to(tl.float32)
+    pv = (p * vs[:, None]).to(ACT)
+    return pv, p * vz[:, None] - OFF * pv.to(tl.float32)
+
+
+@triton.jit
+def _int2_tile(
+    n0, end, b, h, q0, q1, q2, q3, qsum, m_i, l_i, acc, accm,
+    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
+    ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid."""
+    NQ: tl.constexpr = BLOCK_N // 4
+    quad = 4 * tl.arange(0, NQ)  # first token of each quad, relative to the tile
+    dims = tl.arange(0, D)
+    if PAGED and PAGE % BLOCK_N == 0:  # a tile never straddles a page (tiles start at multiples of BLOCK_N)
+        page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE).to(tl.int64)
+        kbase = page * stride_kp + h * stride_kh
+        mbase = page * stride_mp + h * stride_mh
+        tile = (n0 % PAGE) // BLOCK_N  # written so that the compiler sees 16-byte aligned, contiguous V rows
+        vbase = page * stride_vp + h * stride_vh + tile * NQ + tl.arange(0, NQ)
+        koff = tile * BLOCK_N + quad
+        kb_j = kbase
+        mb_j = mbase
+    elif PAGED:
+        # per quad: its page (quads never straddle pages: P % 4 == 0)
+        qpage = tl.load(bt_ptr + b * stride_btb + (n0 + quad) // PAGE, mask=n0 + quad < end,
+                        other=0).to(tl.int64)
+        vbase = qpage * stride_vp + h * stride_vh + ((n0 + quad) % PAGE) // 4
+        koff = (n0 + quad) % PAGE
+        kb_j = qpage * stride_kp + h * stride_kh
+        mb_j = qpage * stride_mp + h * stride_mh
+    else:  # one "page" of T rows per sequence (the non-paged layout): no table lookups
+        kb_j = b.to(tl.int64) * stride_kp + h * stride_kh
+        mb_j = b.to(tl.int64) * stride_mp + h * stride_mh
+        vbase = b.to(tl.int64) * stride_vp + h * stride_vh + n0 // 4 + tl.arange(0, NQ)
+        koff = n0 + quad
+    ok0 = n0 + quad < end  # used only when MASKED
+    ok1 = n0 + quad + 1 < end
+    ok2 = n0 + quad + 2 < end
+    ok3 = n0 + quad + 3 < end
+    if PAGED:  # constexpr row stride P/4: lets the compiler vectorise the [D, NQ] byte tile
+        vptr = vc_ptr + vbase[None, :] + dims[:, None] * (PAGE // 4)  # [D, NQ] token-quad bytes
+    else:
+        vptr = vc_ptr + vbase[None, :] + dims[:, None] * stride_vd
+    if MASKED:
+        vt = tl.load(vptr, mask=ok0[None, :], other=0)
+    else:
+        vt = tl.load(vptr)
+    if MODE == 1:  # diagnostic: load only
+        kb = tl.load(kc_ptr + (kb_j + koff * (D // 4))[:, None] + tl.arange(0, D // 4)[None, :],
+                     mask=ok0[:, None], other=0)
+        accm += (tl.sum(tl.sum(kb.to(tl.float32), 1), 0) + tl.sum(tl.sum(vt.to(tl.float32), 1), 0)
+                 + tl.sum(tl.load(ks_ptr + mb_j + koff, mask=ok0, other=0.0).to(tl.float32), 0))
+        l_i += 1.0
+    else:
+        s0 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
+        s1 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff + 1, ok1, D, MAGIC,
+                             ACT, OFF, MASKED)
+        s2 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff + 2, ok2, D, MAGIC,
+                             ACT, OFF, MASKED)
+        s3 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff + 3, ok3, D, MAGIC,
+                             ACT, OFF, MASKED)
+        # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
+        alpha = tl.exp2(m_i - m_new)
+        p0 = tl.exp2(s0 - m_new[None, :])
+        p1 = tl.exp2(s1 - m_new[None, :])
+        p2 = tl.exp2(s2 - m_new[None, :])
+        p3 = tl.exp2(s3 - m_new[None, :])
+        l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
+        pv0, z0 = _residue_values(p0, vs_ptr, vz_ptr, mb_j, koff, ok0, ACT, OFF, MASKED)
+        pv1, z1 = _residue_values(p1, vs_ptr, vz_ptr, mb_j, koff + 1, ok1, ACT, OFF, MASKED)
+        pv2, z2 = _residue_values(p2, vs_ptr, vz_ptr, mb_j, koff + 2, ok2, ACT, OFF, MASKED)
+        pv3, z3 = _residue_values(p3, vs_ptr, vz_ptr, mb_j, koff + 3, ok3, ACT, OFF, MASKED)
+        # zero terms: Σ p·m_v − OFF·Σ p·s_v (the OFF part with the rounded p·s_v the MMA consumes)
+        accm = accm * alpha + tl.sum((z0 + z1) + (z2 + z3), 0)
+        acc = acc * alpha[None, :]
+        acc = tl.dot(_unpack_quarter(vt, 0, MAGIC, ACT), pv0, acc)
+        acc = tl.dot(_unpack_quarter(vt, 1, MAGIC, ACT), pv1, acc)
+        acc = tl.dot(_unpack_quarter(vt, 2, MAGIC, ACT), pv2, acc)
+        acc = tl.dot(_unpack_quarter(vt, 3, MAGIC, ACT), pv3, acc)
+        m_i = m_new
+    return m_i, l_i, acc, accm
 
 
 @triton.jit
 def _int2_split(
     b, h, sp, num_splits,
-    q_ptr, stride_qb, stride_qh,  # q_rot [B, H_q, D] (scaled, stage-1 column order)
-    kc_ptr, vc_ptr, stride_cp, stride_ch,  # codes [pages, H_kv, P, D/4] (bytes, or int32 words), rows contiguous
+    q_ptr, stride_qb, stride_qh,  # q_rot [B, H_q, D] (scaled, log2 domain)
+    kc_ptr, stride_kp, stride_kh,  # K codes [pages, H_kv, P, D/4] uint8 (quarter packing, rows contiguous)
+    vc_ptr, stride_vp, stride_vh, stride_vd,  # V codes [pages, H_kv, D, P/4] uint8 (token quads)
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # meta [pages, H_kv, P], contiguous along P
-    bt_ptr, stride_btb, hist_len_ptr, page_size,  # block table [B, max_pages] int32, lengths [B] int32
+    bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32, lengths [B] int32
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr,
+    MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
-    """One split of the INT2 history for one (batch, KV head); writes partial ``sp``."""
+    """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
+
+    Transposed form: the tokens are the MMA's M dimension and the ``g`` query heads its N (padded to ``GP``):
+    ``Sᵀ = C_K·qᵀ`` and ``Oᵀ += C_Vᵀ·(P∘s_V)ᵀ``. A tile of ``BLOCK_N`` tokens is handled as four residues
+    ``j`` (tokens ``n0 + 4i + j``): bits ``2j`` of the token-quad V bytes hold exactly residue ``j``, so every
+    unpacked register pairs two consecutive reduction-axis elements of its MMA operand (dims for K, tokens for
+    V) and no operand is transposed through shared memory.
+    """
     # value that code 0 unpacks to (folded into the per-token zero term); MAGIC 4 on fp16 subtracts it exactly
     OFF: tl.constexpr = (0.0 if (MAGIC == 0 or (MAGIC == 4 and ACT == tl.float16))
                          else (1024.0 if ACT == tl.float16 else 128.0))
-    NW: tl.constexpr = D // 16 if (MAGIC == 1 or MAGIC == 2) else D // 4  # int32 words or bytes per row
-    c0 = _quarter_cols(0, D, MAGIC)
-    c1 = _quarter_cols(1, D, MAGIC)
-    c2 = _quarter_cols(2, D, MAGIC)
-    c3 = _quarter_cols(3, D, MAGIC)
-    q0 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 0, GROUP, GP, D)
-    q1 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 1, GROUP, GP, D)
-    q2 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 2, GROUP, GP, D)
-    q3 = _load_q_cols(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D)
-    qsum = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)
-            + tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1))
+    q0 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 0, GROUP, GP, D)
+    q1 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 1, GROUP, GP, D)
+    q2 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 2, GROUP, GP, D)
+    q3 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D)
+    qsum = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0)
+            + tl.sum(q2.to(tl.float32), 0) + tl.sum(q3.to(tl.float32), 0))
 
     length = tl.load(hist_len_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
@@ -216,93 +306,45 @@ def _int2_split(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     accm = tl.zeros([GP], tl.float32)
-    acc0 = tl.zeros([GP, D // 4], tl.float32)
-    acc1 = tl.zeros([GP, D // 4], tl.float32)
-    acc2 = tl.zeros([GP, D // 4], tl.float32)
-    acc3 = tl.zeros([GP, D // 4], tl.float32)
-    wcols = tl.arange(0, NW)
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        valid = tok < end
-        if PAGED:
-            page = tl.load(bt_ptr + b * stride_btb + tok // page_size, mask=valid, other=0).to(tl.int64)
-            off = tok % page_size
-        else:  # one "page" of T rows per sequence (the non-paged layout): no table lookups
-            page = tl.full([BLOCK_N], 0, tl.int64) + b
-            off = tok
-        cbase = page * stride_cp + h * stride_ch + off * NW
-        mbase = page * stride_mp + h * stride_mh + off
-        kw = tl.load(kc_ptr + cbase[:, None] + wcols[None, :], mask=valid[:, None], other=0)
-        ks = tl.load(ks_ptr + mbase, mask=valid, other=0.0).to(tl.float32)
-        kz = tl.load(kz_ptr + mbase, mask=valid, other=0.0).to(tl.float32)
-        vw = tl.load(vc_ptr + cbase[:, None] + wcols[None, :], mask=valid[:, None], other=0)
-        vs = tl.load(vs_ptr + mbase, mask=valid, other=0.0).to(tl.float32)
-        vz = tl.load(vz_ptr + mbase, mask=valid, other=0.0).to(tl.float32)
-        if MODE == 1:  # diagnostic: load only
-            accm += tl.sum(tl.sum((kw ^ vw).to(tl.float32), 1), 0) + tl.sum(ks + kz + vs + vz, 0)
-            l_i += 1.0
-        elif MODE == 2:  # diagnostic: load + unpack (no attention math)
-            u = _unpack_quarter(kw, 0, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            u += _unpack_quarter(kw, 1, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            u += _unpack_quarter(kw, 2, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            u += _unpack_quarter(kw, 3, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            u += _unpack_quarter(vw, 0, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            u += _unpack_quarter(vw, 1, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            u += _unpack_quarter(vw, 2, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            u += _unpack_quarter(vw, 3, BLOCK_N, D, MAGIC, ACT).to(tl.float32)
-            accm += tl.sum(tl.sum(u, 1) * ks + kz + vs + vz, 0)
-            l_i += 1.0
-        else:
-            raw = tl.dot(q0, tl.trans(_unpack_quarter(kw, 0, BLOCK_N, D, MAGIC, ACT)))
-            raw = tl.dot(q1, tl.trans(_unpack_quarter(kw, 1, BLOCK_N, D, MAGIC, ACT)), raw)
-            raw = tl.dot(q2, tl.trans(_unpack_quarter(kw, 2, BLOCK_N, D, MAGIC, ACT)), raw)
-            raw = tl.dot(q3, tl.trans(_unpack_quarter(kw, 3, BLOCK_N, D, MAGIC, ACT)), raw)
-            s = raw * ks[None, :] + qsum[:, None] * (kz - OFF * ks)[None, :]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = (p * vs[None, :]).to(ACT)
-            accm = accm * alpha + tl.sum(p * vz[None, :], 1) - OFF * tl.sum(pv.to(tl.float32), 1)
-            acc0 = tl.dot(pv, _unpack_quarter(vw, 0, BLOCK_N, D, MAGIC, ACT), acc0 * alpha[:, None])
-            acc1 = tl.dot(pv, _unpack_quarter(vw, 1, BLOCK_N, D, MAGIC, ACT), acc1 * alpha[:, None])
-            acc2 = tl.dot(pv, _unpack_quarter(vw, 2, BLOCK_N, D, MAGIC, ACT), acc2 * alpha[:, None])
-            acc3 = tl.dot(pv, _unpack_quarter(vw, 3, BLOCK_N, D, MAGIC, ACT), acc3 * alpha[:, None])
-            m_i = m_new
+    acc = tl.zeros([D, GP], tl.float32)
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N  # whole tiles: no masks; then one masked tail
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc, accm = _int2_tile(
+            n0, end, b, h, q0, q1, q2, q3, qsum, m_i, l_i, acc, accm, kc_ptr, stride_kp, stride_kh,
+            vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False)
+    if full_end < end:
+        m_i, l_i, acc, accm = _int2_tile(
+            full_end, end, b, h, q0, q1, q2, q3, qsum, m_i, l_i, acc, accm, kc_ptr, stride_kp, stride_kh,
+            vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, True)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if MODE != 0:
         lse = tl.where(has, accm * 0.0, float("-inf"))
-    _store_partial((acc0 + accm[:, None]) * inv[:, None], lse, op_ptr, lse_ptr, b, h, sp, c0,
-                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, GROUP, GP)
-    _store_partial((acc1 + accm[:, None]) * inv[:, None], lse, op_ptr, lse_ptr, b, h, sp, c1,
-                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, GROUP, GP)
-    _store_partial((acc2 + accm[:, None]) * inv[:, None], lse, op_ptr, lse_ptr, b, h, sp, c2,
-                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, GROUP, GP)
-    _store_partial((acc3 + accm[:, None]) * inv[:, None], lse, op_ptr, lse_ptr, b, h, sp, c3,
-                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, GROUP, GP)
+    _store_partial_t((acc + accm[None, :]) * inv[None, :], lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh,
+                     stride_os, stride_lb, stride_lh, GROUP, GP, D)
 
 
 @triton.jit
-def _online_bf16_segment(qa, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.constexpr,
+def _online_bf16_segment(qt, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.constexpr,
                          BLOCK_NB: tl.constexpr, ACT: tl.constexpr):
-    """Online-softmax update over ``n`` BF16/fp16 rows ``[n, D]`` of one tier (row stride ``stride_t``)."""
+    """Online-softmax update over ``n`` BF16/fp16 rows ``[n, D]`` of one tier (row stride ``stride_t``), in the
+    transposed form of the INT2 splits: ``Sᵀ = K·qᵀ`` ``[BLOCK_NB, GP]``, ``Oᵀ += Vᵀ·Pᵀ`` ``[D, GP]``."""
     cols = tl.arange(0, D)
     for n0 in range(0, n, BLOCK_NB):
         tok = n0 + tl.arange(0, BLOCK_NB)
         valid = tok < n
-        offs = tok[:, None] * stride_t + cols[None, :]
-        k = tl.load(k_base + offs, mask=valid[:, None], other=0.0).to(ACT)
-        s = tl.dot(qa, tl.trans(k))
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        k = tl.load(k_base + tok[:, None] * stride_t + cols[None, :], mask=valid[:, None], other=0.0).to(ACT)
+        s = tl.dot(k, qt)
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs, mask=valid[:, None], other=0.0).to(ACT)
-        acc = tl.dot(p.to(ACT), v, acc * alpha[:, None])
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        vt = tl.load(v_base + tok[None, :] * stride_t + cols[:, None], mask=valid[None, :], other=0.0).to(ACT)
+        acc = tl.dot(vt, p.to(ACT), acc * alpha[None, :])
         m_i = m_new
     return m_i, l_i, acc
 
@@ -315,18 +357,17 @@ def _bf16_tiers(
     rk2_ptr, rv2_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_NB: tl.constexpr,
-    ACT: tl.constexpr, MAGIC: tl.constexpr, TIER_PARTS: tl.constexpr,
+    ACT: tl.constexpr, TIER_PARTS: tl.constexpr,
 ):
     """Range ``part`` of ``TIER_PARTS`` over [sink rows | recent rows] of one (batch, KV head) in one online
     softmax; writes partial ``sp``. Ranges are whole tiles of ``BLOCK_NB`` rows; an empty range writes
     ``lse = -inf, o = 0``."""
-    cols = tl.arange(0, D)
-    rows = tl.arange(0, GP)
-    qa = tl.load(q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + _perm(cols, MAGIC)[None, :],
-                 mask=(rows < GROUP)[:, None], other=0.0)
+    heads = tl.arange(0, GP)
+    qt = tl.load(q_ptr + b * stride_qb + (h * GROUP + heads)[None, :] * stride_qh + tl.arange(0, D)[:, None],
+                 mask=(heads < GROUP)[None, :], other=0.0)  # [D, GP]
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    acc = tl.zeros([D, GP], tl.float32)
     n_sink = tl.load(sink_len_ptr + b)
     n_all = n_sink + tl.load(recent_len_ptr + b)
     chunk = tl.cdiv(tl.cdiv(n_all, TIER_PARTS), BLOCK_NB) * BLOCK_NB
@@ -338,30 +379,30 @@ def _bf16_tiers(
     r1 = tl.maximum(end - n_sink, 0)
     sink_off = b * stride_sb + h * stride_sh + s0 * stride_st
     m_i, l_i, acc = _online_bf16_segment(
-        qa, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB, ACT)
+        qt, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB, ACT)
     recent_off = b * stride_rb + h * stride_rh + r0 * stride_rt
     m_i, l_i, acc = _online_bf16_segment(
-        qa, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D, BLOCK_NB, ACT)
+        qt, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D, BLOCK_NB, ACT)
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    _store_partial(o, lse, op_ptr, lse_ptr, b, h, sp, cols, stride_ob, stride_oh, stride_os, stride_lb,
-                   stride_lh, GROUP, GP)
+    _store_partial_t(acc / tl.where(has, l_i, 1.0)[None, :], lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh,
+                     stride_os, stride_lb, stride_lh, GROUP, GP, D)
 
 
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, stride_qb, stride_qh,  # q_rot [B, H_q, D] act dtype, from _rotate_q_kernel
-    kc_ptr, vc_ptr, stride_cp, stride_ch,  # codes [pages, H_kv, P, D/4]: bytes or int32 words; rows contiguous
+    kc_ptr, stride_kp, stride_kh,  # K codes [pages, H_kv, P, D/4] uint8, quarter packing, rows contiguous
+    vc_ptr, stride_vp, stride_vh, stride_vd,  # V codes [pages, H_kv, D, P/4] uint8, token quads
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # scale / zero [pages, H_kv, P] md, P contiguous
-    bt_ptr, stride_btb, hist_len_ptr, page_size,  # block table [B, max_pages] int32; hist_len [B] int32
+    bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32; hist_len [B] int32
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
     num_splits,  # S
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
-    ACT: tl.constexpr, PAGED: tl.constexpr, TIER_PARTS: tl.constexpr,
+    ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -373,17 +414,17 @@ def _decode_stage1_kernel(
     sp = tl.program_id(1)
     if sp < num_splits:
         _int2_split(b, h, sp, num_splits, q_ptr, stride_qb, stride_qh,
-                    kc_ptr, vc_ptr, stride_cp, stride_ch,
+                    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-                    bt_ptr, stride_btb, hist_len_ptr, page_size,
+                    bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_NB, ACT, MAGIC, TIER_PARTS)
+                    GROUP, GP, D, BLOCK_NB, ACT, TIER_PARTS)
 
 
 @triton.jit
@@ -394,34 +435,43 @@ def _merge_rotate_kernel(
     out_ptr, stride_outb, stride_outh,  # out [B, H_q, D] act dtype
     n_parts,  # S + TIER_PARTS
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_MU: tl.constexpr, HAS_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, HAS_MU: tl.constexpr, HAS_R: tl.constexpr,
 ):
-    """Stage 2: LSE merge over the partials, ``+ mu_V``, ``@ R_Vᵀ``, cast; one program per query head.
+    """Stage 2: LSE merge over the partials, ``+ mu_V``, ``@ R_Vᵀ``, cast; output dims ``[e0, e0 + BLOCK_E)`` of
+    one query head per program (each program merges what its dims need: all of ``o`` when rotating back).
 
-    Grid: ``(B * H_q,)``.
+    Grid: ``(B * H_q, D / BLOCK_E)``: small batches still get many programs (the merge is latency, not bytes).
     """
     pid = tl.program_id(0)
+    e0 = tl.program_id(1) * BLOCK_E
     b = pid // H_Q
     hq = pid % H_Q
     hkv = hq // GROUP
     parts = tl.arange(0, SP)
-    pm = parts < n_parts
-    cols = tl.arange(0, D)
-    lse = tl.load(lse_ptr + b * stride_lb + hq * stride_lh + parts, mask=pm, other=float("-inf"))
+    lse_base = lse_ptr + b * stride_lb + hq * stride_lh
+    lse = tl.load(lse_base + parts, mask=parts < n_parts, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(lse - mx)
-    den = tl.sum(w, 0)
-    o = tl.load(op_ptr + b * stride_ob + hq * stride_oh + parts[:, None] * stride_os + cols[None, :],
-                mask=pm[:, None], other=0.0)
-    o = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    den = tl.sum(tl.exp2(lse - mx), 0)
+    e = e0 + tl.arange(0, BLOCK_E)
+    obase = out_ptr + b * stride_outb + hq * stride_outh
+    pbase = op_ptr + b * stride_ob + hq * stride_oh
+    if HAS_R:
+        cols = tl.arange(0, D)
+    else:
+        cols = e
+    o = tl.zeros([cols.shape[0]], tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):  # partials in chunks: [BLOCK_P, D] tiles, never [S, D] in registers
+        pp = p0 + tl.arange(0, BLOCK_P)
+        pm = pp < n_parts
+        w = tl.exp2(tl.load(lse_base + pp, mask=pm, other=float("-inf")) - mx)
+        o += tl.sum(w[:, None] * tl.load(pbase + pp[:, None] * stride_os + cols[None, :], mask=pm[:, None],
+                                         other=0.0), 0)
+    o = o / tl.where(den > 0, den, 1.0)
     if HAS_MU:
         o += tl.load(mu_ptr + hkv * stride_muh + cols)
-    obase = out_ptr + b * stride_outb + hq * stride_outh
     if HAS_R:
-        for e0 in tl.static_range(0, D, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            r = tl.load(rv_ptr + hkv * stride_rvh + e[:, None] * D + cols[None, :])  # R_V[e, :]
-            tl.store(obase + e, tl.sum(r * o[None, :], 1).to(out_ptr.dtype.element_ty))
+        r = tl.load(rv_ptr + hkv * stride_rvh + e[:, None] * D + cols[None, :])  # R_V[e, :]
+        tl.store(obase + e, tl.sum(r * o[None, :], 1).to(out_ptr.dtype.element_ty))
     else:
-        tl.store(obase + cols, o.to(out_ptr.dtype.element_ty))
+        tl.store(obase + e, o.to(out_ptr.dtype.element_ty))

@@ -5,8 +5,11 @@ The arithmetic follows :mod:`oscar_kernels.reference` step by step (float32 thro
 threshold, ``div_rn`` for every division) so that codes, scale, zero and packed bytes are bitwise equal to
 the reference fed the same float32 rotated rows.
 
-Paged cache layout (also what the decode kernel reads):
-``codes uint8 [num_pages, H_kv, P, D/4]``, ``scale`` and ``zero`` ``md [num_pages, H_kv, P, D/G]``.
+Paged cache layouts (what the decode kernel reads): keys ``codes uint8 [num_pages, H_kv, P, D/4]`` (quarter
+packing, ``TQ=False``); values ``codes uint8 [num_pages, H_kv, D, P/4]`` (token quads, ``TQ=True``: a token
+writes 2 bits of ``D`` bytes that it shares with the 3 other tokens of its quad, so it clears and sets its bits
+with ``atomic_and`` / ``atomic_or`` on the 32-bit words: rows of one quad may be written by different programs
+or launches, in any order). ``scale`` and ``zero`` ``md [num_pages, H_kv, P, D/G]`` for both.
 A token's slot is ``page * P + offset``; a negative slot is skipped (padding rows, CUDA-graph safe).
 """
 
@@ -26,8 +29,8 @@ def _quantize_write_kernel(
     mu_ptr,  # [H_r, D] float32 mean in rotated space; unused when not HAS_MU
     stride_muh,
     slot_ptr,  # [N] int64 destination slots (page * P + offset); < 0 = skip
-    codes_ptr,  # [num_pages, H_kv, P, D/4] uint8
-    stride_cp,
+    codes_ptr,  # rows: [num_pages, H_kv, P, D/4] uint8; token quads: the int32 view of [num_pages, H_kv, D, P/4]
+    stride_cp,  # byte strides (page, head, and row (rows) or dim (token quads))
     stride_ch,
     stride_cr,
     scale_ptr,  # [num_pages, H_kv, P, D/G] md
@@ -44,6 +47,7 @@ def _quantize_write_kernel(
     HAS_R: tl.constexpr,
     HAS_MU: tl.constexpr,
     DO_CLIP: tl.constexpr,
+    TQ: tl.constexpr,
 ):
     """Quantize ``BLOCK_T`` rows of one KV head and scatter them into the paged cache.
 
@@ -71,16 +75,23 @@ def _quantize_write_kernel(
         tau = tl.sum(tl.where(cols[None, :] == clip_idx, srt, 0.0), axis=1)
         y = tl.minimum(tl.maximum(y, -tau[:, None]), tau[:, None])
     codes, scale, zero = _quantize_groups(y, BLOCK_T, D, G, scale_ptr.dtype.element_ty)
-    packed = _pack_quarters(codes, BLOCK_T, D)
 
     slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
     ok = row_ok & (slot >= 0)
     slot = tl.where(ok, slot, 0)
     page = slot // page_size
     off = slot % page_size
-    cbase = page * stride_cp + h * stride_ch + off * stride_cr
-    qcols = tl.arange(0, D // 4)
-    tl.store(codes_ptr + cbase[:, None] + qcols[None, :], packed, mask=ok[:, None])
+    if TQ:  # token quads: this row owns bits 2·(off % 4) of byte (d, off // 4); other rows' bits are kept
+        byte = (page * stride_cp + h * stride_ch + off // 4)[:, None] + cols[None, :].to(tl.int64) * stride_cr
+        shift = ((byte % 4) * 8 + (off % 4)[:, None] * 2).to(tl.int32)
+        word = codes_ptr + byte // 4
+        tl.atomic_and(word, ~(3 << shift), mask=ok[:, None])
+        tl.atomic_or(word, codes << shift, mask=ok[:, None])
+    else:
+        cbase = page * stride_cp + h * stride_ch + off * stride_cr
+        packed = _pack_quarters(codes, BLOCK_T, D)
+        qcols = tl.arange(0, D // 4)
+        tl.store(codes_ptr + cbase[:, None] + qcols[None, :], packed, mask=ok[:, None])
     mbase = page * stride_mp + h * stride_mh + off * stride_mr
     gcols = tl.arange(0, D // G)
     tl.store(scale_ptr + mbase[:, None] + gcols[None, :], scale, mask=ok[:, None])

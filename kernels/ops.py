@@ -11,7 +11,8 @@ Public API (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
   :func:`default_num_splits`.
 
-Paged layout: ``codes uint8 [num_pages, H_kv, P, D/4]``, ``scale``/``zero`` ``md [num_pages, H_kv, P, D/G]``,
+Paged layout: keys ``codes uint8 [num_pages, H_kv, P, D/4]`` (quarter-packed rows), values
+``codes uint8 [num_pages, H_kv, D, P/4]`` (token quads), ``scale``/``zero`` ``md [num_pages, H_kv, P, D/G]``,
 ``block_table int32 [B, max_pages]``; token ``t`` of sequence ``b`` lives in page ``block_table[b, t // P]``
 at offset ``t % P``. Every launch is CUDA-graph safe: lengths are device tensors, the split count is fixed
 by static shapes, nothing syncs with the host (except the opt-in ``OSCAR_KERNEL_DEBUG=1`` range check).
@@ -93,24 +94,40 @@ def _mean(name: str, m: torch.Tensor | None, h_kv: int, d: int, dev: torch.devic
     return m, (0 if m.dim() == 1 else d)
 
 
+LAYOUTS = ("rows", "token_quads")
+
+
 def new_paged_cache(num_pages: int, h_kv: int, page_size: int, d: int, group_size: int | None = None,
                     meta_dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-                    ) -> QuantizedRows:
-    """Empty paged INT2 storage: codes ``uint8 [num_pages, H_kv, P, D/4]``, scale/zero ``[.., D/G]``."""
+                    layout: str = "rows") -> QuantizedRows:
+    """Empty paged INT2 storage; scale/zero ``[num_pages, H_kv, P, D/G]``.
+
+    ``layout="rows"`` (keys): codes ``uint8 [num_pages, H_kv, P, D/4]``, quarter packing.
+    ``layout="token_quads"`` (values, what the decode kernel reads): codes ``uint8 [num_pages, H_kv, D, P/4]``
+    (``reference.pack_token_quads``; ``P % 16 == 0`` so that every page row is whole 32-bit words).
+    """
     g = d if group_size is None else group_size
-    codes = torch.zeros(num_pages, h_kv, page_size, d // 4, dtype=torch.uint8, device=device)
+    if layout == "token_quads":
+        if page_size % 16:
+            raise ValueError(f"page_size: token quads need a multiple of 16, got {page_size}")
+        codes = torch.zeros(num_pages, h_kv, d, page_size // 4, dtype=torch.uint8, device=device)
+    elif layout == "rows":
+        codes = torch.zeros(num_pages, h_kv, page_size, d // 4, dtype=torch.uint8, device=device)
+    else:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     scale = torch.zeros(num_pages, h_kv, page_size, d // g, dtype=meta_dtype, device=device)
     return QuantizedRows(codes, scale, torch.zeros_like(scale))
 
 
 def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
                    rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
-                   clip_ratio: float = 0.0, block_t: int = 16, num_warps: int = 4) -> None:
+                   clip_ratio: float = 0.0, block_t: int = 16, num_warps: int = 4, layout: str = "rows") -> None:
     """Quantize rows and scatter them into a paged cache, in one launch for all tokens and KV heads.
 
     Args:
         x: ``[N, H_kv, D]`` bf16/fp16/fp32 post-RoPE keys or values (last dim contiguous).
-        cache: paged storage from :func:`new_paged_cache` (``packed [pages, H_kv, P, D/4]`` etc.).
+        cache: paged storage from :func:`new_paged_cache` with the same ``layout`` (``"rows"``:
+            ``packed [pages, H_kv, P, D/4]``; ``"token_quads"``: ``packed [pages, H_kv, D, P/4]``).
         slots: int64 ``[N]``: destination ``page * P + offset``; negative = skip the row.
         rotation: float32 ``[D, D]`` or ``[H_kv, D, D]``; mean: float32 ``[D]`` or ``[H_kv, D]`` (rotated space).
         clip_ratio: as in ``reference.clip_rows`` (sort-based threshold; ``<= 0``: off).
@@ -120,20 +137,31 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         raise _bad("x", x, "bf16/fp16/fp32 [N, H_kv, D] with D % 16 == 0 and contiguous rows")
     n, h_kv, d = x.shape
     codes, scale, zero = cache.packed, cache.scale, cache.zero
-    _check("cache.packed", codes, f"uint8 [pages, {h_kv}, P, {d // 4}]", (None, h_kv, None, d // 4),
-           (torch.uint8,), dev)
+    tq = layout == "token_quads"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if tq:
+        _check("cache.packed", codes, f"uint8 [pages, {h_kv}, {d}, P/4]", (None, h_kv, d, None), (torch.uint8,), dev)
+        if codes.shape[-1] % 4 or codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1] or \
+                codes.stride(1) % 4 or codes.stride(0) % 4 or codes.storage_offset() % 4:
+            raise _bad("cache.packed", codes, "contiguous token-quad pages of whole 32-bit words (P % 16 == 0)")
+        page_size = 4 * int(codes.shape[-1])
+    else:
+        _check("cache.packed", codes, f"uint8 [pages, {h_kv}, P, {d // 4}]", (None, h_kv, None, d // 4),
+               (torch.uint8,), dev)
+        page_size = int(codes.shape[2])
     ng = int(scale.shape[-1]) if scale.dim() == 4 else 0
     if ng <= 0 or d % ng or (d // ng) & (d // ng - 1):
         raise _bad("cache.scale", scale, f"[pages, {h_kv}, P, D/G] with G a power of two dividing {d}")
-    _check("cache.scale", scale, f"[pages, {h_kv}, P, {ng}]", (*codes.shape[:3], ng), _META, dev)
+    _check("cache.scale", scale, f"[pages, {h_kv}, P, {ng}]", (codes.shape[0], h_kv, page_size, ng), _META, dev)
     _check("cache.zero", zero, f"{scale.dtype} {list(scale.shape)}", tuple(scale.shape), (scale.dtype,), dev)
     if zero.stride() != scale.stride() or codes.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError("cache: scale and zero must share strides and have contiguous last dims")
     _check("slots", slots, f"int64 [{n}]", (n,), (torch.int64,), dev)
     r, r_stride = _rot("rotation", rotation, h_kv, d, dev)
     mu, mu_stride = _mean("mean", mean, h_kv, d, dev)
-    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and n and int(slots.max()) >= codes.shape[0] * codes.shape[2]:
-        raise ValueError(f"slots: max slot {int(slots.max())} >= pages*P = {codes.shape[0] * codes.shape[2]}")
+    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and n and int(slots.max()) >= codes.shape[0] * page_size:
+        raise ValueError(f"slots: max slot {int(slots.max())} >= pages*P = {codes.shape[0] * page_size}")
     if n == 0:
         return
     clip_idx = min(int(clip_ratio * d), d - 1) if clip_ratio > 0 else -1
@@ -141,11 +169,11 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     grid = (math.ceil(n / block_t), h_kv)
     pack._quantize_write_kernel[grid](
         x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_stride,
-        slots, codes, codes.stride(0), codes.stride(1), codes.stride(2),
+        slots, codes.view(torch.int32) if tq else codes, codes.stride(0), codes.stride(1), codes.stride(2),
         scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
-        n, int(codes.shape[2]), clip_idx,
+        n, page_size, clip_idx,
         D=d, G=d // ng, BLOCK_T=block_t, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
-        num_warps=num_warps,
+        TQ=tq, num_warps=num_warps,
     )
 
 
@@ -169,22 +197,25 @@ def quantize_rows(x: torch.Tensor, rotation: torch.Tensor | None = None, mean: t
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile configuration of the decode kernels (see docs/KERNELS.md for the measured sweep)."""
+    """Tile configuration of the decode kernels (see docs/KERNELS.md for the measured sweeps)."""
 
-    block_n: int = 64  # INT2 tokens per tile (H200 sweep: 64 best at batch 1, 128 at batch 16; see KERNELS.md)
-    block_nb: int = 64  # BF16 tokens per tile
-    num_warps: int = 4
+    block_n: int = 64  # INT2 tokens per tile: a multiple of 4; on GPUs >= 64 (the V dot reduces over block_n/4)
+    block_nb: int = 16  # BF16 tokens per tile (small: the BF16 branch shares the INT2 splits' register budget)
+    num_warps: int = 1  # INT2 splits: one warp needs no cross-warp softmax reductions (docs/KERNELS.md, v6)
     num_stages: int = 2
-    magic: int = 4  # unpack: 0 shift/and/convert; 1, 2 magic number on int32 words (natural order,
-    # lane-paired order); 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes (CUDA only; CPU
-    # interpreter runs 3). fp16 activations: use 0 or 4 (1-3 fold 1024 into a float32 sum: too lossy)
-    mode: int = 0  # 0 full kernel; diagnostics: 1 load only, 2 load + unpack
+    magic: int = 4  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
+    # (CUDA only; the CPU interpreter runs 3 for bf16, 0 for fp16). fp16 activations: use 0 or 4 (3 folds 1024
+    # into a float32 sum: too lossy)
+    mode: int = 0  # 0 full kernel; diagnostic 1: load only
+    min_gp: int = 8  # query heads per KV head are padded to max(min_gp, next power of two) (the MMA's N)
+    maxnreg: int | None = None  # register cap per thread for stage 1 (None: the compiler's choice)
 
 
 def default_config(batch: int) -> DecodeConfig:
-    """The measured H200 choice: 4 warps per program below batch 16, one warp from batch 16 (no cross-warp
-    softmax reductions; 16 x 128K: 1381 µs vs 1617 µs with 4 warps, batch 1: 134 vs 125 µs)."""
-    return DecodeConfig() if batch < 16 else DecodeConfig(num_warps=1)
+    """The measured H200 choice (docs/KERNELS.md, v6): one warp per split, 64-token tiles; from batch 16 the
+    registers are capped at 128 (16 instead of 12 programs per SM: 16 x 128K 561 µs vs 604 µs; at batch 1 the
+    grid fits the GPU either way and the cap costs 1 µs)."""
+    return DecodeConfig(maxnreg=128) if batch >= 16 else DecodeConfig()
 
 
 def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
@@ -202,8 +233,9 @@ def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int =
 
 
 # Stage-1 programs per (batch, KV head) that share the BF16 sink + recent rows (320 at the defaults): one program
-# looping over all of them was the critical path at short contexts (docs/KERNELS.md, v5).
-TIER_PARTS = 4
+# looping over all of them was the critical path at short contexts (docs/KERNELS.md, v5: 4 parts; v6: 8 parts of
+# at most 3 one-warp tiles of 16 rows).
+TIER_PARTS = 8
 
 
 def make_workspace(batch: int, h_q: int, d: int, num_splits: int, device: torch.device
@@ -252,6 +284,10 @@ class DecodePlan:
         dev = q.device
         if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
             cfg = replace(cfg, magic=3 if q.dtype == torch.bfloat16 else 0)  # fp16: the exact variant
+        if cfg.magic not in (0, 3, 4) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
+                (dev.type == "cuda" and cfg.block_n < 64):
+            raise ValueError(f"config: magic in (0, 3, 4) and block_n a power of two >= 64 (>= 16 in the "
+                             f"interpreter), got {cfg}")
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
         b, h_q, d = q.shape
@@ -263,6 +299,8 @@ class DecodePlan:
         _check("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
         if not paged and (block_table.shape[1] != 1 or kc.shape[0] != b):
             raise ValueError("paged=False needs k_cache [B, H_kv, T, D/4] and a [B, 1] block table (page b = row b)")
+        if paged and page % 4:
+            raise ValueError(f"k_cache.packed: the page size must be a multiple of 4 (token quads), got {page}")
         if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and block_table.numel():
             if int(block_table.min()) < 0 or int(block_table.max()) >= kc.shape[0]:
                 raise ValueError(f"block_table: entries outside [0, {kc.shape[0]})")
@@ -289,34 +327,35 @@ class DecodePlan:
         _check("out", out, f"{q.dtype} [{b}, {h_q}, {d}]", (b, h_q, d), (q.dtype,), dev)
         if out.stride(-1) != 1:
             raise _bad("out", out, "a contiguous last dim")
-        words = cfg.magic in (1, 2)
-        kcw, vcw = (kc.view(torch.int32), v_cache.packed.view(torch.int32)) if words else (kc, v_cache.packed)
+        vc = v_cache.packed
         g = h_q // h_kv
-        gp = max(16, 1 << (g - 1).bit_length())
+        gp = max(cfg.min_gp, 1 << (g - 1).bit_length())
         scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
         q_rot = torch.empty_like(q)
         self.out, self.num_splits, self.config = out, s, cfg
         self._kernels = _kernels()[1]
-        self._rot: tuple[Any, ...] = ((b * h_kv,), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
+        self._rot: tuple[Any, ...] = ((b * h_kv, d // 32), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
                                    q_rot.stride(1), scale),
-                     dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, MAGIC=cfg.magic, PREC="tf32x3", num_warps=4))
+                     dict(H_KV=h_kv, GROUP=g, GP=max(16, gp), D=d, BLOCK_E=32, PREC="tf32x3",
+                          num_warps=4))
         ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
         self._stage1: tuple[Any, ...] = ((b * h_kv, n_parts), (
-            q_rot, q_rot.stride(0), q_rot.stride(1), kcw, vcw, kcw.stride(0), kcw.stride(1),
-            ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl, page,
+            q_rot, q_rot.stride(0), q_rot.stride(1), kc, kc.stride(0), kc.stride(1),
+            vc, vc.stride(0), vc.stride(1), vc.stride(2),
+            ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl,
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
-                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, TIER_PARTS=TIER_PARTS, num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages))
-        self._merge: tuple[Any, ...] = ((b * h_q,), (
+                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
+        self._merge: tuple[Any, ...] = ((b * h_q, d // 32), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
             mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
             out, out.stride(0), out.stride(1), n_parts),
-            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32,
+            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32, BLOCK_P=16,
                  HAS_MU=mu is not None, HAS_R=rv is not None, num_warps=4))
 
     def run(self) -> torch.Tensor:
@@ -330,17 +369,21 @@ class DecodePlan:
 
 def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tensor, h_kv: int, page: int,
                  dev: torch.device) -> None:
+    """Keys: quarter-packed rows ``[pages, H_kv, P, D/4]``; values: token quads ``[pages, H_kv, D, ⌈P/4⌉]``."""
+    d = 4 * int(kc.shape[-1])
+    vshape = (kc.shape[0], h_kv, d, (page + 3) // 4)
+    _check("v_cache.packed", v_cache.packed, f"uint8 {list(vshape)} (token quads)", vshape, (torch.uint8,), dev)
+    vc = v_cache.packed
+    if vc.stride(-1) != 1:
+        raise _bad("v_cache.packed", vc, "a contiguous last dim (token quads)")
+    if kc.stride(-1) != 1 or kc.stride(-2) != kc.shape[-1]:
+        raise _bad("k_cache.packed", kc, "contiguous rows")
     for nm, rows in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(f"{nm}.packed", rows.packed, f"uint8 {list(kc.shape)}", tuple(kc.shape), (torch.uint8,), dev)
         for part in ("scale", "zero"):
             t = getattr(rows, part)
             _check(f"{nm}.{part}", t, f"[pages, {h_kv}, {page}, 1] (G = D)", (kc.shape[0], h_kv, page, 1), _META, dev)
             if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
                 raise _bad(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
-        if rows.packed.stride() != kc.stride() or kc.stride(-1) != 1 or kc.stride(-2) != kc.shape[-1]:
-            raise _bad(f"{nm}.packed", rows.packed, "the strides of k_cache.packed, contiguous rows")
-        if kc.stride(1) % 4 or kc.stride(0) % 4:
-            raise _bad(f"{nm}.packed", rows.packed, "page and head strides that are multiples of 4 bytes")
 
 
 def decode_attention(
@@ -352,8 +395,10 @@ def decode_attention(
 
     Args:
         q: ``[B, H_q, D]`` bf16/fp16 post-RoPE queries, **not** rotated (``q @ R_K`` happens on the GPU).
-        k_cache, v_cache: paged INT2 storage (``packed uint8 [pages, H_kv, P, D/4]`` with contiguous rows,
-            ``scale``/``zero`` ``md [pages, H_kv, P, 1]``: the kernel supports ``G = D``), identical layouts.
+        k_cache: paged INT2 keys (``packed uint8 [pages, H_kv, P, D/4]``, quarter-packed contiguous rows),
+            v_cache: paged INT2 values in token quads (``packed uint8 [pages, H_kv, D, P/4]``, from
+            :func:`new_paged_cache` with ``layout="token_quads"``); both with ``scale``/``zero``
+            ``md [pages, H_kv, P, 1]`` (the kernel supports ``G = D``) of identical strides; ``P % 4 == 0``.
         block_table: int32 ``[B, max_pages]``; hist_len: int32 ``[B]`` (or an int for all rows).
         sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` in q's dtype, rotated (and centred)
             like the INT2 tier; sink_len, recent_len: int32 ``[B]`` valid rows per sequence (or ints).
@@ -379,7 +424,8 @@ def decode_attention_contiguous(
 
     Args:
         q: ``[B, H_q, D]`` or ``[B, H_q, 1, D]`` (the result has the same shape).
-        hist_k, hist_v: ``packed uint8 [B, H_kv, T, D/4]``, ``scale``/``zero`` ``[B, H_kv, T, 1]``.
+        hist_k: ``packed uint8 [B, H_kv, T, D/4]``; hist_v: token quads ``packed uint8 [B, H_kv, D, ⌈T/4⌉]``
+            (``reference.rows_to_token_quads``); both with ``scale``/``zero`` ``[B, H_kv, T, 1]``.
         sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` rotated tiers.
         hist_len, sink_len, recent_len: valid rows per sequence (default: all ``T`` rows).
         kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, num_splits, config, out, workspace).

@@ -26,6 +26,9 @@ Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic 
 6. Quarter packing: byte ``i`` (``0 <= i < D/4``) holds
    ``c[i] | c[i + D/4] << 2 | c[i + D/2] << 4 | c[i + 3D/4] << 6`` — the first quarter of the row sits in
    bits 0-1 (lowest), the last quarter in bits 6-7.
+   **Value layout of the decode kernels** (the same codes, arranged for the consumer): token-quad packing,
+   :func:`pack_token_quads` — byte ``(d, i)`` of a ``[D, T/4]`` block holds tokens ``4i .. 4i+3`` of channel
+   ``d``, the earliest in bits 0-1. Keys always use quarter packing (their MMA reduction axis is D).
 7. Dequantize: ``x_hat = float(zero) + code * float(scale)`` in float32 (``code`` as float32; one multiply,
    one add, no fma), then cast to the requested dtype.
 
@@ -41,8 +44,9 @@ Bits per element (per stored K or V element, all tiers, method.md §8):
 
 What can be asserted
 --------------------
-- **Bitwise** (``atol = rtol = 0``): codes, ``scale``, ``zero`` and packed bytes of any fast quantizer fed the
-  same float32 rotated rows; ``unpack_int2(pack_int2(c)) == c``; codes lie in ``{0, 1, 2, 3}``.
+- **Bitwise** (``atol = rtol = 0``): codes, ``scale``, ``zero`` and packed bytes (either layout) of any fast
+  quantizer fed the same float32 rotated rows; ``unpack_int2(pack_int2(c)) == c``,
+  ``unpack_token_quads(pack_token_quads(c), T) == c``; codes lie in ``{0, 1, 2, 3}``.
 - **Exact by construction**: a group's minimum decodes to ``float(zero)`` exactly (code 0); with float32
   metadata its maximum decodes to ``mn + 3·s`` which equals ``mx`` up to float32 rounding of ``s`` (≤ 2 ulp of
   ``mx``); with 16-bit metadata the extremes are reproduced to the metadata's rounding.
@@ -74,10 +78,13 @@ __all__ = [
     "hadamard",
     "merge_partials",
     "pack_int2",
+    "pack_token_quads",
     "quantize_int2",
     "quantize_rows",
     "rotate",
+    "rows_to_token_quads",
     "unpack_int2",
+    "unpack_token_quads",
 ]
 
 _META_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -209,6 +216,38 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
     p = packed.to(torch.int32)
     parts = [(p >> shift) & 3 for shift in (0, 2, 4, 6)]
     return torch.cat(parts, dim=-1).to(torch.uint8)
+
+
+def pack_token_quads(codes: torch.Tensor) -> torch.Tensor:
+    """Token-quad packing (the decode kernel's value layout): codes ``uint8 [..., T, D] -> uint8 [..., D, ⌈T/4⌉]``.
+
+    Byte ``(d, i)`` holds ``c[4i, d] | c[4i+1, d] << 2 | c[4i+2, d] << 4 | c[4i+3, d] << 6``: four consecutive
+    tokens of one channel, the earliest in the lowest bits; a missing last token (``T % 4 != 0``) packs as 0.
+    Dims-major, so the ``V^T`` tile a decode kernel multiplies (``[D, tokens]``, tokens along the MMA reduction
+    axis) unpacks straight into operand registers. Scale and zero stay per token, exactly as in the row layout.
+    """
+    if codes.dtype != torch.uint8 or codes.dim() < 2:
+        raise ValueError(f"codes: expected uint8 [..., T, D], got {codes.dtype} {tuple(codes.shape)} on {codes.device}")
+    t = codes.shape[-2]
+    pad = (-t) % 4
+    c = torch.nn.functional.pad(codes.to(torch.int32).transpose(-1, -2), (0, pad))  # [..., D, T + pad]
+    c = c.reshape(*c.shape[:-1], -1, 4)
+    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).to(torch.uint8).contiguous()
+
+
+def unpack_token_quads(packed: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_token_quads`: ``uint8 [..., D, T/4] -> uint8 [..., T, D]`` (first ``tokens`` rows)."""
+    if packed.dtype != torch.uint8 or packed.dim() < 2:
+        raise ValueError(f"packed: expected uint8 [..., D, T/4], got {packed.dtype} {tuple(packed.shape)} on {packed.device}")
+    p = packed.to(torch.int32)
+    c = torch.stack([(p >> shift) & 3 for shift in (0, 2, 4, 6)], -1)  # [..., D, T/4, 4]
+    c = c.reshape(*c.shape[:-2], -1).transpose(-1, -2)  # [..., T, D]
+    return c[..., : (c.shape[-2] if tokens is None else tokens), :].to(torch.uint8).contiguous()
+
+
+def rows_to_token_quads(packed_rows: torch.Tensor) -> torch.Tensor:
+    """Quarter-packed rows ``[..., T, D/4]`` -> token quads ``[..., D, ⌈T/4⌉]`` (same codes, other layout)."""
+    return pack_token_quads(unpack_int2(packed_rows))
 
 
 def dequantize_int2(

@@ -52,3 +52,16 @@ def test_harness_run_raises_kernel_unavailable() -> None:
 
     with pytest.raises(KernelUnavailableError):
         harness.run(harness.BenchConfig(shape=parse_shape("qwen3-8b")))
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_bench_keeps_the_default_config_it_does_not_override(batch: int) -> None:
+    """Only the fields a bench config sets change; the measured defaults (e.g. the register cap) stay."""
+    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.shapes import NAMED_SHAPES
+    from oscar_kernels import ops
+
+    base = ops.default_config(batch)
+    assert H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"]), batch) == base
+    got = H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], num_stages=3, magic=0), batch)
+    assert (got.num_stages, got.magic, got.maxnreg, got.block_nb) == (3, 0, base.maxnreg, base.block_nb)

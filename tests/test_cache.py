@@ -105,6 +105,22 @@ def test_demotion_in_blocks_of_8_recent_between_w_and_w_plus_7() -> None:
     assert min(seen) == 16 and max(seen) == 23
 
 
+def test_value_quads_follow_the_history_incrementally() -> None:
+    """The kernel's value layout (token quads) tracks hist_v through odd prefill lengths, demotions and reorders."""
+    from oscar_kernels.reference import rows_to_token_quads
+
+    meth = oscar_method([LayerTransform()], sink=8, recent=16)
+    layer = Int2Layer(meth, LayerTransform())
+    k = torch.randn(2, H, 120, D, generator=torch.Generator().manual_seed(4))
+    layer.update(k[..., :47, :], k[..., :47, :])  # 23 history rows: the last quad is partial
+    assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0]))
+    for i in range(47, 80):
+        layer.update(k[..., i : i + 1, :], k[..., i : i + 1, :])
+        assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0])), f"after token {i}"
+    layer.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0]))
+
+
 def test_new_tokens_attend_unquantized_and_nonfinal_chunk_has_no_recent() -> None:
     """method.md §15.15 at the cache level: chunk B sees [sink | INT2(A) | B unquantized]."""
     t = random_transform(5)

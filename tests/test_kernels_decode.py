@@ -20,7 +20,8 @@ from oscar_kernels import ops  # noqa: E402
 from oscar_kernels import reference as ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-TINY = ops.DecodeConfig(block_n=16, block_nb=16, num_warps=4, num_stages=1, magic=3)
+# tiny tiles in the interpreter; on CUDA the smallest legal INT2 tile (the V dot reduces over block_n / 4 >= 16)
+TINY = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=4, num_stages=1, magic=4 if CUDA else 3)
 
 
 def _orth(d: int, gen: torch.Generator) -> torch.Tensor:
@@ -41,11 +42,13 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
     n_pages = b * n_pp + 3
     perm = torch.randperm(n_pages, generator=gen)[: b * n_pp].reshape(b, n_pp)
     kc = ops.new_paged_cache(n_pages, h_kv, page, d, None, meta, "cpu")
-    vc = ops.new_paged_cache(n_pages, h_kv, page, d, None, meta, "cpu")
+    vc = ops.new_paged_cache(n_pages, h_kv, page, d, None, meta, "cpu", layout="token_quads")
     for src, dst in ((qk, kc), (qv, vc)):
         for name in ("packed", "scale", "zero"):
             s = getattr(src, name).reshape(b, h_kv, n_pp, page, -1).permute(0, 2, 1, 3, 4)
-            getattr(dst, name)[perm.reshape(-1)] = s.reshape(b * n_pp, h_kv, page, -1)
+            if dst is vc and name == "packed":  # values: token quads per page [.., D, P/4]
+                s = ref.rows_to_token_quads(s)
+            getattr(dst, name)[perm.reshape(-1)] = s.reshape(b * n_pp, h_kv, *s.shape[-2:])
     s_cap, r_cap = max(max(sink), 1), max(max(recent), 1)
     case = {
         "q": torch.randn(b, h_q, d, generator=gen).to(dtype),
@@ -152,7 +155,8 @@ def test_decode_contiguous_entry_matches_paged() -> None:
     dev = "cuda" if CUDA else "cpu"
     c = make_case(7, 1, 4, 1, 64, [40], [2], [3], 64, torch.float16, dev, meta=torch.float16)
     out = ops.decode_attention_contiguous(
-        c["q"][:, :, None, :], c["qk"], c["qv"], c["sink_k"], c["sink_v"], c["recent_k"], c["recent_v"],
+        c["q"][:, :, None, :], c["qk"], ref.QuantizedRows(ref.rows_to_token_quads(c["qv"].packed), c["qv"].scale,
+                                                           c["qv"].zero), c["sink_k"], c["sink_v"], c["recent_k"], c["recent_v"],
         hist_len=40, sink_len=2, recent_len=3, rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
         mean_v=c["mean_v"], num_splits=2, config=TINY)
     assert out.shape == (1, 4, 1, 64)
@@ -192,13 +196,13 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
     c = make_case(length * 7 + d, b, heads[0], heads[1], d, hist, sink, recent, page, dtype, "cuda")
     out = run_op(c, out=_poisoned(c))
     assert_budget(out, c)
-    if heads == (32, 8) and d == 128:  # the other unpack variants, on one head layout (compile time)
-        # magic 1-3 fold 1024 + c into a float32 sum for fp16 (too lossy: documented); 0 and 4 are exact
-        for magic in (0, 1, 2, 3) if dtype == torch.bfloat16 else (0,):
+    if heads == (32, 8) and d == 128:  # the other unpack variants and tile shapes, on one head layout
+        # magic 3 folds 1024 + c into a float32 sum for fp16 (too lossy: documented); 0 and 4 are exact
+        for magic in (0, 3) if dtype == torch.bfloat16 else (0,):
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
-        # both warp counts that default_config picks (4 below batch 16, 1 from batch 16), at every length
-        for warps in (1, 4):
-            assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(num_warps=warps)), c)
+        for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
+                    ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128)):
+            assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
 @pytest.mark.gpu
@@ -246,4 +250,3 @@ def test_decode_plan_refill_in_place_and_empty_rows() -> None:
     # row 1 has no keys at all: zeros (then + mu_V, rotated back), never NaN
     want = (c["mean_v"].float() @ c["rotation_v"].T).to(out.dtype)
     torch.testing.assert_close(out[1], want.expand_as(out[1]), rtol=0, atol=2e-3)
-    assert ops.default_config(1).num_warps == 4 and ops.default_config(16).num_warps == 1

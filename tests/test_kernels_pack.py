@@ -107,6 +107,68 @@ def test_quantize_write_paged_slots_and_skip() -> None:
     assert (flat[untouched] == 0xAB).all()
 
 
+def _token_quad_case(seed: int, n: int, h: int, d: int, page: int, pages: int) -> tuple:
+    x = _rows(seed, 1, n, h, d, torch.float16)[0]  # [N, H_kv, D]
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(pages * page, generator=gen)[:n].to(DEV)
+    return x, slots
+
+
+def _token_quads_want(cache: ref.QuantizedRows, x: torch.Tensor, slots: torch.Tensor, page: int) -> torch.Tensor:
+    """Expected token-quad bytes: the cache's previous codes with the written slots replaced by the reference's."""
+    pages, h, d, _ = cache.packed.shape
+    codes = ref.unpack_token_quads(cache.packed.cpu())  # [pages, H, P, D]
+    rows = ref.unpack_int2(_ref_cpu(x, None, None, 0.0, None, torch.float16).packed)  # [N, H, D]
+    ok = (slots >= 0).cpu()
+    s = slots.cpu()[ok]
+    codes[s // page, :, s % page] = rows[ok]
+    return ref.pack_token_quads(codes)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("page", [16, 64])
+def test_quantize_write_token_quads_bitwise(page: int) -> None:
+    """Values in token quads: each row sets only its own 2 bits of D shared bytes, whatever the other rows of its
+    quad hold or whether they are written in the same launch (shuffled slots, a skipped row, a second launch)."""
+    n, h, d, pages = 37, 2, 64, 3
+    x, slots = _token_quad_case(page + 1, n, h, d, page, pages)
+    cache = ops.new_paged_cache(pages, h, page, d, None, torch.float16, DEV, layout="token_quads")
+    cache.packed.copy_(torch.randint(0, 256, cache.packed.shape, generator=torch.Generator().manual_seed(3),
+                                     dtype=torch.uint8).to(DEV))  # stale bits everywhere
+    slots[5] = -1
+    want = _token_quads_want(cache, x, slots, page)
+    ops.quantize_write(x, cache, slots, layout="token_quads")
+    got = cache.packed.cpu()
+    assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+    # per-token metadata: same slots as the row layout
+    meta = _ref_cpu(x, None, None, 0.0, None, torch.float16)
+    ok = slots >= 0
+    flat = cache.scale.permute(0, 2, 1, 3).reshape(pages * page, h, 1)
+    assert torch.equal(flat[slots[ok]].cpu(), meta.scale[ok.cpu()])
+    # a second launch over a few of the same slots (decode-style, one token at a time) keeps the neighbours
+    x2, _ = _token_quad_case(page + 2, 4, h, d, page, pages)
+    s2 = slots[ok][:4].clone()
+    want2 = _token_quads_want(cache, x2, s2, page)
+    for i in range(4):
+        ops.quantize_write(x2[i : i + 1], cache, s2[i : i + 1], layout="token_quads")
+    assert torch.equal(cache.packed.cpu(), want2)
+
+
+@pytest.mark.unit
+def test_token_quads_cache_shape_and_refusals() -> None:
+    c = ops.new_paged_cache(2, 3, 64, 128, None, torch.bfloat16, DEV, layout="token_quads")
+    assert c.packed.shape == (2, 3, 128, 16) and c.scale.shape == (2, 3, 64, 1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.new_paged_cache(2, 3, 8, 128, None, torch.bfloat16, DEV, layout="token_quads")
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        ops.new_paged_cache(2, 3, 64, 128, None, torch.bfloat16, DEV, layout="cols")
+    x = torch.zeros(1, 3, 128, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match=r"cache.packed: expected uint8 \[pages, 3, 128, P/4\]"):
+        ops.quantize_write(x, ops.new_paged_cache(2, 3, 64, 128, device=DEV), torch.zeros(1, dtype=torch.int64,
+                                                                                            device=DEV),
+                           layout="token_quads")
+
+
 @pytest.mark.unit
 def test_quantize_bad_inputs_name_the_tensor() -> None:
     cache = ops.new_paged_cache(2, 2, 16, 64, None, torch.bfloat16, DEV)

@@ -85,6 +85,24 @@ def test_bit_order_first_quarter_lowest() -> None:
     assert ref.pack_int2(codes).tolist() == [1 | (2 << 2) | (3 << 4), 0, 0, 1 << 6]
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 64, 97])
+def test_token_quads_roundtrip_and_layout(tokens: int) -> None:
+    codes = torch.randint(0, 4, (2, 3, tokens, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(tokens))
+    packed = ref.pack_token_quads(codes)
+    assert packed.shape == (2, 3, 16, (tokens + 3) // 4)
+    assert torch.equal(ref.unpack_token_quads(packed, tokens), codes)
+    assert torch.equal(ref.rows_to_token_quads(ref.pack_int2(codes)), packed)
+    allbytes = torch.arange(256, dtype=torch.uint8).reshape(1, 8, 32)  # [.., D=8, T/4=32]: every byte round-trips
+    assert torch.equal(ref.pack_token_quads(ref.unpack_token_quads(allbytes)), allbytes)
+
+
+def test_token_quads_bit_order_earliest_token_lowest() -> None:
+    codes = torch.zeros(6, 2, dtype=torch.uint8)  # [T, D]
+    codes[0, 0], codes[1, 0], codes[3, 0] = 1, 2, 3  # tokens 0, 1, 3 of channel 0 -> bits 0-1, 2-3, 6-7
+    codes[4, 1], codes[5, 1] = 3, 1  # tokens 4, 5 of channel 1 -> byte (1, 1), bits 0-1 and 2-3; tail pads 0
+    assert ref.pack_token_quads(codes).tolist() == [[1 | (2 << 2) | (3 << 6), 0], [0, 3 | (1 << 2)]]
+
+
 @pytest.mark.parametrize("d,g", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("meta", META, ids=META_IDS)
 def test_min_max_and_error_bound(d: int, g: int, meta: torch.dtype) -> None:

@@ -217,8 +217,9 @@ def build_int2_case(
     pages = batch * n_pp
     h, d = shape.h_kv, shape.d
 
-    def rows() -> QuantizedRows:
-        codes = torch.randint(0, 256, (pages, h, page_size, d // 4), dtype=torch.uint8, device=device)
+    def rows(values: bool = False) -> QuantizedRows:
+        cshape = (pages, h, d, page_size // 4) if values else (pages, h, page_size, d // 4)  # token quads for V
+        codes = torch.randint(0, 256, cshape, dtype=torch.uint8, device=device)
         scale = (torch.rand(pages, h, page_size, 1, device=device) * 0.1 + 0.01).to(torch.bfloat16)
         zero = (torch.randn(pages, h, page_size, 1, device=device) * 0.2).to(torch.bfloat16)
         return QuantizedRows(codes, scale, zero)
@@ -230,7 +231,7 @@ def build_int2_case(
     return {
         "q": torch.randn(batch, shape.h_q, d, device=device).to(act),
         "k_cache": rows(),
-        "v_cache": rows(),
+        "v_cache": rows(values=True),
         "block_table": torch.randperm(pages, device=device, dtype=torch.int32).reshape(batch, n_pp),
         "hist_len": torch.full((batch,), hist, dtype=torch.int32, device=device),
         "sink_k": tier(s_len),
@@ -257,6 +258,17 @@ def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, ou
                           config=config, workspace=workspace, out=out, paged=paged)
 
 
+def decode_config_for(cfg: BenchConfig, batch: int) -> Any:
+    """``oscar_kernels.ops.default_config(batch)`` with the fields the bench config overrides (all others kept)."""
+    from dataclasses import replace
+
+    from oscar_kernels import ops
+
+    over = {k: v for k, v in (("block_n", cfg.block_n), ("num_warps", cfg.num_warps),
+                              ("num_stages", cfg.num_stages), ("magic", cfg.magic)) if v is not None}
+    return replace(ops.default_config(batch), **over)
+
+
 def bench_int2(
     shape: AttnShape,
     batch: int,
@@ -271,10 +283,7 @@ def bench_int2(
     """(eager µs, graph µs, splits) of one INT2 decode step over rotating caches."""
     from oscar_kernels import ops
 
-    base = ops.default_config(batch)
-    dc = decode_config or ops.DecodeConfig(
-        block_n=cfg.block_n or base.block_n, num_warps=cfg.num_warps or base.num_warps,
-        num_stages=cfg.num_stages or base.num_stages, magic=base.magic if cfg.magic is None else cfg.magic)
+    dc = decode_config or decode_config_for(cfg, batch)
     hist = max(ctx - cfg.sink - cfg.recent, 0)
     ps, n_pp = page_geometry(cfg, hist)
     cap = ps * n_pp
@@ -330,23 +339,28 @@ def bench_bf16(
 
 
 def bench_quantize(shape: AttnShape, tokens: int, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
-    """Quantize-on-write (rotate + centre + clip 0.96 + quantize + pack + scatter) throughput."""
+    """Quantize-on-write (rotate + centre + clip 0.96 + quantize + pack + scatter) throughput: keys in rows
+    (``us``), values in token quads (``values_us``: each row clears and sets its 2 bits per byte with atomics)."""
     from oscar_kernels import ops
 
     act = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
     pages = math.ceil(tokens / cfg.page_size)
-    cache = ops.new_paged_cache(pages, shape.h_kv, cfg.page_size, shape.d, None, torch.bfloat16, device)
     x = torch.randn(tokens, shape.h_kv, shape.d, device=device).to(act)
     slots = torch.randperm(pages * cfg.page_size, device=device)[:tokens]
     r, mu = _orth(shape.d, device), torch.randn(shape.d, device=device) * 0.1
-    us = median_us(lambda: ops.quantize_write(x, cache, slots, rotation=r, mean=mu, clip_ratio=0.96), cfg.rep_ms)
     moved = tokens * shape.h_kv * (shape.d * x.element_size() + shape.d // 4 + 4) + tokens * 8
-    return {
-        "tokens": tokens,
-        "us": us,
-        "rows_per_s": tokens * shape.h_kv / (us * 1e-6),
-        "gbps": moved / (us * 1e-6) / 1e9,
-    }
+    out: dict[str, Any] = {"tokens": tokens}
+    for key, layout in (("", "rows"), ("values_", "token_quads")):
+        cache = ops.new_paged_cache(pages, shape.h_kv, cfg.page_size, shape.d, None, torch.bfloat16, device,
+                                    layout=layout)
+
+        def write(cache: Any = cache, layout: str = layout) -> None:
+            ops.quantize_write(x, cache, slots, rotation=r, mean=mu, clip_ratio=0.96, layout=layout)
+
+        us = median_us(write, cfg.rep_ms)
+        out |= {f"{key}us": us, f"{key}rows_per_s": tokens * shape.h_kv / (us * 1e-6),
+                f"{key}gbps": moved / (us * 1e-6) / 1e9}
+    return out
 
 
 def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:

@@ -42,7 +42,8 @@ def _render(res: Any) -> None:
     _output.stdout.print(t)
     q = res.quantize
     _output.stdout.print(f"quantize-on-write: {q['tokens']} tokens x {res.config['shape']['h_kv']} KV heads in "
-                         f"{q['us']:,.1f} µs = {q['rows_per_s'] / 1e6:,.1f} M rows/s ({q['gbps']:,.0f} GB/s)")
+                         f"{q['us']:,.1f} µs = {q['rows_per_s'] / 1e6:,.1f} M rows/s ({q['gbps']:,.0f} GB/s) for keys, "
+                         f"{q['values_us']:,.1f} µs for values (token quads)")
     for n in res.notes:
         _output.stdout.print(f"note: {n}")
 

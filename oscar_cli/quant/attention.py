@@ -142,7 +142,7 @@ def kernel_decode(
     out = decode_attention_contiguous(
         query.contiguous(),
         QuantizedRows(*layer.hist_k),
-        QuantizedRows(*layer.hist_v),
+        QuantizedRows(layer.value_quads(), layer.hist_v[1], layer.hist_v[2]),
         centred(sink_k, layer.k_mean),
         centred(sink_v, layer.v_mean),
         centred(layer.recent_k, layer.k_mean),

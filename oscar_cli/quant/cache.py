@@ -104,6 +104,8 @@ class Int2Layer(AppendLayer):
         self.v_mean: torch.Tensor | None = None
         self.hist_k: list[torch.Tensor] = []  # [packed, scale, zero] once non-empty
         self.hist_v: list[torch.Tensor] = []
+        self._v_quads: torch.Tensor | None = None  # hist_v codes in token quads (the decode kernel's layout)
+        self._v_quads_len = 0
 
     # ---------------------------------------------------------------- transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -222,6 +224,25 @@ class Int2Layer(AppendLayer):
             return ops.quantize_rows(rows.contiguous(), None, m, clip, meth.group_size, meth.meta_dtype)
         return quantize_rows(rows, None, mean, clip, meth.group_size, meth.meta_dtype)
 
+    def value_quads(self) -> torch.Tensor:
+        """The packed value history in token quads ``uint8 [B, H_kv, D, ⌈T/4⌉]`` (what the decode kernel reads).
+
+        The serving layout of values (``oscar_kernels.reference.pack_token_quads``), kept next to the row layout
+        this cache stores and converted incrementally: only the quads touched since the last call are rebuilt.
+        """
+        from oscar_kernels.reference import rows_to_token_quads
+
+        packed = self.hist_v[0]
+        n = packed.shape[-2]
+        if self._v_quads is None or n < self._v_quads_len:
+            self._v_quads, self._v_quads_len = rows_to_token_quads(packed), n
+        elif n > self._v_quads_len:
+            keep = self._v_quads_len // 4  # whole quads already final
+            tail = rows_to_token_quads(packed[..., 4 * keep :, :])
+            self._v_quads = torch.cat([self._v_quads[..., :keep], tail], -1)
+            self._v_quads_len = n
+        return self._v_quads
+
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The packed history ``(packed, scale, zero)`` of keys (``"k"``) or values (``"v"``), or None."""
@@ -256,6 +277,7 @@ class Int2Layer(AppendLayer):
                 setattr(self, name, x[indices, ...])
         self.hist_k = [x[indices, ...] for x in self.hist_k]
         self.hist_v = [x[indices, ...] for x in self.hist_v]
+        self._v_quads, self._v_quads_len = None, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -268,6 +290,7 @@ class Int2Layer(AppendLayer):
                 setattr(self, name, x.repeat_interleave(repeats, dim=0))
         self.hist_k = [x.repeat_interleave(repeats, dim=0) for x in self.hist_k]
         self.hist_v = [x.repeat_interleave(repeats, dim=0) for x in self.hist_v]
+        self._v_quads, self._v_quads_len = None, 0
 
     def reset(self) -> None:
         self.__init__(self.method, self.transform, self.v_rot is not None, self.backend)  # type: ignore[misc]

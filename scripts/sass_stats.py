@@ -1,0 +1,101 @@
+"""Instruction counts of the decode kernel's INT2 loop, compiled for sm_90 on any machine (no GPU needed).
+
+Triton's bundled ptxas and nvdisasm turn the stage-1 kernel into SASS; the loops are found by their backward
+branches and counted per opcode. Divided by the codes a loop iteration consumes, this is the "warp-instructions
+per code" figure of docs/KERNELS.md. Usage:
+    python scripts/sass_stats.py [--warps 1] [--block-n 64] [--gp 8] [--stages 2] [--sass out.sass]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from oscar_kernels import int2_decode
+
+BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
+PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
+        "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32"}
+INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
+
+
+def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0) -> object:
+    fn = int2_decode._decode_stage1_kernel
+    const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, MAGIC=4, MODE=0,
+                 ACT=tl.bfloat16, PAGED=True, PAGE=64, TIER_PARTS=4)
+    sig = {n: "constexpr" if n in const else PTRS.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
+    # like the JIT's specialisation: pointers and strides divisible by 16 (the split count is not)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const and n != "num_splits"}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    opts = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def tool(name: str, *args: str, cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(BIN / name), *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loops(sass: str) -> list[tuple[int, collections.Counter]]:
+    """(instruction count, opcode histogram) of every loop body (a backward branch to a label)."""
+    ins, addr_of, label = [], {}, None
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.?(L_x_\d+):", line.strip())
+        if m:
+            label = m.group(1)
+            continue
+        m = INSN.match(line)
+        if m:
+            a = int(m.group(1), 16)
+            if label:
+                addr_of[label], label = a, None
+            ins.append((a, m.group(2), m.group(3)))
+    out = []
+    for a, op, rest in ins:
+        t = re.search(r"(L_x_\d+)", rest)
+        if op.startswith("BRA") and t and addr_of.get(t.group(1), a) < a:
+            body = [o.split(".")[0] for x, o, _ in ins if addr_of[t.group(1)] <= x <= a]
+            out.append((len(body), collections.Counter(body)))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--warps", type=int, default=1)
+    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--gp", type=int, default=8)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--block-nb", type=int, default=16)
+    p.add_argument("--maxnreg", type=int, default=0)
+    p.add_argument("--sass", type=Path)
+    a = p.parse_args()
+    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg)
+    cubin = k.asm["cubin"]  # type: ignore[attr-defined]
+    sass = tool("nvdisasm", "-c", cubin=cubin)
+    if a.sass:
+        a.sass.write_text(sass)
+    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", tool("cuobjdump", "--dump-resource-usage", cubin=cubin))
+    print(f"triton {triton.__version__}, sm_90: {usage.group(1) if usage else '?'} registers, "
+          f"stack {usage.group(2) if usage else '?'} B; {a.warps} warp(s), BLOCK_N {a.block_n}, GP {a.gp}")
+    codes = a.block_n * 128 * 2  # K and V codes one INT2 iteration consumes (D = 128)
+    for n, hist in loops(sass):
+        kind = "INT2" if hist.get("PRMT", 0) > 100 else "BF16"
+        print(f"{kind} loop: {n} instructions/warp/iteration"
+              + (f" = {n * a.warps / codes:.4f} warp-instructions per code" if kind == "INT2" else ""),
+              dict(hist.most_common(12)))
+
+
+if __name__ == "__main__":
+    main()
