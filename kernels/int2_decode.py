@@ -232,11 +232,17 @@ def _int2_tile(
         vt = tl.load(vptr, mask=ok0[None, :], other=0)
     else:
         vt = tl.load(vptr)
-    if MODE == 1:  # diagnostic: load only
-        kb = tl.load(kc_ptr + (kb_j + koff * (D // 4))[:, None] + tl.arange(0, D // 4)[None, :],
-                     mask=ok0[:, None], other=0)
-        accm += (tl.sum(tl.sum(kb.to(tl.float32), 1), 0) + tl.sum(tl.sum(vt.to(tl.float32), 1), 0)
-                 + tl.sum(tl.load(ks_ptr + mb_j + koff, mask=ok0, other=0.0).to(tl.float32), 0))
+    if MODE == 1:  # diagnostic: load every byte the full kernel loads (K rows of all 4 residues, V, 4 metadata)
+        kcols = tl.arange(0, D // 4)[None, :]
+        for j in tl.static_range(4):
+            kb = tl.load(kc_ptr + (kb_j + (koff + j) * (D // 4))[:, None] + kcols, mask=(n0 + quad + j < end)[:, None],
+                         other=0)
+            meta = (tl.load(ks_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32)
+                    + tl.load(kz_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32)
+                    + tl.load(vs_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32)
+                    + tl.load(vz_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32))
+            accm += tl.sum(tl.sum(kb.to(tl.float32), 1), 0) + tl.sum(meta, 0)
+        accm += tl.sum(tl.sum(vt.to(tl.float32), 1), 0)
         l_i += 1.0
     else:
         s0 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
