@@ -235,7 +235,7 @@ def test_embedded_model_small_budget(tmp_path: Path) -> None:
     docs = Path(__file__).resolve().parent.parent / "docs"
     out = tmp_path / "smollm2"
     result = CliRunner().invoke(app, ["calibrate", "smollm2-135m", "--data", str(docs), "--tokens", "2k",
-                                      "--out", str(out), "--json"])
+                                      "--seq-len", "1024", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["data"]["tokens"] == 2048 and len(doc["layers"]) == 30

@@ -15,12 +15,12 @@ EXAMPLES = """
 [bold]Examples[/bold]
 
   oscar calibrate                              # embedded smollm2-135m, 16K self-generated tokens
-  oscar calibrate smollm2-135m --tokens 4k     # smaller budget (whole sequences)
+  oscar calibrate smollm2-135m --tokens 4k --seq-len 1024   # small budget, short sequences (demo)
   oscar calibrate Qwen/Qwen3-8B --device cuda  # recipes/qwen3-8b.yaml, bf16 on the GPU
   oscar calibrate ./my-model --data ./corpus/  # local text/JSON(L) files or folder
   oscar calibrate smollm2-135m --data hf:wikitext:wikitext-2-raw-v1   # Hub dataset
   oscar calibrate --recipe my.yaml --out artifacts/try1 --overwrite
-  oscar calibrate --tokens 4k --json           # result (path, clips, timings) as JSON
+  oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON
 """
 
 
