@@ -200,13 +200,11 @@ def _int2_tile(
     dims = tl.arange(0, D)
     if PAGED and PAGE % BLOCK_N == 0:  # a tile never straddles a page (tiles start at multiples of BLOCK_N)
         page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE).to(tl.int64)
-        kbase = page * stride_kp + h * stride_kh
-        mbase = page * stride_mp + h * stride_mh
+        kb_j = page * stride_kp + h * stride_kh
+        mb_j = page * stride_mp + h * stride_mh
         tile = (n0 % PAGE) // BLOCK_N  # written so that the compiler sees 16-byte aligned, contiguous V rows
         vbase = page * stride_vp + h * stride_vh + tile * NQ + tl.arange(0, NQ)
         koff = tile * BLOCK_N + quad
-        kb_j = kbase
-        mb_j = mbase
     elif PAGED:
         # per quad: its page (quads never straddle pages: P % 4 == 0)
         qpage = tl.load(bt_ptr + b * stride_btb + (n0 + quad) // PAGE, mask=n0 + quad < end,

@@ -3,7 +3,8 @@
 Triton's bundled ptxas and nvdisasm turn the stage-1 kernel into SASS; the loops are found by their backward
 branches and counted per opcode. Divided by the codes a loop iteration consumes, this is the "warp-instructions
 per code" figure of docs/KERNELS.md. Usage:
-    python scripts/sass_stats.py [--warps 1] [--block-n 64] [--gp 8] [--stages 2] [--sass out.sass]
+    python scripts/sass_stats.py [--warps 1] [--block-n 64] [--gp 8] [--stages 2] [--block-nb 16] [--maxnreg 0]
+        [--dtype bf16|fp16] [--sass out.sass]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from oscar_kernels import int2_decode
+from oscar_kernels import int2_decode, ops
 
 BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
 PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
@@ -28,11 +29,13 @@ PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i3
 INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
 
 
-def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0) -> object:
+def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0,
+                   act: str = "bf16") -> object:
     fn = int2_decode._decode_stage1_kernel
     const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, MAGIC=4, MODE=0,
-                 ACT=tl.bfloat16, PAGED=True, PAGE=64, TIER_PARTS=4)
-    sig = {n: "constexpr" if n in const else PTRS.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+                 ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=64,
+                 TIER_PARTS=ops.TIER_PARTS)
+    sig = {n: "constexpr" if n in const else PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     # like the JIT's specialisation: pointers and strides divisible by 16 (the split count is not)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const and n != "num_splits"}
@@ -79,9 +82,10 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--block-nb", type=int, default=16)
     p.add_argument("--maxnreg", type=int, default=0)
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--sass", type=Path)
     a = p.parse_args()
-    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg)
+    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)
     if a.sass:
