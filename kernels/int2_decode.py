@@ -12,8 +12,10 @@ tiers likewise). Each program writes a partial ``(o, lse)`` (lse in the log2
 domain) to scratch; an empty split writes ``lse = -inf, o = 0`` so scratch never holds stale data.
 
 Before stage 1, ``_rotate_q_kernel`` computes ``q @ R_K`` (``tl.dot`` on float32, tf32x3 on GPUs) with the
-softmax scale and ``log2(e)`` folded in. Stage 2 (``_merge_rotate_kernel``, grid ``(B * H_q,)``): log-sum-exp
-merge of the ``S + TIER_PARTS`` partials, add ``mu_V``, rotate back with ``R_Vᵀ``, cast to the activation dtype.
+softmax scale and ``log2(e)`` folded in. Stage 2 (``_merge_rotate_kernel``, grid ``(B * H_q, D / E_PROG)``):
+log-sum-exp merge of the ``S + TIER_PARTS`` partials, add ``mu_V``, rotate back with ``R_Vᵀ``, cast to the
+activation dtype. With ``PDL`` stage 1 and the merge are programmatic dependent launches: each waits for its
+producer with ``griddepcontrol.wait`` and is launched while the producer drains.
 
 INT2 arithmetic (per token ``n``, K scale ``s_n``, K zero/minimum ``m_n``; codes ``c``):
 ``score = s_n·(q·c_n) + m_n·Σq`` and ``Σ_n p_n·v̂_n = Σ_n (p_n·s_n)·c_n + Σ_n p_n·m_n``, so the dot products run
@@ -25,10 +27,19 @@ axis of ``C_K·qᵀ``); values are token quads ``[pages, H_kv, D, P/4]`` (a byte
 dim: unpacking residue ``j`` yields consecutive quads, the reduction axis of ``C_Vᵀ·Pᵀ``). With the row layout
 for values, the V operand had to be transposed byte by byte through shared memory (docs/KERNELS.md, v2–v5).
 
-Unpack (``MAGIC``): 4 = inline PTX per 32-bit register of 4 code bytes (``shr``, ``and 0x03030303``, two
-``prmt`` with the constant byte 0x43: four bf16 ``128 + c`` exactly, bf16's ulp at 128 being 1; no conversion);
-3 = the same magic number per element (the CPU interpreter); 0 = shift/and/int->float convert. The ``128``
-folds into the per-token zero term; fp16 uses 0x64 (``1024 + c``) and subtracts 1024 exactly in the asm.
+Unpack (``MAGIC``): **5 (default on CUDA) = fp16 subnormal fields**: two ``prmt`` zero-extend 4 code bytes to
+4 uint16 lanes (once per byte, shared by its 4 fields), then one ``and`` with ``0x00030003 << 2J`` per two codes
+leaves the bit pattern of the fp16 subnormal ``c·4^J·2^-24`` — exact, no offset. The ``4^J`` is cancelled in the
+other MMA operand: the K quarter ``J`` of ``q`` is pre-scaled by ``4^-J`` (and a per-program power of two that
+keeps ``|q| <= 2^14``), the V residue ``j`` of ``P∘s_V`` by ``4^-j`` (and a per-tile power of two ``F`` that keeps
+``p·s_V·F <= 2^14``); the dots run on fp16 for bf16 and fp16 activations alike, and ``2^24`` and the powers of
+two are undone on the fp32 results. 0.625 instead of 1 instruction per code (docs/KERNELS.md, v7); the
+metadata are then loaded as ``[BLOCK_N/4, 4]`` tiles the loop pipeliner copies asynchronously. 6 = the same
+fields element by element (the CPU interpreter). 4 = inline PTX per 32-bit register of 4 code bytes (``shr``,
+``and 0x03030303``, two ``prmt`` with the constant byte 0x43: four bf16 ``128 + c`` exactly, bf16's ulp at 128
+being 1; no conversion); 3 = the same magic number per element (the CPU interpreter); 0 = shift/and/int->float
+convert. The ``128`` folds into the per-token zero term; fp16 uses 0x64 (``1024 + c``) and subtracts 1024
+exactly in the asm.
 """
 
 from __future__ import annotations
@@ -62,6 +73,17 @@ _ASM_F16_0 = tl.constexpr(_unpack_asm(0, True))
 _ASM_F16_1 = tl.constexpr(_unpack_asm(2, True))
 _ASM_F16_2 = tl.constexpr(_unpack_asm(4, True))
 _ASM_F16_3 = tl.constexpr(_unpack_asm(6, True))
+
+# Subnormal fields (MAGIC 5/6). "Spread": 4 code bytes -> 4 uint16 (each byte zero-extended, two ``prmt``);
+# "field J": ``and`` with ``0x00030003 << 2J`` leaves code ``c`` of every uint16 lane in bits ``2J, 2J+1``: the
+# fp16 bit pattern of the subnormal ``c * 4^J * 2^-24``, exactly, two codes per instruction. The dot products
+# run on these fp16 subnormals (tensor cores keep fp16 subnormal inputs); the factor ``4^J`` is cancelled by
+# scaling the other operand of field J by ``4^-J``, ``2^-24`` after the dot.
+_ASM_SPREAD = tl.constexpr("prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;")
+_ASM_FIELD_0 = tl.constexpr("and.b32 $0, $1, 0x00030003;")
+_ASM_FIELD_1 = tl.constexpr("and.b32 $0, $1, 0x000c000c;")
+_ASM_FIELD_2 = tl.constexpr("and.b32 $0, $1, 0x00300030;")
+_ASM_FIELD_3 = tl.constexpr("and.b32 $0, $1, 0x00c000c0;")
 
 
 @triton.jit
@@ -101,16 +123,47 @@ def _unpack_quarter(raw, J: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr
 
 
 @triton.jit
+def _spread(raw, MAGIC: tl.constexpr):
+    """Code bytes ``raw`` (uint8) zero-extended to uint16, position by position (MAGIC 5: two ``prmt`` per 4
+    bytes; 6: a plain conversion)."""
+    if MAGIC == 5:
+        return tl.inline_asm_elementwise(_ASM_SPREAD, "=r,=r,r", [raw], dtype=tl.uint16, is_pure=True, pack=4)
+    else:
+        return raw.to(tl.uint16)
+
+
+@triton.jit
+def _field(wide, J: tl.constexpr, MAGIC: tl.constexpr):
+    """Field ``J`` of spread codes ``wide`` (uint16) as the fp16 subnormals ``c * 4^J * 2^-24`` (exact), one
+    ``and`` per two codes (MAGIC 5) or per element (6)."""
+    if MAGIC == 5:
+        if J == 0:
+            out = tl.inline_asm_elementwise(_ASM_FIELD_0, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
+        elif J == 1:
+            out = tl.inline_asm_elementwise(_ASM_FIELD_1, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
+        elif J == 2:
+            out = tl.inline_asm_elementwise(_ASM_FIELD_2, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            out = tl.inline_asm_elementwise(_ASM_FIELD_3, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
+        return out
+    else:
+        return (wide & (3 << (2 * J))).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _rotate_q_kernel(
     q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
     r_ptr, stride_rh,  # R_K [H_r, D, D] float32 (stride 0: shared)
     out_ptr, stride_ob, stride_oh,  # q_rot [B, H_q, D] act dtype
     qk_scale,  # softmax scale * log2(e)
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     """``q_rot[:, e] = (q @ R_K[:, e]) * qk_scale`` for the ``g`` query heads of one KV head and output columns
-    ``[e0, e0 + BLOCK_E)``. Grid: ``(B * H_kv, D / BLOCK_E)``."""
+    ``[e0, e0 + BLOCK_E)``. Grid: ``(B * H_kv, D / BLOCK_E)``. ``PDL``: let stage 1 (a programmatic dependent
+    launch) start right away; it waits for this grid with ``griddepcontrol.wait`` before reading ``q_rot``."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     b = pid // H_KV
@@ -148,26 +201,63 @@ def _store_partial_t(ot, lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh, s
 
 
 @triton.jit
-def _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kbase, mbase, koff, valid,
+def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, valid,
                     D: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr):
-    """Scoresᵀ ``[NQ, GP]`` (log2 domain) of one token residue: K rows at ``kbase + koff`` (``[NQ]`` each)."""
+    """Scoresᵀ ``[NQ, GP]`` (log2 domain) of one token residue: K rows at ``kbase + koff`` (``[NQ]`` each), K
+    scales ``ks`` and zeros ``kz`` (float32 ``[NQ]``).
+
+    MAGIC 5/6: ``q0..q3`` are fp16 quarters pre-scaled by ``4^-J`` and a power of two; ``kmul`` undoes that
+    power of two and the fields' ``2^-24``."""
     kptr = kc_ptr + (kbase + koff * (D // 4))[:, None] + tl.arange(0, D // 4)[None, :]
     if MASKED:
         kb = tl.load(kptr, mask=valid[:, None], other=0)
-        ks = tl.load(ks_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
-        kz = tl.load(kz_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
     else:
         kb = tl.load(kptr)
-        ks = tl.load(ks_ptr + mbase + koff).to(tl.float32)
-        kz = tl.load(kz_ptr + mbase + koff).to(tl.float32)
-    raw = tl.dot(_unpack_quarter(kb, 0, MAGIC, ACT), q0)
-    raw = tl.dot(_unpack_quarter(kb, 1, MAGIC, ACT), q1, raw)
-    raw = tl.dot(_unpack_quarter(kb, 2, MAGIC, ACT), q2, raw)
-    raw = tl.dot(_unpack_quarter(kb, 3, MAGIC, ACT), q3, raw)
-    s = raw * ks[:, None] + (kz - OFF * ks)[:, None] * qsum[None, :]
+    if MAGIC >= 5:
+        w = _spread(kb, MAGIC)
+        raw = tl.dot(_field(w, 0, MAGIC), q0)
+        raw = tl.dot(_field(w, 1, MAGIC), q1, raw)
+        raw = tl.dot(_field(w, 2, MAGIC), q2, raw)
+        raw = tl.dot(_field(w, 3, MAGIC), q3, raw)
+        s = raw * (ks * kmul)[:, None] + kz[:, None] * qsum[None, :]
+    else:
+        raw = tl.dot(_unpack_quarter(kb, 0, MAGIC, ACT), q0)
+        raw = tl.dot(_unpack_quarter(kb, 1, MAGIC, ACT), q1, raw)
+        raw = tl.dot(_unpack_quarter(kb, 2, MAGIC, ACT), q2, raw)
+        raw = tl.dot(_unpack_quarter(kb, 3, MAGIC, ACT), q3, raw)
+        s = raw * ks[:, None] + (kz - OFF * ks)[:, None] * qsum[None, :]
     if MASKED:
         s = tl.where(valid[:, None], s, float("-inf"))
     return s
+
+
+@triton.jit
+def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
+    """One metadata array (scale or zero) of a tile as its four token residues (float32 ``[NQ]`` each), loaded
+    as one ``[NQ, 4]`` tile of consecutive tokens (wide enough for the loop pipeliner's asynchronous copies; the
+    per-residue ``[NQ]`` loads of MAGIC 0-4 are 2-byte loads whose latency every tile waits for)."""
+    NQ: tl.constexpr = quad.shape[0]
+    offs = (mbase + koff)[:, None] + tl.arange(0, 4)[None, :]
+    if MASKED:
+        x = tl.load(ptr + offs, mask=(n0 + quad[:, None] + tl.arange(0, 4)[None, :]) < end, other=0.0)
+    else:
+        x = tl.load(ptr + offs)
+    even, odd = tl.split(tl.reshape(x.to(tl.float32), [NQ, 2, 2]))  # residues (0, 2) and (1, 3)
+    r0, r2 = tl.split(even)
+    r1, r3 = tl.split(odd)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _residue_meta(s_ptr, z_ptr, mbase, koff, valid, MASKED: tl.constexpr):
+    """Scale and zero (float32 ``[NQ]``) of one token residue (MAGIC 0-4: one 2-byte load per element)."""
+    if MASKED:
+        sc = tl.load(s_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
+        ze = tl.load(z_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
+    else:
+        sc = tl.load(s_ptr + mbase + koff).to(tl.float32)
+        ze = tl.load(z_ptr + mbase + koff).to(tl.float32)
+    return sc, ze
 
 
 @triton.jit
@@ -187,14 +277,17 @@ def _residue_values(p, vs_ptr, vz_ptr, mbase, koff, valid, ACT: tl.constexpr, OF
 
 @triton.jit
 def _int2_tile(
-    n0, end, b, h, q0, q1, q2, q3, qsum, m_i, l_i, acc, accm,
+    n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
-    ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid."""
+    ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
+
+    MAGIC 5/6: ``acc`` holds ``fv * 2^-24`` times the value sum; ``fv`` is a power of two chosen per tile so that
+    the fp16 operand ``p * s_v * fv * 4^-j`` stays below ``2^14`` (``p <= 1``)."""
     NQ: tl.constexpr = BLOCK_N // 4
     quad = 4 * tl.arange(0, NQ)  # first token of each quad, relative to the tile
     dims = tl.arange(0, D)
@@ -242,14 +335,51 @@ def _int2_tile(
             accm += tl.sum(tl.sum(kb.to(tl.float32), 1), 0) + tl.sum(meta, 0)
         accm += tl.sum(tl.sum(vt.to(tl.float32), 1), 0)
         l_i += 1.0
+    elif MAGIC >= 5:
+        # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
+        ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
+        kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
+        vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
+        vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
+        s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT,
+                             OFF, MASKED)
+        s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT,
+                             OFF, MASKED)
+        s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, MAGIC, ACT,
+                             OFF, MASKED)
+        s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, MAGIC, ACT,
+                             OFF, MASKED)
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
+        alpha = tl.exp2(m_i - m_new)
+        p0 = tl.exp2(s0 - m_new[None, :])
+        p1 = tl.exp2(s1 - m_new[None, :])
+        p2 = tl.exp2(s2 - m_new[None, :])
+        p3 = tl.exp2(s3 - m_new[None, :])
+        l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
+        vmax = tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0)
+        f_new = tl.exp2(14.0 - tl.minimum(tl.maximum(tl.ceil(tl.log2(vmax)), -24.0), 112.0))
+        accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
+                                     + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
+        acc = acc * (alpha * (f_new / fv))[None, :]
+        w = _spread(vt, MAGIC)
+        acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
+        acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
+        acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
+        acc = tl.dot(_field(w, 3, MAGIC), (p3 * (vs3 * (f_new * 0.015625))[:, None]).to(tl.float16), acc)
+        fv = f_new
+        m_i = m_new
     else:
-        s0 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
-        s1 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff + 1, ok1, D, MAGIC,
-                             ACT, OFF, MASKED)
-        s2 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff + 2, ok2, D, MAGIC,
-                             ACT, OFF, MASKED)
-        s3 = _residue_scores(q0, q1, q2, q3, qsum, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff + 3, ok3, D, MAGIC,
-                             ACT, OFF, MASKED)
+        ks0, kz0 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff, ok0, MASKED)
+        s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
+        ks1, kz1 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 1, ok1, MASKED)
+        s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT, OFF,
+                             MASKED)
+        ks2, kz2 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 2, ok2, MASKED)
+        s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, MAGIC, ACT, OFF,
+                             MASKED)
+        ks3, kz3 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 3, ok3, MASKED)
+        s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, MAGIC, ACT, OFF,
+                             MASKED)
         # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
         m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
         alpha = tl.exp2(m_i - m_new)
@@ -270,7 +400,7 @@ def _int2_tile(
         acc = tl.dot(_unpack_quarter(vt, 2, MAGIC, ACT), pv2, acc)
         acc = tl.dot(_unpack_quarter(vt, 3, MAGIC, ACT), pv3, acc)
         m_i = m_new
-    return m_i, l_i, acc, accm
+    return m_i, l_i, acc, accm, fv
 
 
 @triton.jit
@@ -302,6 +432,18 @@ def _int2_split(
     q3 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D)
     qsum = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0)
             + tl.sum(q2.to(tl.float32), 0) + tl.sum(q3.to(tl.float32), 0))
+    kmul = 1.0
+    if MAGIC >= 5:  # fp16 operands for the subnormal fields: q_J * 4^-J * qs with |q * qs| <= 2^14
+        qmax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0.to(tl.float32)), 1), 0),
+                                     tl.max(tl.max(tl.abs(q1.to(tl.float32)), 1), 0)),
+                          tl.maximum(tl.max(tl.max(tl.abs(q2.to(tl.float32)), 1), 0),
+                                     tl.max(tl.max(tl.abs(q3.to(tl.float32)), 1), 0)))
+        qs = tl.exp2(14.0 - tl.minimum(tl.maximum(tl.ceil(tl.log2(qmax)), -24.0), 112.0))
+        kmul = 16777216.0 / qs
+        q0 = (q0.to(tl.float32) * qs).to(tl.float16)
+        q1 = (q1.to(tl.float32) * (qs * 0.25)).to(tl.float16)
+        q2 = (q2.to(tl.float32) * (qs * 0.0625)).to(tl.float16)
+        q3 = (q3.to(tl.float32) * (qs * 0.015625)).to(tl.float16)
 
     length = tl.load(hist_len_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
@@ -311,15 +453,16 @@ def _int2_split(
     l_i = tl.zeros([GP], tl.float32)
     accm = tl.zeros([GP], tl.float32)
     acc = tl.zeros([D, GP], tl.float32)
+    fv = 1.0  # MAGIC 5/6: acc is in units of fv * 2^-24 (see _int2_tile)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N  # whole tiles: no masks; then one masked tail
     for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc, accm = _int2_tile(
-            n0, end, b, h, q0, q1, q2, q3, qsum, m_i, l_i, acc, accm, kc_ptr, stride_kp, stride_kh,
+        m_i, l_i, acc, accm, fv = _int2_tile(
+            n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
             bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False)
     if full_end < end:
-        m_i, l_i, acc, accm = _int2_tile(
-            full_end, end, b, h, q0, q1, q2, q3, qsum, m_i, l_i, acc, accm, kc_ptr, stride_kp, stride_kh,
+        m_i, l_i, acc, accm, fv = _int2_tile(
+            full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
             bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, True)
     has = l_i > 0
@@ -327,6 +470,8 @@ def _int2_split(
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if MODE != 0:
         lse = tl.where(has, accm * 0.0, float("-inf"))
+    if MAGIC >= 5:
+        acc = acc * (16777216.0 / fv)
     _store_partial_t((acc + accm[None, :]) * inv[None, :], lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh,
                      stride_os, stride_lb, stride_lh, GROUP, GP, D)
 
@@ -406,12 +551,16 @@ def _decode_stage1_kernel(
     num_splits,  # S
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
-    ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr,
+    ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
-    Grid: ``(B * H_kv, S + TIER_PARTS)``.
+    Grid: ``(B * H_kv, S + TIER_PARTS)``. ``PDL``: launched as a programmatic dependent launch of the q rotation:
+    wait for it (``griddepcontrol.wait``) before reading ``q_rot``; let the merge launch once every program has
+    written its partial.
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     b = pid // H_KV
     h = pid % H_KV
@@ -429,6 +578,8 @@ def _decode_stage1_kernel(
                     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     GROUP, GP, D, BLOCK_NB, ACT, TIER_PARTS)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -439,15 +590,20 @@ def _merge_rotate_kernel(
     out_ptr, stride_outb, stride_outh,  # out [B, H_q, D] act dtype
     n_parts,  # S + TIER_PARTS
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_P: tl.constexpr, HAS_MU: tl.constexpr, HAS_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, HAS_MU: tl.constexpr, HAS_R: tl.constexpr, E_PROG: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Stage 2: LSE merge over the partials, ``+ mu_V``, ``@ R_Vᵀ``, cast; output dims ``[e0, e0 + BLOCK_E)`` of
-    one query head per program (each program merges what its dims need: all of ``o`` when rotating back).
+    """Stage 2: LSE merge over the partials, ``+ mu_V``, ``@ R_Vᵀ``, cast; output dims ``[e0, e0 + E_PROG)`` of
+    one query head per program, in chunks of ``BLOCK_E`` (each program merges what its dims need: all of ``o``
+    when rotating back, so ``E_PROG < D`` re-reads the partials ``D / E_PROG`` times for more programs).
 
-    Grid: ``(B * H_q, D / BLOCK_E)``: small batches still get many programs (the merge is latency, not bytes).
+    Grid: ``(B * H_q, D / E_PROG)``: small batches get more programs (the merge is latency there), large batches
+    read every partial once (``E_PROG = D``; bytes there). ``PDL``: wait for stage 1 with ``griddepcontrol``
+    (launched as a programmatic dependent launch, the program starts while stage 1 drains).
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    e0 = tl.program_id(1) * BLOCK_E
+    e_base = tl.program_id(1) * E_PROG
     b = pid // H_Q
     hq = pid % H_Q
     hkv = hq // GROUP
@@ -457,13 +613,12 @@ def _merge_rotate_kernel(
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     den = tl.sum(tl.exp2(lse - mx), 0)
-    e = e0 + tl.arange(0, BLOCK_E)
     obase = out_ptr + b * stride_outb + hq * stride_outh
     pbase = op_ptr + b * stride_ob + hq * stride_oh
     if HAS_R:
         cols = tl.arange(0, D)
     else:
-        cols = e
+        cols = e_base + tl.arange(0, E_PROG)
     o = tl.zeros([cols.shape[0]], tl.float32)
     for p0 in range(0, n_parts, BLOCK_P):  # partials in chunks: [BLOCK_P, D] tiles, never [S, D] in registers
         pp = p0 + tl.arange(0, BLOCK_P)
@@ -475,7 +630,9 @@ def _merge_rotate_kernel(
     if HAS_MU:
         o += tl.load(mu_ptr + hkv * stride_muh + cols)
     if HAS_R:
-        r = tl.load(rv_ptr + hkv * stride_rvh + e[:, None] * D + cols[None, :])  # R_V[e, :]
-        tl.store(obase + e, tl.sum(r * o[None, :], 1).to(out_ptr.dtype.element_ty))
+        for c in tl.static_range(E_PROG // BLOCK_E):
+            e = e_base + c * BLOCK_E + tl.arange(0, BLOCK_E)
+            r = tl.load(rv_ptr + hkv * stride_rvh + e[:, None] * D + cols[None, :])  # R_V[e, :]
+            tl.store(obase + e, tl.sum(r * o[None, :], 1).to(out_ptr.dtype.element_ty))
     else:
-        tl.store(obase + e, o.to(out_ptr.dtype.element_ty))
+        tl.store(obase + cols, o.to(out_ptr.dtype.element_ty))

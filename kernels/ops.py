@@ -203,18 +203,22 @@ class DecodeConfig:
     block_nb: int = 16  # BF16 tokens per tile (small: the BF16 branch shares the INT2 splits' register budget)
     num_warps: int = 1  # INT2 splits: one warp needs no cross-warp softmax reductions (docs/KERNELS.md, v6)
     num_stages: int = 2
-    magic: int = 4  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
-    # (CUDA only; the CPU interpreter runs 3 for bf16, 0 for fp16). fp16 activations: use 0 or 4 (3 folds 1024
-    # into a float32 sum: too lossy)
+    magic: int = 5  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
+    # (128 + c as bf16); 5 PTX fp16 subnormal fields (2 prmt per 4 bytes, then one `and` per 2 codes; q and P
+    # rescaled by powers of two); 6 = 5 element by element. CUDA only: 4 and 5 (the CPU interpreter runs 3 or 0
+    # for 4, 6 for 5). fp16 activations: not 3 (it folds 1024 into a float32 sum: too lossy)
     mode: int = 0  # 0 full kernel; diagnostic 1: load only
     min_gp: int = 8  # query heads per KV head are padded to max(min_gp, next power of two) (the MMA's N)
     maxnreg: int | None = None  # register cap per thread for stage 1 (None: the compiler's choice)
+    merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
+    pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
+    merge_block_p: int = 64  # partials per merge iteration (a power of two)
 
 
 def default_config(batch: int) -> DecodeConfig:
-    """The measured H200 choice (docs/KERNELS.md, v6): one warp per split, 64-token tiles; from batch 16 the
-    registers are capped at 128 (16 instead of 12 programs per SM: 16 x 128K 561 µs vs 604 µs; at batch 1 the
-    grid fits the GPU either way and the cap costs 1 µs)."""
+    """The measured H200 choice (docs/KERNELS.md, v7): one warp per split, 64-token tiles, subnormal-field unpack,
+    programmatic dependent launches; from batch 16 the registers are capped at 128 (16 instead of 9 programs per
+    SM: 16 x 128K 512 µs vs 596 µs; at batch 1 the grid fits the GPU either way and the cap costs 8 µs)."""
     return DecodeConfig(maxnreg=128) if batch >= 16 else DecodeConfig()
 
 
@@ -284,9 +288,13 @@ class DecodePlan:
         dev = q.device
         if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
             cfg = replace(cfg, magic=3 if q.dtype == torch.bfloat16 else 0)  # fp16: the exact variant
-        if cfg.magic not in (0, 3, 4) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
+        if cfg.magic == 5 and dev.type != "cuda":  # the same subnormal fields, element by element
+            cfg = replace(cfg, magic=6)
+        if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
+            cfg = replace(cfg, pdl=False)
+        if cfg.magic not in (0, 3, 4, 5, 6) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
                 (dev.type == "cuda" and cfg.block_n < 64):
-            raise ValueError(f"config: magic in (0, 3, 4) and block_n a power of two >= 64 (>= 16 in the "
+            raise ValueError(f"config: magic in (0, 3, 4, 5, 6) and block_n a power of two >= 64 (>= 16 in the "
                              f"interpreter), got {cfg}")
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
@@ -337,7 +345,7 @@ class DecodePlan:
         self._rot: tuple[Any, ...] = ((b * h_kv, d // 32), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
                                    q_rot.stride(1), scale),
                      dict(H_KV=h_kv, GROUP=g, GP=max(16, gp), D=d, BLOCK_E=32, PREC="tf32x3",
-                          num_warps=4))
+                          PDL=cfg.pdl, num_warps=4))
         ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
         self._stage1: tuple[Any, ...] = ((b * h_kv, n_parts), (
             q_rot, q_rot.stride(0), q_rot.stride(1), kc, kc.stride(0), kc.stride(1),
@@ -348,15 +356,21 @@ class DecodePlan:
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
-                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, num_warps=cfg.num_warps,
+                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
+                 num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
-        self._merge: tuple[Any, ...] = ((b * h_q, d // 32), (
+        e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)
+        if e_prog not in (32, d) or cfg.merge_block_p < 2 or cfg.merge_block_p & (cfg.merge_block_p - 1):
+            raise ValueError(f"config: merge_cols must be 0, 32 or {d} and merge_block_p a power of two >= 2, got "
+                             f"{cfg.merge_cols}, {cfg.merge_block_p}")
+        self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
             mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
             out, out.stride(0), out.stride(1), n_parts),
-            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32, BLOCK_P=16,
-                 HAS_MU=mu is not None, HAS_R=rv is not None, num_warps=4))
+            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32, BLOCK_P=cfg.merge_block_p,
+                 HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl, num_warps=4,
+                 **({"launch_pdl": True} if cfg.pdl else {})))
 
     def run(self) -> torch.Tensor:
         """Launch the three kernels (rotate q, stage 1, merge + rotate back); returns ``out [B, H_q, D]``."""

@@ -1,9 +1,11 @@
-"""One device call for the v6 decode kernel: GPU tests, a config sweep against cuDNN/flash SDPA, the bench record.
+"""One device call for the decode kernels (v6, v7): GPU tests, a config sweep against cuDNN/flash SDPA, the bench record.
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [bench]
-Writes $OUT/sweep.json (every measurement, errors recorded, never hidden), tests.log, bench.json.
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [breakdown] [splits] [diag] [bench]
+(env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter.)
+Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
+"breakdown"), tests.log, bench.json.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +40,8 @@ def save() -> None:
 
 def tests() -> None:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "-n", "8", "--no-header", "-p", "no:cacheprovider",
-           "tests/test_kernels_pack.py", "tests/test_kernels_decode.py", "-k", os.environ.get("TEST_K", "not 97")]
+           *os.environ.get("TEST_FILES", "tests/test_kernels_pack.py tests/test_kernels_decode.py").split(),
+           "-k", os.environ.get("TEST_K", "not 97")]
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("TEST_TIMEOUT", "200")))
     (OUT / "tests.log").write_text(p.stdout + p.stderr)
@@ -59,18 +64,22 @@ def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = No
            "regs": getattr(h, "n_regs", None), "spills": getattr(h, "n_spills", None),
            "gbps": nbytes / ((g or us) * 1e-6) / 1e9}
     R["rows"].append(row)
-    print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} gp{cfg.min_gp} m{cfg.magic} "
+    print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} m{cfg.magic} reg{cfg.maxnreg} "
+          f"pdl{int(cfg.pdl)} mc{cfg.merge_cols} bp{cfg.merge_block_p} "
           f"mode{cfg.mode} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} eager {us:8.1f}  graph {g}  regs={row['regs']} "
           f"spills={row['spills']} {row['gbps']:.0f} GB/s", flush=True)
     save()
 
 
-CELLS = [(1, 131072), (16, 131072), (1, 32768), (1, 4096)]
-CONFIGS = [ops.DecodeConfig(), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(maxnreg=128, num_stages=3),
-           ops.DecodeConfig(maxnreg=96), ops.DecodeConfig(maxnreg=168, block_nb=32)] if os.environ.get("SWEEP_SHORT") else [
-    ops.DecodeConfig(), ops.DecodeConfig(num_stages=1), ops.DecodeConfig(num_stages=3), ops.DecodeConfig(num_warps=2),
-    ops.DecodeConfig(block_n=128, num_warps=2), ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_nb=32),
-    ops.DecodeConfig(min_gp=16)]
+CELLS = [(1, 131072), (16, 131072), (1, 32768), (1, 4096), (16, 32768)]
+D = ops.DecodeConfig
+CONFIGS = {
+    "short": [D(magic=4), D(magic=4, maxnreg=128), D(magic=5), D(magic=5, maxnreg=128), D(magic=5, maxnreg=168),
+              D(magic=5, maxnreg=192), D(magic=5, num_stages=3), D(magic=5, pdl=True),
+              D(magic=5, pdl=True, merge_cols=128), D(magic=5, pdl=True, maxnreg=168)],
+    "full": [D(), D(num_stages=1), D(num_stages=3), D(num_warps=2), D(block_n=128, num_warps=2), D(num_warps=4),
+             D(block_nb=32), D(min_gp=16)],
+}[os.environ.get("SWEEP", "short")]
 
 
 def sweep() -> None:
@@ -83,11 +92,99 @@ def sweep() -> None:
         print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
         for cfg in CONFIGS:
             measure(cfg, b, c)
-        if b == 1 and not os.environ.get("SWEEP_SHORT"):
+        if b == 1 and os.environ.get("SWEEP", "short") == "full":
             base = ops.default_num_splits(b, SHAPE.h_kv, c - 320, 64)
             for s in (base * 2, max(1, base // 2)):
                 measure(ops.DecodeConfig(), b, c, splits=s)
-        measure(ops.DecodeConfig(mode=1), b, c)  # load-only ceiling of the default config
+        if os.environ.get("SWEEP", "short") == "full":
+            measure(ops.DecodeConfig(mode=1), b, c)  # load-only ceiling of the default config
+    save()
+
+
+def splits() -> None:
+    """Split counts x register caps at batch 1 (one wave of resident programs), caps at batch 16, merge chunks."""
+    v7 = D(magic=5, pdl=True)
+    for c, ss in ((131072, (128, 160, 190, 240)), (32768, (128, 190, 248))):
+        for reg in (None, 168, 128):
+            for sp in ss:
+                measure(replace(v7, maxnreg=reg), 1, c, splits=sp)
+    for sp in (16, 30, 59):
+        for bp in (16, 64):
+            measure(replace(v7, merge_block_p=bp), 1, 4096, splits=sp)
+    for reg in (128, 144, 160):
+        for sp in (64, 96):
+            measure(replace(v7, maxnreg=reg), 16, 131072, splits=sp)
+    for b, c in ((1, 131072), (16, 131072), (1, 32768)):
+        measure(replace(ops.default_config(b), magic=5, pdl=True, merge_block_p=64), b, c)
+    save()
+
+
+def diag() -> None:
+    """Memory vs. compute at batch 1: the same kernel with every block-table entry pointing at one page (the
+    history then comes from L1/L2), next to the real shuffled pages; and deeper pipelining."""
+    R["diag"] = []
+    bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    for b, c in ((1, 131072), (1, 32768), (16, 131072)):
+        cfg = ops.default_config(b)
+        for one_page in (False, True):
+            hist = max(c - bc.sink - bc.recent, 0)
+            ps, n_pp = H.page_geometry(bc, hist)
+            s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n, DEV)
+            nbytes = H.int2_bytes(SHAPE, b, c, bc.sink, bc.recent, bc.page_size)
+            cases = H.rotating(partial(_case, b, c, bc), nbytes, L2)
+            if one_page:
+                for x in cases:
+                    x["block_table"].zero_()
+            ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
+            out = torch.empty(b, SHAPE.h_q, SHAPE.d, dtype=cases[0]["q"].dtype, device=DEV)
+            plans = [H.int2_plan(x, s, cfg, ws, out, bc.paged) for x in cases]
+            plans = plans if len(plans) > 1 else plans * 4
+            row = {"batch": b, "ctx": c, "one_page": one_page, "cfg": dict(cfg.__dict__),
+                   "stage1": H.graph_us([partial(_launch, p, "stage1") for p in plans], 40),
+                   "all": H.graph_us([p.run for p in plans], 40)}
+            R["diag"].append(row)
+            print("DIAG", row, flush=True)
+            del cases, plans
+        for st in (3, 4):
+            measure(replace(cfg, num_stages=st), b, c)
+    save()
+
+
+def _case(b: int, c: int, bc: H.BenchConfig, i: int) -> dict:
+    return H.build_int2_case(SHAPE, b, c, bc, DEV, bc.seed + i)
+
+
+def _launch(p: ops.DecodePlan, part: str) -> None:
+    """One of the plan's three kernels alone (rotate q, stage 1, merge + rotate back)."""
+    k = p._kernels
+    fn, (grid, args, kw) = {"rotate": (k._rotate_q_kernel, p._rot), "stage1": (k._decode_stage1_kernel, p._stage1),
+                            "merge": (k._merge_rotate_kernel, p._merge)}[part]
+    fn[grid](*args, **kw)
+
+
+def breakdown() -> None:
+    """Graph time of each of the three decode kernels alone, and of all three (fixed costs at small batch)."""
+    R["breakdown"] = []
+    bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    for b, c in CELLS:
+        for cfg in (replace(ops.default_config(b), magic=5, merge_cols=32),
+                    replace(ops.default_config(b), magic=5, merge_cols=128)):
+            hist = max(c - bc.sink - bc.recent, 0)
+            ps, n_pp = H.page_geometry(bc, hist)
+            s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n, DEV)
+            nbytes = H.int2_bytes(SHAPE, b, c, bc.sink, bc.recent, bc.page_size)
+            cases = H.rotating(partial(_case, b, c, bc), nbytes, L2)
+            ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
+            out = torch.empty(b, SHAPE.h_q, SHAPE.d, dtype=cases[0]["q"].dtype, device=DEV)
+            plans = [H.int2_plan(x, s, cfg, ws, out, bc.paged) for x in cases]
+            plans = plans if len(plans) > 1 else plans * 4
+            row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
+            for part in ("rotate", "stage1", "merge"):
+                row[part] = H.graph_us([partial(_launch, p, part) for p in plans], 40)
+            row["all"] = H.graph_us([p.run for p in plans], 40)
+            R["breakdown"].append(row)
+            print("BREAKDOWN", row, flush=True)
+            del cases, plans
     save()
 
 
@@ -104,5 +201,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
-        {"tests": tests, "sweep": sweep, "bench": bench}[st]()
+        {"tests": tests, "sweep": sweep, "bench": bench, "breakdown": breakdown, "splits": splits,
+         "diag": diag}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,13 +31,17 @@ def _orth(d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], sink: list[int], recent: list[int],
-              page: int, dtype: torch.dtype, device: str, meta: torch.dtype = torch.bfloat16) -> dict:
-    """Random paged INT2 cache (pages shuffled), ragged tiers, rotations; everything the op and refs need."""
+              page: int, dtype: torch.dtype, device: str, meta: torch.dtype = torch.bfloat16,
+              q_mag: float = 1.0, v_mag: float = 1.0, v_ramp: float = 0.0) -> dict:
+    """Random paged INT2 cache (pages shuffled), ragged tiers, rotations; everything the op and refs need.
+
+    ``v_ramp``: value magnitudes grow along the sequence by ``2^v_ramp`` overall (per-tile scales differ)."""
     gen = torch.Generator().manual_seed(seed)
     t_h = max(max(hist), 1)
     n_pp = math.ceil(t_h / page)
     y_k = torch.randn(b, h_kv, n_pp * page, d, generator=gen) * 2.0
-    y_v = torch.randn(b, h_kv, n_pp * page, d, generator=gen)
+    y_v = torch.randn(b, h_kv, n_pp * page, d, generator=gen) * v_mag
+    y_v = y_v * torch.exp2(torch.linspace(-v_ramp / 2, v_ramp / 2, n_pp * page))[:, None]
     qk = ref.quantize_rows(y_k, clip_ratio=0.96, meta_dtype=meta)
     qv = ref.quantize_rows(y_v, clip_ratio=0.92, meta_dtype=meta)
     n_pages = b * n_pp + 3
@@ -51,7 +56,7 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
             getattr(dst, name)[perm.reshape(-1)] = s.reshape(b * n_pp, h_kv, *s.shape[-2:])
     s_cap, r_cap = max(max(sink), 1), max(max(recent), 1)
     case = {
-        "q": torch.randn(b, h_q, d, generator=gen).to(dtype),
+        "q": (torch.randn(b, h_q, d, generator=gen) * q_mag).to(dtype),
         "k_cache": kc, "v_cache": vc, "qk": qk, "qv": qv,
         "block_table": perm.to(torch.int32),
         "hist_len": torch.tensor(hist, dtype=torch.int32),
@@ -150,6 +155,44 @@ def test_decode_interpreter(case: tuple) -> None:
     assert_budget(out, c)
 
 
+SUBNORMAL = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=1, num_stages=1, magic=5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_decode_subnormal_fields(case: tuple) -> None:
+    """Unpack 5 (6 in the interpreter): fp16 subnormal fields, q and P rescaled by powers of two."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(len(name) * 17 + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
+                  meta=torch.float16)
+    assert_budget(run_op(c, num_splits=splits, config=SUBNORMAL, out=_poisoned(c)), c)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("q_mag", "v_mag", "v_ramp"),
+                         [(300.0, 1.0, 0.0), (0.002, 1.0, 0.0), (1.0, 2000.0, 0.0), (1.0, 1e-4, 0.0), (1.0, 1.0, 16.0),
+                          (1.0, 1.0, -16.0)],
+                         ids=["large-q", "tiny-q", "large-v", "tiny-v", "growing-v", "shrinking-v"])
+def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ramp: float) -> None:
+    """The per-program q scale and the per-tile V scale keep fp16 operands finite and out of the subnormals."""
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(5, 1, 4, 1, 64, [90], [2], [3], 16, torch.float16, dev, meta=torch.float16, q_mag=q_mag,
+                  v_mag=v_mag, v_ramp=v_ramp)
+    assert_budget(run_op(c, num_splits=1, config=SUBNORMAL, out=_poisoned(c)), c)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("merge_cols", [32, 64], ids=["merge-32-cols", "merge-all-cols"])
+def test_decode_merge_column_split(merge_cols: int) -> None:
+    """The merge either re-reads the partials per 32 output dims (more programs) or reads them once (all D)."""
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(9, 2, 8, 2, 64, [40, 7], [2, 3], [3, 0], 16, torch.float16, dev, meta=torch.float16)
+    assert_budget(run_op(c, num_splits=3, config=replace(TINY, merge_cols=merge_cols), out=_poisoned(c)), c)
+    with pytest.raises(ValueError, match="merge_cols"):
+        run_op(c, num_splits=3, config=replace(TINY, merge_cols=48))
+
+
 @pytest.mark.unit
 def test_decode_contiguous_entry_matches_paged() -> None:
     dev = "cuda" if CUDA else "cpu"
@@ -198,10 +241,11 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
     assert_budget(out, c)
     if heads == (32, 8) and d == 128:  # the other unpack variants and tile shapes, on one head layout
         # magic 3 folds 1024 + c into a float32 sum for fp16 (too lossy: documented); 0 and 4 are exact
-        for magic in (0, 3) if dtype == torch.bfloat16 else (0,):
+        for magic in (0, 3, 5) if dtype == torch.bfloat16 else (0, 5):
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
-                    ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128)):
+                    ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
+                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
