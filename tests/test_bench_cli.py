@@ -65,3 +65,38 @@ def test_bench_keeps_the_default_config_it_does_not_override(batch: int) -> None
     assert H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"]), batch) == base
     got = H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], num_stages=3, magic=0), batch)
     assert (got.num_stages, got.magic, got.maxnreg, got.block_nb) == (3, 0, base.maxnreg, base.block_nb)
+
+
+def test_kernels_digest_names_the_kernel_sources() -> None:
+    """The bench record carries a content hash of the kernel sources (a copied tree has no reliable git sha)."""
+    import hashlib
+    from pathlib import Path
+
+    import oscar_kernels
+    from oscar_cli.bench import harness as H
+
+    h = hashlib.sha256()
+    for f in sorted(Path(oscar_kernels.__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    got = H._kernels_digest()
+    assert got == h.hexdigest() and len(got) == 64
+
+
+def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str]) -> None:
+    """The table reports % of copy bandwidth from the CUDA-graph time next to the eager one."""
+    from oscar_cli.bench import harness as H
+    from oscar_cli.commands.bench import _render
+
+    cell = H.CellResult(batch=1, ctx=4096, splits=59, int2_us=118.0, int2_graph_us=13.2, int2_bytes=3_633_900,
+                        int2_gbps=30.8, pct_copy=0.7, bf16_us={"cudnn": 16.5, "flash": 24.0},
+                        bf16_graph_us={"cudnn": 12.2, "flash": 19.4}, best_bf16="cudnn", best_bf16_us=16.5,
+                        speedup=0.14, speedup_graph=0.92, pct_copy_graph=6.5)
+    res = H.BenchResult(config={"shape": {"name": "qwen3-8b", "h_kv": 8}}, environment={"gpu": "H200"},
+                        copy_gbps=4250.0, cells=[cell],
+                        quantize={"tokens": 16, "us": 1.0, "rows_per_s": 1e6, "gbps": 1.0, "values_us": 2.0},
+                        notes=[])
+    _render(res)
+    out = capsys.readouterr().out
+    import re
+
+    assert re.search(r"\b1%\s*│\s*6%", out), out  # eager share, then the graph share

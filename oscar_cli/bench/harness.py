@@ -62,7 +62,7 @@ class CellResult:
     int2_us: float
     int2_graph_us: float | None
     int2_bytes: int
-    int2_gbps: float
+    int2_gbps: float  # from the eager time (Python launches: launch-bound at small sizes)
     pct_copy: float
     bf16_us: dict[str, float | None]
     bf16_graph_us: dict[str, float | None]
@@ -70,6 +70,7 @@ class CellResult:
     best_bf16_us: float
     speedup: float
     speedup_graph: float | None
+    pct_copy_graph: float | None = None  # from the CUDA-graph time (what a serving engine runs)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ def require_cuda() -> torch.device:
 
 
 def environment() -> dict[str, Any]:
-    """GPU name, versions and git sha recorded with every result."""
+    """GPU name, versions, git sha and a content hash of the kernel sources recorded with every result (the sha
+    names a commit; the hash says which kernels ran even from an uncommitted or copied tree)."""
     import triton
 
     props = torch.cuda.get_device_properties(0)
@@ -122,7 +124,22 @@ def environment() -> dict[str, Any]:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "git_sha": sha,
+        "kernels_sha256": _kernels_digest(),
     }
+
+
+def _kernels_digest() -> str | None:
+    """sha256 over the kernel package's ``.py`` files (names and contents, sorted by name)."""
+    import hashlib
+
+    try:
+        import oscar_kernels
+    except ImportError:
+        return None
+    h = hashlib.sha256()
+    for f in sorted(Path(oscar_kernels.__file__).resolve().parent.glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def median_us(fn: Callable[[], Any], rep_ms: int = 100) -> float:
@@ -401,6 +418,7 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
                     best_bf16_us=avail[best],
                     speedup=avail[best] / i_us,
                     speedup_graph=(min(best_g) / i_g) if (best_g and i_g) else None,
+                    pct_copy_graph=(100 * nbytes / (i_g * 1e-6) / 1e9 / copy) if i_g else None,
                 )
             )
             torch.cuda.empty_cache()
