@@ -1,0 +1,41 @@
+"""Stage 1 of the decode kernel alone, launched a few times for Nsight Compute (stall reasons, issue rate).
+
+Usage (on the H200; the package is not installed there):
+    mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
+    PYTHONPATH=.:/tmp/pp ncu --clock-control none -k regex:stage1 -s 2 -c 1 --section WarpStateStats \\
+        --section SchedulerStats --section Occupancy python3 scripts/gpu_profile_stage1.py BATCH CTX
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from oscar_cli.bench import harness as H
+from oscar_cli.bench.shapes import NAMED_SHAPES
+from oscar_kernels import ops
+
+SHAPE = NAMED_SHAPES["qwen3-8b"]
+
+
+def main() -> None:
+    b, c = int(sys.argv[1]), int(sys.argv[2])
+    dev = torch.device("cuda")
+    bc = H.BenchConfig(shape=SHAPE)
+    cfg = ops.default_config(b)
+    hist = max(c - bc.sink - bc.recent, 0)
+    ps, n_pp = H.page_geometry(bc, hist)
+    s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n, dev)
+    case = H.build_int2_case(SHAPE, b, c, bc, dev, 0)
+    ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, dev)
+    out = torch.empty(b, SHAPE.h_q, SHAPE.d, dtype=case["q"].dtype, device=dev)
+    plan = H.int2_plan(case, s, cfg, ws, out, bc.paged)
+    for _ in range(4):
+        plan.run()
+    torch.cuda.synchronize()
+    print("splits", s, "config", cfg, flush=True)
+
+
+if __name__ == "__main__":
+    main()
