@@ -232,82 +232,20 @@ def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, val
 
 
 @triton.jit
-def _meta_raw(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
-    """One metadata array (scale or zero) of a tile as one ``[NQ, 4]`` tile of consecutive tokens, as stored."""
+def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
+    """One metadata array (scale or zero) of a tile as its four token residues (float32 ``[NQ]`` each), loaded
+    as one ``[NQ, 4]`` tile of consecutive tokens (wide enough for the loop pipeliner's asynchronous copies; the
+    per-residue ``[NQ]`` loads of MAGIC 0-4 are 2-byte loads whose latency every tile waits for)."""
+    NQ: tl.constexpr = quad.shape[0]
     offs = (mbase + koff)[:, None] + tl.arange(0, 4)[None, :]
     if MASKED:
         x = tl.load(ptr + offs, mask=(n0 + quad[:, None] + tl.arange(0, 4)[None, :]) < end, other=0.0)
     else:
         x = tl.load(ptr + offs)
-    return x
-
-
-@triton.jit
-def _meta_split(x):
-    """An ``[NQ, 4]`` metadata tile as its four token residues (float32 ``[NQ]`` each)."""
-    NQ: tl.constexpr = x.shape[0]
     even, odd = tl.split(tl.reshape(x.to(tl.float32), [NQ, 2, 2]))  # residues (0, 2) and (1, 3)
     r0, r2 = tl.split(even)
     r1, r3 = tl.split(odd)
     return r0, r1, r2, r3
-
-
-@triton.jit
-def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
-    """One metadata array of a tile as its four token residues (float32 ``[NQ]`` each), loaded as one ``[NQ, 4]``
-    tile (the per-residue ``[NQ]`` loads of MAGIC 0-4 are 2-byte loads)."""
-    return _meta_split(_meta_raw(ptr, mbase, koff, n0, quad, end, MASKED))
-
-
-@triton.jit
-def _meta_base(stride_mp, stride_mh, bt_ptr, stride_btb, b, h, n0, end, BLOCK_N: tl.constexpr,
-               PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """(metadata base offset, token offsets of the quads) of the tile at ``n0``; pages ``>= BLOCK_N`` or the
-    non-paged layout (the table read is clamped to the split's last valid token)."""
-    quad = 4 * tl.arange(0, BLOCK_N // 4)
-    if PAGED:
-        page = tl.load(bt_ptr + b * stride_btb + tl.minimum(n0, tl.maximum(end - 1, 0)) // PAGE).to(tl.int64)
-        mb = page * stride_mp + h * stride_mh
-        koff = n0 % PAGE + quad
-    else:
-        mb = b.to(tl.int64) * stride_mp + h * stride_mh
-        koff = n0 + quad
-    return mb, koff
-
-
-@triton.jit
-def _meta_next(ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, b, h, n0, end,
-               BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Prefetch mode 1: the metadata of the tile at ``n0`` (masked past ``end``) as four ``[NQ, 4]`` tiles as
-    stored (K scale, K zero, V scale, V zero), loaded one tile ahead by :func:`_int2_split` so that their latency
-    hides behind a whole tile (docs/KERNELS.md, v7)."""
-    quad = 4 * tl.arange(0, BLOCK_N // 4)
-    mb, koff = _meta_base(stride_mp, stride_mh, bt_ptr, stride_btb, b, h, n0, end, BLOCK_N, PAGED, PAGE)
-    return (_meta_raw(ks_ptr, mb, koff, n0, quad, end, True), _meta_raw(kz_ptr, mb, koff, n0, quad, end, True),
-            _meta_raw(vs_ptr, mb, koff, n0, quad, end, True), _meta_raw(vz_ptr, mb, koff, n0, quad, end, True))
-
-
-@triton.jit
-def _meta_res(ptr, mb, koff, n0, quad, end, J: tl.constexpr):
-    """Residue ``J`` of one metadata array of a tile (``[NQ]``, storage dtype, masked past ``end``)."""
-    return tl.load(ptr + mb + koff + J, mask=n0 + quad + J < end, other=0.0)
-
-
-@triton.jit
-def _meta_next_vec(ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, b, h, n0, end,
-                   BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Prefetch mode 2: as :func:`_meta_next`, as 16 ``[NQ]`` vectors (residues 0..3 of each array) loaded
-    directly in the layout the scores use (no shared-memory split, more load instructions and registers)."""
-    quad = 4 * tl.arange(0, BLOCK_N // 4)
-    mb, koff = _meta_base(stride_mp, stride_mh, bt_ptr, stride_btb, b, h, n0, end, BLOCK_N, PAGED, PAGE)
-    return (_meta_res(ks_ptr, mb, koff, n0, quad, end, 0), _meta_res(ks_ptr, mb, koff, n0, quad, end, 1),
-            _meta_res(ks_ptr, mb, koff, n0, quad, end, 2), _meta_res(ks_ptr, mb, koff, n0, quad, end, 3),
-            _meta_res(kz_ptr, mb, koff, n0, quad, end, 0), _meta_res(kz_ptr, mb, koff, n0, quad, end, 1),
-            _meta_res(kz_ptr, mb, koff, n0, quad, end, 2), _meta_res(kz_ptr, mb, koff, n0, quad, end, 3),
-            _meta_res(vs_ptr, mb, koff, n0, quad, end, 0), _meta_res(vs_ptr, mb, koff, n0, quad, end, 1),
-            _meta_res(vs_ptr, mb, koff, n0, quad, end, 2), _meta_res(vs_ptr, mb, koff, n0, quad, end, 3),
-            _meta_res(vz_ptr, mb, koff, n0, quad, end, 0), _meta_res(vz_ptr, mb, koff, n0, quad, end, 1),
-            _meta_res(vz_ptr, mb, koff, n0, quad, end, 2), _meta_res(vz_ptr, mb, koff, n0, quad, end, 3))
 
 
 @triton.jit
@@ -339,15 +277,14 @@ def _residue_values(p, vs_ptr, vz_ptr, mbase, koff, valid, ACT: tl.constexpr, OF
 
 @triton.jit
 def _int2_tile(
-    n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, meta,
+    n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr, MPF: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
-    ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid. ``MPF``
-    (MAGIC 5/6): the tile's metadata ``meta`` (16 ``[NQ]`` vectors) were loaded by the caller one tile ahead.
+    ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
 
     MAGIC 5/6: ``acc`` holds ``fv * 2^-24`` times the value sum; ``fv`` is a power of two chosen per tile so that
     the fp16 operand ``p * s_v * fv * 4^-j`` stays below ``2^14`` (``p <= 1``)."""
@@ -400,33 +337,10 @@ def _int2_tile(
         l_i += 1.0
     elif MAGIC >= 5:
         # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
-        if MPF == 1:
-            ks0, ks1, ks2, ks3 = _meta_split(meta[0])
-            kz0, kz1, kz2, kz3 = _meta_split(meta[1])
-            vs0, vs1, vs2, vs3 = _meta_split(meta[2])
-            vz0, vz1, vz2, vz3 = _meta_split(meta[3])
-        elif MPF == 2:
-            ks0 = meta[0].to(tl.float32)
-            ks1 = meta[1].to(tl.float32)
-            ks2 = meta[2].to(tl.float32)
-            ks3 = meta[3].to(tl.float32)
-            kz0 = meta[4].to(tl.float32)
-            kz1 = meta[5].to(tl.float32)
-            kz2 = meta[6].to(tl.float32)
-            kz3 = meta[7].to(tl.float32)
-            vs0 = meta[8].to(tl.float32)
-            vs1 = meta[9].to(tl.float32)
-            vs2 = meta[10].to(tl.float32)
-            vs3 = meta[11].to(tl.float32)
-            vz0 = meta[12].to(tl.float32)
-            vz1 = meta[13].to(tl.float32)
-            vz2 = meta[14].to(tl.float32)
-            vz3 = meta[15].to(tl.float32)
-        else:
-            ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
-            kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
-            vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
-            vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
+        ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
+        kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
+        vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
+        vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
         s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT,
                              OFF, MASKED)
         s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT,
@@ -500,7 +414,6 @@ def _int2_split(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    META_PF: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -542,32 +455,16 @@ def _int2_split(
     acc = tl.zeros([D, GP], tl.float32)
     fv = 1.0  # MAGIC 5/6: acc is in units of fv * 2^-24 (see _int2_tile)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N  # whole tiles: no masks; then one masked tail
-    MPF: tl.constexpr = META_PF if (MAGIC >= 5 and MODE == 0 and (not PAGED or PAGE % BLOCK_N == 0)) else 0
-    if MPF == 1:
-        nxt = _meta_next(ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, b, h, start, end,
-                         BLOCK_N, PAGED, PAGE)
-    elif MPF == 2:
-        nxt = _meta_next_vec(ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, b, h, start,
-                             end, BLOCK_N, PAGED, PAGE)
-    else:
-        nxt = (0.0,)
     for n0 in range(start, full_end, BLOCK_N):
-        cur = nxt  # this tile's metadata came from the previous iteration; load the next tile's now
-        if MPF == 1:
-            nxt = _meta_next(ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, b, h,
-                             n0 + BLOCK_N, end, BLOCK_N, PAGED, PAGE)
-        elif MPF == 2:
-            nxt = _meta_next_vec(ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, b, h,
-                                 n0 + BLOCK_N, end, BLOCK_N, PAGED, PAGE)
         m_i, l_i, acc, accm, fv = _int2_tile(
-            n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, cur, kc_ptr,
-            stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-            stride_mp, stride_mh, bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False, MPF)
-    if full_end < end:  # the tail loads its own (masked) metadata
+            n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
+            vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False)
+    if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
-            full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, (0.0,), kc_ptr,
-            stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-            stride_mp, stride_mh, bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, True, 0)
+            full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
+            vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, True)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -655,7 +552,6 @@ def _decode_stage1_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
-    META_PF: tl.constexpr,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -675,7 +571,7 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, META_PF)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

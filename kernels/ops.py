@@ -213,8 +213,6 @@ class DecodeConfig:
     merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
     pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
     merge_block_p: int = 64  # partials per merge iteration (a power of two)
-    meta_prefetch: int = 0  # magic 5/6: load each tile's scales/zeros one tile ahead (pages >= block_n): 0 no,
-    # 1 as [block_n/4, 4] tiles, 2 as 16 [block_n/4] vectors in the scores' layout
 
 
 def default_config(batch: int) -> DecodeConfig:
@@ -359,7 +357,6 @@ class DecodePlan:
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 META_PF=int(cfg.meta_prefetch),
                  num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)

@@ -170,22 +170,6 @@ def test_decode_subnormal_fields(case: tuple) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("prefetch", [1, 2], ids=["meta-tiles-ahead", "meta-vectors-ahead"])
-@pytest.mark.parametrize("case", [c for c in CPU_CASES if c[5] in (16, 64)], ids=[c[0] for c in CPU_CASES if c[5] in (16, 64)])
-def test_decode_metadata_prefetch(case: tuple, prefetch: int) -> None:
-    """Scales/zeros loaded one tile ahead (pages >= the tile; other pages fall back to in-tile loads)."""
-    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
-    dev = "cuda" if CUDA else "cpu"
-    c = make_case(len(name) * 13 + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
-                  meta=torch.float16)
-    cfg = replace(SUBNORMAL, meta_prefetch=prefetch)
-    assert_budget(run_op(c, num_splits=splits, config=cfg, out=_poisoned(c)), c)
-    # a growing value range along the sequence: the prefetched V scales must belong to their own tile
-    c = make_case(21, 1, 4, 1, 64, [150], [2], [3], 16, torch.float16, dev, meta=torch.float16, v_ramp=16.0)
-    assert_budget(run_op(c, num_splits=1, config=cfg, out=_poisoned(c)), c)
-
-
-@pytest.mark.unit
 @pytest.mark.parametrize(("q_mag", "v_mag", "v_ramp"),
                          [(300.0, 1.0, 0.0), (0.002, 1.0, 0.0), (1.0, 2000.0, 0.0), (1.0, 1e-4, 0.0), (1.0, 1.0, 16.0),
                           (1.0, 1.0, -16.0)],
@@ -261,8 +245,7 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
-                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
-                    ops.DecodeConfig(meta_prefetch=1), ops.DecodeConfig(meta_prefetch=2)):
+                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
