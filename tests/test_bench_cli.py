@@ -100,3 +100,42 @@ def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str]) 
     import re
 
     assert re.search(r"\b1%\s*│\s*6%", out), out  # eager share, then the graph share
+
+
+def test_kernel_options_parse_and_apply() -> None:
+    """``--kernel`` sets any DecodeConfig field; the others keep default_config(batch)."""
+    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.kernel_options import parse_kernel_options
+    from oscar_cli.bench.shapes import NAMED_SHAPES
+    from oscar_kernels import ops
+
+    knobs = parse_kernel_options(" magic=4, maxnreg=none ,pdl=false,merge_cols=128")
+    assert knobs == (("magic", 4), ("maxnreg", None), ("pdl", False), ("merge_cols", 128))
+    assert parse_kernel_options(None) == () and parse_kernel_options("") == ()
+    got = H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], kernel=knobs), 16)
+    base = ops.default_config(16)
+    assert (got.magic, got.maxnreg, got.pdl, got.merge_cols) == (4, None, False, 128)
+    assert (got.block_n, got.num_warps, got.merge_block_p) == (base.block_n, base.num_warps, base.merge_block_p)
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("nope=1", "unknown kernel option 'nope'; known: .*magic"),
+    ("magic", "expected KEY=VALUE"),
+    ("magic=", "expected KEY=VALUE"),
+    ("pdl=maybe", "pdl takes true or false"),
+    ("magic=four", "magic takes an integer"),
+    ("magic=none", "magic cannot be none"),
+    ("magic=4,magic=5", "magic given twice"),
+    ("mode=1", "unknown kernel option 'mode'"),  # diagnostic kernels are not attention: not from the CLI
+])
+def test_kernel_options_reject_bad_items(text: str, match: str) -> None:
+    from oscar_cli.bench.kernel_options import parse_kernel_options
+
+    with pytest.raises(ValueError, match=match):
+        parse_kernel_options(text)
+
+
+def test_bench_bad_kernel_option_is_a_usage_error() -> None:
+    r = CliRunner().invoke(app, ["bench", "--kernel", "nope=1"])
+    assert r.exit_code == 2
+    assert "unknown kernel option" in r.output

@@ -45,6 +45,7 @@ class BenchConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     magic: int | None = None
+    kernel: tuple[tuple[str, Any], ...] = ()  # any DecodeConfig fields (``oscar bench --kernel``), applied last
     graphs: bool = True
     rep_ms: int = 100
     quant_tokens: int = 16384
@@ -283,7 +284,7 @@ def decode_config_for(cfg: BenchConfig, batch: int) -> Any:
 
     over = {k: v for k, v in (("block_n", cfg.block_n), ("num_warps", cfg.num_warps),
                               ("num_stages", cfg.num_stages), ("magic", cfg.magic)) if v is not None}
-    return replace(ops.default_config(batch), **over)
+    return replace(ops.default_config(batch), **(over | dict(cfg.kernel)))
 
 
 def bench_int2(

@@ -19,6 +19,7 @@ EXAMPLES = """
   oscar bench --shape llama-3.1-8b --batch 1,4,16,64   # another model's attention shape
   oscar bench --shape 32,8,128 --ctx 8k,64k --plot bench.png
   oscar --json bench > bench.json                       # GPU name, versions, git sha and every number
+  oscar bench --ctx 128k --kernel magic=4,pdl=false      # an older kernel variant, same harness
 """
 
 
@@ -59,8 +60,12 @@ def bench(
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays.")] = True,
     paged: Annotated[bool, typer.Option("--paged/--contiguous",
                                         help="INT2 cache layout: shuffled pages of 64 tokens, or [B, H_kv, T, D/4].")] = True,
+    kernel: Annotated[str | None, typer.Option(
+        "--kernel", help="Decode-kernel knobs KEY=VALUE,... (DecodeConfig fields, e.g. magic=4,maxnreg=none,pdl=false); "
+                         "the rest stay default_config(batch).")] = None,
 ) -> None:
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
+    from oscar_cli.bench.kernel_options import parse_kernel_options
     from oscar_cli.bench.shapes import parse_int_list, parse_shape
 
     try:
@@ -69,12 +74,16 @@ def bench(
         ctxs = tuple(parse_ctx_list(ctx))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    try:
+        knobs = parse_kernel_options(kernel)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--kernel") from exc
     if dtype not in ("bf16", "fp16"):
         raise typer.BadParameter(f"--dtype must be bf16 or fp16, got {dtype!r}")
     from oscar_cli.bench import harness
 
     config = harness.BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
-                                 graphs=graphs, paged=paged)
+                                 graphs=graphs, paged=paged, kernel=knobs)
     with _output.progress() as p:
         task = p.add_task("bench", total=len(batches) * len(ctxs))
 
@@ -82,7 +91,13 @@ def bench(
             p.update(task, description=msg)
             p.advance(task)
 
-        res = harness.run(config, progress=step)
+        try:
+            res = harness.run(config, progress=step)
+        except ValueError as exc:
+            if not str(exc).startswith("config:"):
+                raise
+            raise OscarError(f"--kernel {kernel}: {exc}", hint="see DecodeConfig in kernels/ops.py for legal "
+                             "values") from exc
     if plot is not None:
         try:
             harness.save_plot(res, plot)

@@ -1,0 +1,59 @@
+"""``oscar bench --kernel KEY=VALUE,...``: decode-kernel knobs on the command line, checked against
+:class:`oscar_kernels.ops.DecodeConfig` before anything runs.
+
+Every ``DecodeConfig`` field except the diagnostic ``mode`` can be set (``magic=4``, ``maxnreg=128``, ``pdl=false``, ``merge_cols=128`` ...);
+fields not named keep ``default_config(batch)``. Values: integers, ``true``/``false`` for flags, ``none`` for
+optional integers. Whether a combination is legal (e.g. ``block_n`` a power of two >= 64 on a GPU) is checked by
+the kernels' own validation when the bench builds its launch plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _fields() -> dict[str, Any]:
+    from oscar_kernels.ops import DecodeConfig
+
+    base = DecodeConfig()
+    # ``mode`` selects diagnostic kernels (load only) whose times are not attention: scripts only, never the CLI
+    return {f.name: getattr(base, f.name) for f in dataclasses.fields(DecodeConfig) if f.name != "mode"}
+
+
+def parse_kernel_options(text: str | None) -> tuple[tuple[str, Any], ...]:
+    """``"magic=4,maxnreg=none,pdl=false"`` → ``(("magic", 4), ("maxnreg", None), ("pdl", False))``.
+
+    Raises ValueError naming the bad item and the allowed keys.
+    """
+    if not text:
+        return ()
+    fields = _fields()
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, raw = (s.strip() for s in item.partition("="))
+        if not sep or not key or not raw:
+            raise ValueError(f"expected KEY=VALUE, got {item.strip()!r}")
+        if key not in fields:
+            raise ValueError(f"unknown kernel option {key!r}; known: {', '.join(sorted(fields))}")
+        default, low = fields[key], raw.lower()
+        if isinstance(default, bool):
+            if low not in _TRUE | _FALSE:
+                raise ValueError(f"{key} takes true or false, got {raw!r}")
+            value: Any = low in _TRUE
+        elif low == "none":
+            if default is not None:
+                raise ValueError(f"{key} cannot be none")
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ValueError(f"{key} takes an integer, got {raw!r}") from None
+        if key in out:
+            raise ValueError(f"{key} given twice")
+        out[key] = value
+    return tuple(out.items())
