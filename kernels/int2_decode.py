@@ -190,55 +190,6 @@ def _load_qt(q_ptr, b, h, stride_qb, stride_qh, J: tl.constexpr, GROUP: tl.const
 
 
 @triton.jit
-def _rot_quarter(q0, q1, q2, q3, r16_ptr, r_off, J: tl.constexpr, D: tl.constexpr):
-    """Rows ``[J·D/4, (J+1)·D/4)`` of ``Rᵀ·qᵀ`` (float32 ``[D/4, GP]``) from fp16 quarters ``q0..q3`` of ``qᵀ`` and
-    ``R`` in fp16 (``R[d, e]`` at ``r_off + d·D + e``; entries of an orthogonal matrix, rounded with relative error
-    ``<= 2^-11``): products exact, sums in float32 — finer than rounding ``q·R`` to bf16, as the rotation kernel
-    does for bf16 activations, and about as fine as rounding it to fp16."""
-    QD: tl.constexpr = D // 4
-    e = J * QD + tl.arange(0, QD)
-    dd = tl.arange(0, QD)
-    acc = tl.zeros([QD, q0.shape[1]], tl.float32)
-    for c in tl.static_range(4):
-        offs = r_off + (c * QD + dd)[None, :] * D + e[:, None]  # Rᵀ[e, d] = R[d, e]
-        if c == 0:
-            qc = q0
-        elif c == 1:
-            qc = q1
-        elif c == 2:
-            qc = q2
-        else:
-            qc = q3
-        acc = tl.dot(tl.load(r16_ptr + offs), qc, acc)
-    return acc
-
-
-@triton.jit
-def _rotated_quarters(q_ptr, b, h, stride_qb, stride_qh, r16_ptr, stride_rot, qk_scale,
-                      GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
-    """The rotated, scaled queries ``(q·R_K)·qk_scale`` of KV head ``h`` as four float32 quarters ``[D/4, GP]``,
-    computed in the program (``fuse_rotation``: no separate rotation kernel). ``q`` is scaled by a power of two
-    into fp16 range first (exact for bf16 and fp16 queries)."""
-    a0 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 0, GROUP, GP, D).to(tl.float32)
-    a1 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 1, GROUP, GP, D).to(tl.float32)
-    a2 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 2, GROUP, GP, D).to(tl.float32)
-    a3 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D).to(tl.float32)
-    amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(a0), 1), 0), tl.max(tl.max(tl.abs(a1), 1), 0)),
-                      tl.maximum(tl.max(tl.max(tl.abs(a2), 1), 0), tl.max(tl.max(tl.abs(a3), 1), 0)))
-    sc = tl.exp2(14.0 - tl.minimum(tl.maximum(tl.ceil(tl.log2(amax)), -24.0), 112.0))
-    h0 = (a0 * sc).to(tl.float16)
-    h1 = (a1 * sc).to(tl.float16)
-    h2 = (a2 * sc).to(tl.float16)
-    h3 = (a3 * sc).to(tl.float16)
-    r_off = h * stride_rot
-    back = qk_scale / sc
-    return (_rot_quarter(h0, h1, h2, h3, r16_ptr, r_off, 0, D) * back,
-            _rot_quarter(h0, h1, h2, h3, r16_ptr, r_off, 1, D) * back,
-            _rot_quarter(h0, h1, h2, h3, r16_ptr, r_off, 2, D) * back,
-            _rot_quarter(h0, h1, h2, h3, r16_ptr, r_off, 3, D) * back)
-
-
-@triton.jit
 def _store_partial_t(ot, lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                      GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
     """Write ``oᵀ [D, GP]`` (float32) and ``lse [GP]`` as partial ``sp`` of the ``g`` heads of KV head ``h``."""
@@ -463,7 +414,6 @@ def _int2_split(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    r16_ptr, stride_rot, qk_scale, FUSE: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -476,19 +426,10 @@ def _int2_split(
     # value that code 0 unpacks to (folded into the per-token zero term); MAGIC 4 on fp16 subtracts it exactly
     OFF: tl.constexpr = (0.0 if (MAGIC == 0 or (MAGIC == 4 and ACT == tl.float16))
                          else (1024.0 if ACT == tl.float16 else 128.0))
-    if FUSE:  # q_ptr holds the raw queries: rotate here (float32 quarters; MAGIC < 5 dots take them in ACT)
-        q0, q1, q2, q3 = _rotated_quarters(q_ptr, b, h, stride_qb, stride_qh, r16_ptr, stride_rot, qk_scale,
-                                           GROUP, GP, D)
-        if MAGIC < 5:
-            q0 = q0.to(ACT)
-            q1 = q1.to(ACT)
-            q2 = q2.to(ACT)
-            q3 = q3.to(ACT)
-    else:
-        q0 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 0, GROUP, GP, D)
-        q1 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 1, GROUP, GP, D)
-        q2 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 2, GROUP, GP, D)
-        q3 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D)
+    q0 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 0, GROUP, GP, D)
+    q1 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 1, GROUP, GP, D)
+    q2 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 2, GROUP, GP, D)
+    q3 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D)
     qsum = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0)
             + tl.sum(q2.to(tl.float32), 0) + tl.sum(q3.to(tl.float32), 0))
     kmul = 1.0
@@ -558,32 +499,6 @@ def _online_bf16_segment(qt, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.c
 
 
 @triton.jit
-def _online_bf16_segment_q(q0, q1, q2, q3, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.constexpr,
-                           BLOCK_NB: tl.constexpr, ACT: tl.constexpr):
-    """:func:`_online_bf16_segment` with ``qᵀ`` in four quarters ``[D/4, GP]`` (the fused rotation's output)."""
-    QD: tl.constexpr = D // 4
-    qc = tl.arange(0, QD)
-    cols = tl.arange(0, D)
-    for n0 in range(0, n, BLOCK_NB):
-        tok = n0 + tl.arange(0, BLOCK_NB)
-        valid = tok < n
-        kp = k_base + tok[:, None] * stride_t + qc[None, :]
-        s = tl.dot(tl.load(kp, mask=valid[:, None], other=0.0).to(ACT), q0)
-        s = tl.dot(tl.load(kp + QD, mask=valid[:, None], other=0.0).to(ACT), q1, s)
-        s = tl.dot(tl.load(kp + 2 * QD, mask=valid[:, None], other=0.0).to(ACT), q2, s)
-        s = tl.dot(tl.load(kp + 3 * QD, mask=valid[:, None], other=0.0).to(ACT), q3, s)
-        s = tl.where(valid[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        vt = tl.load(v_base + tok[None, :] * stride_t + cols[:, None], mask=valid[None, :], other=0.0).to(ACT)
-        acc = tl.dot(vt, p.to(ACT), acc * alpha[None, :])
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _bf16_tiers(
     b, h, sp, part,
     q_ptr, stride_qb, stride_qh,
@@ -592,23 +507,13 @@ def _bf16_tiers(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_NB: tl.constexpr,
     ACT: tl.constexpr, TIER_PARTS: tl.constexpr,
-    r16_ptr, stride_rot, qk_scale, FUSE: tl.constexpr,
 ):
     """Range ``part`` of ``TIER_PARTS`` over [sink rows | recent rows] of one (batch, KV head) in one online
     softmax; writes partial ``sp``. Ranges are whole tiles of ``BLOCK_NB`` rows; an empty range writes
     ``lse = -inf, o = 0``."""
     heads = tl.arange(0, GP)
-    if FUSE:
-        q0, q1, q2, q3 = _rotated_quarters(q_ptr, b, h, stride_qb, stride_qh, r16_ptr, stride_rot, qk_scale,
-                                           GROUP, GP, D)
-        q0 = q0.to(ACT)
-        q1 = q1.to(ACT)
-        q2 = q2.to(ACT)
-        q3 = q3.to(ACT)
-        qt = q0  # unused
-    else:
-        qt = tl.load(q_ptr + b * stride_qb + (h * GROUP + heads)[None, :] * stride_qh + tl.arange(0, D)[:, None],
-                     mask=(heads < GROUP)[None, :], other=0.0)  # [D, GP]
+    qt = tl.load(q_ptr + b * stride_qb + (h * GROUP + heads)[None, :] * stride_qh + tl.arange(0, D)[:, None],
+                 mask=(heads < GROUP)[None, :], other=0.0)  # [D, GP]
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([D, GP], tl.float32)
@@ -622,19 +527,11 @@ def _bf16_tiers(
     r0 = tl.maximum(start - n_sink, 0)  # recent rows [r0, r1)
     r1 = tl.maximum(end - n_sink, 0)
     sink_off = b * stride_sb + h * stride_sh + s0 * stride_st
+    m_i, l_i, acc = _online_bf16_segment(
+        qt, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB, ACT)
     recent_off = b * stride_rb + h * stride_rh + r0 * stride_rt
-    if FUSE:
-        m_i, l_i, acc = _online_bf16_segment_q(
-            q0, q1, q2, q3, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB,
-            ACT)
-        m_i, l_i, acc = _online_bf16_segment_q(
-            q0, q1, q2, q3, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D,
-            BLOCK_NB, ACT)
-    else:
-        m_i, l_i, acc = _online_bf16_segment(
-            qt, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB, ACT)
-        m_i, l_i, acc = _online_bf16_segment(
-            qt, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D, BLOCK_NB, ACT)
+    m_i, l_i, acc = _online_bf16_segment(
+        qt, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D, BLOCK_NB, ACT)
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     _store_partial_t(acc / tl.where(has, l_i, 1.0)[None, :], lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh,
@@ -652,16 +549,13 @@ def _decode_stage1_kernel(
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
     num_splits,  # S
-    r16_ptr, stride_rot, qk_scale,  # FUSE: R_K as fp16 hi + lo [H_r, D, D] (stride 0: shared), scale·log2 e
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
-    FUSE: tl.constexpr,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
-    Grid: ``(B * H_kv, S + TIER_PARTS)``. ``FUSE``: ``q_ptr`` holds the raw queries and every program rotates its
-    group's queries itself (no rotation kernel). ``PDL``: launched as a programmatic dependent launch of the q rotation:
+    Grid: ``(B * H_kv, S + TIER_PARTS)``. ``PDL``: launched as a programmatic dependent launch of the q rotation:
     wait for it (``griddepcontrol.wait``) before reading ``q_rot``; let the merge launch once every program has
     written its partial.
     """
@@ -677,13 +571,13 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, r16_ptr, stride_rot, qk_scale, FUSE)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_NB, ACT, TIER_PARTS, r16_ptr, stride_rot, qk_scale, FUSE)
+                    GROUP, GP, D, BLOCK_NB, ACT, TIER_PARTS)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -213,7 +213,6 @@ class DecodeConfig:
     merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
     pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
     merge_block_p: int = 64  # partials per merge iteration (a power of two)
-    fuse_rotation: bool = False  # rotate q inside every stage-1 program (fp16 R_K MMAs) instead of a rotation kernel
 
 
 def default_config(batch: int) -> DecodeConfig:
@@ -342,29 +341,23 @@ class DecodePlan:
         scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
         q_rot = torch.empty_like(q)
         self.out, self.num_splits, self.config = out, s, cfg
-        if cfg.fuse_rotation:  # R_K in fp16: exact products, float32 sums (docs/KERNELS.md, v7)
-            self._r16 = rk.to(torch.float16).contiguous()  # kept alive with the plan
-            rot_args: tuple[Any, ...] = (self._r16, rk_stride, scale)
-        else:
-            rot_args = (rk, 0, scale)
         self._kernels = _kernels()[1]
         self._rot: tuple[Any, ...] = ((b * h_kv, d // 32), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
                                    q_rot.stride(1), scale),
                      dict(H_KV=h_kv, GROUP=g, GP=max(16, gp), D=d, BLOCK_E=32, PREC="tf32x3",
                           PDL=cfg.pdl, num_warps=4))
         ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
-        q_in = q if cfg.fuse_rotation else q_rot
         self._stage1: tuple[Any, ...] = ((b * h_kv, n_parts), (
-            q_in, q_in.stride(0), q_in.stride(1), kc, kc.stride(0), kc.stride(1),
+            q_rot, q_rot.stride(0), q_rot.stride(1), kc, kc.stride(0), kc.stride(1),
             vc, vc.stride(0), vc.stride(1), vc.stride(2),
             ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl,
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1), s, *rot_args),
+            lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 FUSE=cfg.fuse_rotation, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
+                 num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)
         if e_prog not in (32, d) or cfg.merge_block_p < 2 or cfg.merge_block_p & (cfg.merge_block_p - 1):
@@ -382,8 +375,7 @@ class DecodePlan:
     def run(self) -> torch.Tensor:
         """Launch the three kernels (rotate q, stage 1, merge + rotate back); returns ``out [B, H_q, D]``."""
         k = self._kernels
-        if not self.config.fuse_rotation:
-            k._rotate_q_kernel[self._rot[0]](*self._rot[1], **self._rot[2])
+        k._rotate_q_kernel[self._rot[0]](*self._rot[1], **self._rot[2])
         LAST_LAUNCH["stage1"] = k._decode_stage1_kernel[self._stage1[0]](*self._stage1[1], **self._stage1[2])
         k._merge_rotate_kernel[self._merge[0]](*self._merge[1], **self._merge[2])
         return self.out

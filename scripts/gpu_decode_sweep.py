@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [breakdown] [splits] [diag] [fuse] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [breakdown] [splits] [diag] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
@@ -65,13 +65,13 @@ def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = No
            "gbps": nbytes / ((g or us) * 1e-6) / 1e9}
     R["rows"].append(row)
     print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} m{cfg.magic} reg{cfg.maxnreg} "
-          f"pdl{int(cfg.pdl)} mc{cfg.merge_cols} bp{cfg.merge_block_p} fuse{int(cfg.fuse_rotation)} "
+          f"pdl{int(cfg.pdl)} mc{cfg.merge_cols} bp{cfg.merge_block_p} "
           f"mode{cfg.mode} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} eager {us:8.1f}  graph {g}  regs={row['regs']} "
           f"spills={row['spills']} {row['gbps']:.0f} GB/s", flush=True)
     save()
 
 
-CELLS = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, 131072)]
+CELLS = [(1, 131072), (16, 131072), (1, 32768), (1, 4096), (16, 32768)]
 D = ops.DecodeConfig
 CONFIGS = {
     "short": [D(magic=4), D(magic=4, maxnreg=128), D(magic=5), D(magic=5, maxnreg=128), D(magic=5, maxnreg=168),
@@ -116,14 +116,6 @@ def splits() -> None:
             measure(replace(v7, maxnreg=reg), 16, 131072, splits=sp)
     for b, c in ((1, 131072), (16, 131072), (1, 32768)):
         measure(replace(ops.default_config(b), magic=5, pdl=True, merge_block_p=64), b, c)
-    save()
-
-
-def fuse() -> None:
-    """Rotation kernel vs the rotation fused into every stage-1 program, per cell."""
-    for b, c in CELLS:
-        for f in (False, True):
-            measure(replace(ops.default_config(b), fuse_rotation=f), b, c)
     save()
 
 
@@ -210,5 +202,5 @@ if __name__ == "__main__":
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
         {"tests": tests, "sweep": sweep, "bench": bench, "breakdown": breakdown, "splits": splits,
-         "diag": diag, "fuse": fuse}[st]()
+         "diag": diag}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)

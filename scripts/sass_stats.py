@@ -25,20 +25,20 @@ from oscar_kernels import int2_decode, ops
 
 BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
 PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
-        "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32", "r16_ptr": "*fp16"}
+        "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32"}
 INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
 
 
 def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0,
-                   act: str = "bf16", magic: int = 5, fuse: bool = False) -> object:
+                   act: str = "bf16", magic: int = 5) -> object:
     fn = int2_decode._decode_stage1_kernel
     const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, MAGIC=magic, MODE=0,
                  ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=64,
-                 TIER_PARTS=ops.TIER_PARTS, PDL=False, FUSE=fuse)
-    sig = {n: "constexpr" if n in const else "fp32" if n == "qk_scale" else
-           PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+                 TIER_PARTS=ops.TIER_PARTS, PDL=False)
+    sig = {n: "constexpr" if n in const else PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
     # like the JIT's specialisation: pointers and strides divisible by 16 (the split count is not)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const and n not in ("num_splits", "qk_scale")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const and n != "num_splits"}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -84,10 +84,9 @@ def main() -> None:
     p.add_argument("--maxnreg", type=int, default=0)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--magic", type=int, default=5, help="unpack variant (4 PTX 128+c, 5 PTX subnormal fields)")
-    p.add_argument("--fuse-rotation", action="store_true", help="rotate q inside stage 1 (DecodeConfig.fuse_rotation)")
     p.add_argument("--sass", type=Path)
     a = p.parse_args()
-    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.magic, a.fuse_rotation)
+    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.magic)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)
     if a.sass:

@@ -170,21 +170,6 @@ def test_decode_subnormal_fields(case: tuple) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("unpack", ["subnormal", "magic"])
-@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
-def test_decode_fused_rotation(case: tuple, unpack: str) -> None:
-    """``fuse_rotation``: every stage-1 program rotates its queries (fp16 R_hi + R_lo), no rotation kernel."""
-    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
-    dev = "cuda" if CUDA else "cpu"
-    c = make_case(len(name) * 7 + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
-                  meta=torch.float16, q_mag=40.0)
-    cfg = replace(SUBNORMAL if unpack == "subnormal" else TINY, fuse_rotation=True)
-    before = c["q"].clone()
-    assert_budget(run_op(c, num_splits=splits, config=cfg, out=_poisoned(c)), c)
-    assert torch.equal(c["q"], before), "q was modified"
-
-
-@pytest.mark.unit
 @pytest.mark.parametrize(("q_mag", "v_mag", "v_ramp"),
                          [(300.0, 1.0, 0.0), (0.002, 1.0, 0.0), (1.0, 2000.0, 0.0), (1.0, 1e-4, 0.0), (1.0, 1.0, 16.0),
                           (1.0, 1.0, -16.0)],
@@ -260,8 +245,7 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
-                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
-                    ops.DecodeConfig(fuse_rotation=True), ops.DecodeConfig(fuse_rotation=True, magic=4)):
+                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
