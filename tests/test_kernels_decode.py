@@ -142,31 +142,25 @@ CPU_CASES = [
 ]
 
 
+SUBNORMAL = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=1, num_stages=1, magic=5)
+UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17)}  # config, seed multiplier
+
+
 @pytest.mark.unit
+@pytest.mark.parametrize("unpack", list(UNPACKS))
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
-def test_decode_interpreter(case: tuple) -> None:
+def test_decode_interpreter(case: tuple, unpack: str) -> None:
+    """Both unpacks against the float64 oracle: the magic number (4 on CUDA, 3 in the interpreter) and the fp16
+    subnormal fields (5 on CUDA, 6 in the interpreter: q and P rescaled by powers of two)."""
     name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
+    config, seed = UNPACKS[unpack]
     dev = "cuda" if CUDA else "cpu"
-    c = make_case(len(name) * 31 + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
+    c = make_case(len(name) * seed + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
                   meta=torch.float16)
     before = c["q"].clone()
-    out = run_op(c, num_splits=splits, config=TINY, out=_poisoned(c))
+    out = run_op(c, num_splits=splits, config=config, out=_poisoned(c))
     assert torch.equal(c["q"], before), "q was modified"
     assert_budget(out, c)
-
-
-SUBNORMAL = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=1, num_stages=1, magic=5)
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
-def test_decode_subnormal_fields(case: tuple) -> None:
-    """Unpack 5 (6 in the interpreter): fp16 subnormal fields, q and P rescaled by powers of two."""
-    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
-    dev = "cuda" if CUDA else "cpu"
-    c = make_case(len(name) * 17 + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
-                  meta=torch.float16)
-    assert_budget(run_op(c, num_splits=splits, config=SUBNORMAL, out=_poisoned(c)), c)
 
 
 @pytest.mark.unit
