@@ -151,6 +151,14 @@ def _field(wide, J: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _pow2_scale(xmax):
+    """A power of two ``f`` with ``xmax·f <= 2^14`` (``xmax >= 0``; the exponent clamped to ``[-24, 112]`` so
+    that ``f`` is a finite float32 even for ``xmax = 0`` or huge values): scales an fp16 MMA operand away from
+    both overflow and the subnormals."""
+    return tl.exp2(14.0 - tl.minimum(tl.maximum(tl.ceil(tl.log2(xmax)), -24.0), 112.0))
+
+
+@triton.jit
 def _rotate_q_kernel(
     q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
     r_ptr, stride_rh,  # R_K [H_r, D, D] float32 (stride 0: shared)
@@ -261,16 +269,9 @@ def _residue_meta(s_ptr, z_ptr, mbase, koff, valid, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _residue_values(p, vs_ptr, vz_ptr, mbase, koff, valid, ACT: tl.constexpr, OFF: tl.constexpr,
-                    MASKED: tl.constexpr):
+def _residue_values(p, vs, vz, ACT: tl.constexpr, OFF: tl.constexpr):
     """``(p∘s_v)`` as the ``[NQ, GP]`` MMA operand, and the per-token zero terms ``p·m_v − OFF·(p∘s_v)``
-    (``[NQ, GP]``; the caller reduces the four residues' terms over tokens at once)."""
-    if MASKED:
-        vs = tl.load(vs_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
-        vz = tl.load(vz_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
-    else:
-        vs = tl.load(vs_ptr + mbase + koff).to(tl.float32)
-        vz = tl.load(vz_ptr + mbase + koff).to(tl.float32)
+    (``[NQ, GP]``; the caller reduces the four residues' terms over tokens at once). MAGIC 0-4."""
     pv = (p * vs[:, None]).to(ACT)
     return pv, p * vz[:, None] - OFF * pv.to(tl.float32)
 
@@ -328,56 +329,31 @@ def _int2_tile(
         for j in tl.static_range(4):
             kb = tl.load(kc_ptr + (kb_j + (koff + j) * (D // 4))[:, None] + kcols, mask=(n0 + quad + j < end)[:, None],
                          other=0)
-            meta = (tl.load(ks_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32)
-                    + tl.load(kz_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32)
-                    + tl.load(vs_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32)
-                    + tl.load(vz_ptr + mb_j + koff + j, mask=n0 + quad + j < end, other=0.0).to(tl.float32))
-            accm += tl.sum(tl.sum(kb.to(tl.float32), 1), 0) + tl.sum(meta, 0)
+            ks, kz = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + j, n0 + quad + j < end, True)
+            vs, vz = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + j, n0 + quad + j < end, True)
+            accm += tl.sum(tl.sum(kb.to(tl.float32), 1), 0) + tl.sum((ks + kz) + (vs + vz), 0)
         accm += tl.sum(tl.sum(vt.to(tl.float32), 1), 0)
         l_i += 1.0
-    elif MAGIC >= 5:
-        # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
-        ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
-        kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
-        vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
-        vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
-        s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT,
-                             OFF, MASKED)
-        s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT,
-                             OFF, MASKED)
-        s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, MAGIC, ACT,
-                             OFF, MASKED)
-        s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, MAGIC, ACT,
-                             OFF, MASKED)
-        m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
-        alpha = tl.exp2(m_i - m_new)
-        p0 = tl.exp2(s0 - m_new[None, :])
-        p1 = tl.exp2(s1 - m_new[None, :])
-        p2 = tl.exp2(s2 - m_new[None, :])
-        p3 = tl.exp2(s3 - m_new[None, :])
-        l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
-        vmax = tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0)
-        f_new = tl.exp2(14.0 - tl.minimum(tl.maximum(tl.ceil(tl.log2(vmax)), -24.0), 112.0))
-        accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
-                                     + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
-        acc = acc * (alpha * (f_new / fv))[None, :]
-        w = _spread(vt, MAGIC)
-        acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
-        acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
-        acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
-        acc = tl.dot(_field(w, 3, MAGIC), (p3 * (vs3 * (f_new * 0.015625))[:, None]).to(tl.float16), acc)
-        fv = f_new
-        m_i = m_new
     else:
-        ks0, kz0 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff, ok0, MASKED)
+        if MAGIC >= 5:  # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
+            ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
+            kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
+            vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
+            vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
+        else:  # one 2-byte load per element and residue
+            ks0, kz0 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff, ok0, MASKED)
+            ks1, kz1 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 1, ok1, MASKED)
+            ks2, kz2 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 2, ok2, MASKED)
+            ks3, kz3 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 3, ok3, MASKED)
+            vs0, vz0 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff, ok0, MASKED)
+            vs1, vz1 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 1, ok1, MASKED)
+            vs2, vz2 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 2, ok2, MASKED)
+            vs3, vz3 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 3, ok3, MASKED)
         s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
-        ks1, kz1 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 1, ok1, MASKED)
         s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT, OFF,
                              MASKED)
-        ks2, kz2 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 2, ok2, MASKED)
         s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, MAGIC, ACT, OFF,
                              MASKED)
-        ks3, kz3 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 3, ok3, MASKED)
         s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, MAGIC, ACT, OFF,
                              MASKED)
         # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
@@ -388,17 +364,29 @@ def _int2_tile(
         p2 = tl.exp2(s2 - m_new[None, :])
         p3 = tl.exp2(s3 - m_new[None, :])
         l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
-        pv0, z0 = _residue_values(p0, vs_ptr, vz_ptr, mb_j, koff, ok0, ACT, OFF, MASKED)
-        pv1, z1 = _residue_values(p1, vs_ptr, vz_ptr, mb_j, koff + 1, ok1, ACT, OFF, MASKED)
-        pv2, z2 = _residue_values(p2, vs_ptr, vz_ptr, mb_j, koff + 2, ok2, ACT, OFF, MASKED)
-        pv3, z3 = _residue_values(p3, vs_ptr, vz_ptr, mb_j, koff + 3, ok3, ACT, OFF, MASKED)
-        # zero terms: Σ p·m_v − OFF·Σ p·s_v (the OFF part with the rounded p·s_v the MMA consumes)
-        accm = accm * alpha + tl.sum((z0 + z1) + (z2 + z3), 0)
-        acc = acc * alpha[None, :]
-        acc = tl.dot(_unpack_quarter(vt, 0, MAGIC, ACT), pv0, acc)
-        acc = tl.dot(_unpack_quarter(vt, 1, MAGIC, ACT), pv1, acc)
-        acc = tl.dot(_unpack_quarter(vt, 2, MAGIC, ACT), pv2, acc)
-        acc = tl.dot(_unpack_quarter(vt, 3, MAGIC, ACT), pv3, acc)
+        if MAGIC >= 5:
+            f_new = _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0))
+            accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
+                                         + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
+            acc = acc * (alpha * (f_new / fv))[None, :]
+            w = _spread(vt, MAGIC)
+            acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 3, MAGIC), (p3 * (vs3 * (f_new * 0.015625))[:, None]).to(tl.float16), acc)
+            fv = f_new
+        else:
+            pv0, z0 = _residue_values(p0, vs0, vz0, ACT, OFF)
+            pv1, z1 = _residue_values(p1, vs1, vz1, ACT, OFF)
+            pv2, z2 = _residue_values(p2, vs2, vz2, ACT, OFF)
+            pv3, z3 = _residue_values(p3, vs3, vz3, ACT, OFF)
+            # zero terms: Σ p·m_v − OFF·Σ p·s_v (the OFF part with the rounded p·s_v the MMA consumes)
+            accm = accm * alpha + tl.sum((z0 + z1) + (z2 + z3), 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(_unpack_quarter(vt, 0, MAGIC, ACT), pv0, acc)
+            acc = tl.dot(_unpack_quarter(vt, 1, MAGIC, ACT), pv1, acc)
+            acc = tl.dot(_unpack_quarter(vt, 2, MAGIC, ACT), pv2, acc)
+            acc = tl.dot(_unpack_quarter(vt, 3, MAGIC, ACT), pv3, acc)
         m_i = m_new
     return m_i, l_i, acc, accm, fv
 
@@ -438,7 +426,7 @@ def _int2_split(
                                      tl.max(tl.max(tl.abs(q1.to(tl.float32)), 1), 0)),
                           tl.maximum(tl.max(tl.max(tl.abs(q2.to(tl.float32)), 1), 0),
                                      tl.max(tl.max(tl.abs(q3.to(tl.float32)), 1), 0)))
-        qs = tl.exp2(14.0 - tl.minimum(tl.maximum(tl.ceil(tl.log2(qmax)), -24.0), 112.0))
+        qs = _pow2_scale(qmax)
         kmul = 16777216.0 / qs
         q0 = (q0.to(tl.float32) * qs).to(tl.float16)
         q1 = (q1.to(tl.float32) * (qs * 0.25)).to(tl.float16)
