@@ -30,6 +30,7 @@ import torch
 from oscar_kernels.reference import QuantizedRows
 
 __all__ = [
+    "ConfigError",
     "DecodeConfig",
     "DecodePlan",
     "decode_attention",
@@ -195,6 +196,10 @@ def quantize_rows(x: torch.Tensor, rotation: torch.Tensor | None = None, mean: t
     return QuantizedRows(back(cache.packed), back(cache.scale), back(cache.zero))
 
 
+class ConfigError(ValueError):
+    """A :class:`DecodeConfig` the kernels cannot run (raised before anything launches)."""
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tile configuration of the decode kernels (see docs/KERNELS.md for the measured sweeps)."""
@@ -294,11 +299,15 @@ class DecodePlan:
             cfg = replace(cfg, pdl=False)
         if cfg.magic not in (0, 3, 4, 5, 6) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
                 (dev.type == "cuda" and cfg.block_n < 64):
-            raise ValueError(f"config: magic in (0, 3, 4, 5, 6) and block_n a power of two >= 64 (>= 16 in the "
-                             f"interpreter), got {cfg}")
+            raise ConfigError(f"config: magic in (0, 3, 4, 5, 6) and block_n a power of two >= 64 (>= 16 in the "
+                              f"interpreter), got {cfg}")
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
         b, h_q, d = q.shape
+        e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)
+        if e_prog not in (32, d) or cfg.merge_block_p < 2 or cfg.merge_block_p & (cfg.merge_block_p - 1):
+            raise ConfigError(f"config: merge_cols must be 0, 32 or {d} and merge_block_p a power of two >= 2, got "
+                              f"{cfg.merge_cols}, {cfg.merge_block_p}")
         kc = k_cache.packed
         if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
             raise _bad("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
@@ -359,10 +368,6 @@ class DecodePlan:
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
-        e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)
-        if e_prog not in (32, d) or cfg.merge_block_p < 2 or cfg.merge_block_p & (cfg.merge_block_p - 1):
-            raise ValueError(f"config: merge_cols must be 0, 32 or {d} and merge_block_p a power of two >= 2, got "
-                             f"{cfg.merge_cols}, {cfg.merge_block_p}")
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),

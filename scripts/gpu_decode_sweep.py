@@ -127,17 +127,10 @@ def diag() -> None:
     for b, c in ((1, 131072), (1, 32768), (16, 131072)):
         cfg = ops.default_config(b)
         for one_page in (False, True):
-            hist = max(c - bc.sink - bc.recent, 0)
-            ps, n_pp = H.page_geometry(bc, hist)
-            s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n, DEV)
-            nbytes = H.int2_bytes(SHAPE, b, c, bc.sink, bc.recent, bc.page_size)
-            cases = H.rotating(partial(_case, b, c, bc), nbytes, L2)
-            if one_page:
+            plans, cases, _ = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
+            if one_page:  # the plans read these tensors: every history token now comes from page 0
                 for x in cases:
                     x["block_table"].zero_()
-            ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
-            out = torch.empty(b, SHAPE.h_q, SHAPE.d, dtype=cases[0]["q"].dtype, device=DEV)
-            plans = [H.int2_plan(x, s, cfg, ws, out, bc.paged) for x in cases]
             plans = plans if len(plans) > 1 else plans * 4
             row = {"batch": b, "ctx": c, "one_page": one_page, "cfg": dict(cfg.__dict__),
                    "stage1": H.graph_us([partial(_launch, p, "stage1") for p in plans], 40),
@@ -148,10 +141,6 @@ def diag() -> None:
         for st in (3, 4):
             measure(replace(cfg, num_stages=st), b, c)
     save()
-
-
-def _case(b: int, c: int, bc: H.BenchConfig, i: int) -> dict:
-    return H.build_int2_case(SHAPE, b, c, bc, DEV, bc.seed + i)
 
 
 def _launch(p: ops.DecodePlan, part: str) -> None:
@@ -169,14 +158,7 @@ def breakdown() -> None:
     for b, c in CELLS:
         for cfg in (replace(ops.default_config(b), magic=5, merge_cols=32),
                     replace(ops.default_config(b), magic=5, merge_cols=128)):
-            hist = max(c - bc.sink - bc.recent, 0)
-            ps, n_pp = H.page_geometry(bc, hist)
-            s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n, DEV)
-            nbytes = H.int2_bytes(SHAPE, b, c, bc.sink, bc.recent, bc.page_size)
-            cases = H.rotating(partial(_case, b, c, bc), nbytes, L2)
-            ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
-            out = torch.empty(b, SHAPE.h_q, SHAPE.d, dtype=cases[0]["q"].dtype, device=DEV)
-            plans = [H.int2_plan(x, s, cfg, ws, out, bc.paged) for x in cases]
+            plans, _, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
             plans = plans if len(plans) > 1 else plans * 4
             row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
             for part in ("rotate", "stage1", "merge"):
@@ -184,7 +166,7 @@ def breakdown() -> None:
             row["all"] = H.graph_us([p.run for p in plans], 40)
             R["breakdown"].append(row)
             print("BREAKDOWN", row, flush=True)
-            del cases, plans
+            del plans
     save()
 
 

@@ -22,15 +22,10 @@ SHAPE = NAMED_SHAPES["qwen3-8b"]
 def main() -> None:
     b, c = int(sys.argv[1]), int(sys.argv[2])
     dev = torch.device("cuda")
-    bc = H.BenchConfig(shape=SHAPE)
     cfg = ops.default_config(b)
-    hist = max(c - bc.sink - bc.recent, 0)
-    ps, n_pp = H.page_geometry(bc, hist)
-    s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n, dev)
-    case = H.build_int2_case(SHAPE, b, c, bc, dev, 0)
-    ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, dev)
-    out = torch.empty(b, SHAPE.h_q, SHAPE.d, dtype=case["q"].dtype, device=dev)
-    plan = H.int2_plan(case, s, cfg, ws, out, bc.paged)
+    plans, _, s = H.int2_plans(SHAPE, b, c, H.BenchConfig(shape=SHAPE), dev,
+                               torch.cuda.get_device_properties(dev).L2_cache_size, cfg)
+    plan = plans[0]
     for _ in range(4):
         plan.run()
     torch.cuda.synchronize()

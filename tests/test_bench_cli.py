@@ -63,7 +63,8 @@ def test_bench_keeps_the_default_config_it_does_not_override(batch: int) -> None
 
     base = ops.default_config(batch)
     assert H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"]), batch) == base
-    got = H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], num_stages=3, magic=0), batch)
+    got = H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], kernel=(("num_stages", 3), ("magic", 0))),
+                              batch)
     assert (got.num_stages, got.magic, got.maxnreg, got.block_nb) == (3, 0, base.maxnreg, base.block_nb)
 
 
@@ -139,3 +140,19 @@ def test_bench_bad_kernel_option_is_a_usage_error() -> None:
     r = CliRunner().invoke(app, ["bench", "--kernel", "nope=1"])
     assert r.exit_code == 2
     assert "unknown kernel option" in r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; the GPU runs it in scripts/")
+def test_int2_plans_build_runnable_plans_with_kernel_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plans every INT2 bench measurement is built on: rotating cases, the --kernel overrides, a run."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.shapes import NAMED_SHAPES
+
+    shape = NAMED_SHAPES["smollm2-135m"]
+    cfg = H.BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)))
+    plans, cases, s = H.int2_plans(shape, 1, 512, cfg, torch.device("cpu"), 1 << 20)
+    assert len(plans) == len(cases) >= 2  # enough copies to exceed 4x the (pretend) L2
+    assert (plans[0].config.block_n, plans[0].config.merge_block_p, s) == (16, 16, plans[0].num_splits)
+    out = plans[0].run()
+    assert out.shape == (1, shape.h_q, shape.d) and torch.isfinite(out).all()

@@ -40,12 +40,8 @@ class BenchConfig:
     sink: int = 64
     recent: int = 256
     num_splits: int | None = None
-    # INT2 tile config; None = ``oscar_kernels.ops.default_config(batch)``
-    block_n: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    magic: int | None = None
-    kernel: tuple[tuple[str, Any], ...] = ()  # any DecodeConfig fields (``oscar bench --kernel``), applied last
+    # DecodeConfig fields that replace ``oscar_kernels.ops.default_config(batch)``'s (``oscar bench --kernel``)
+    kernel: tuple[tuple[str, Any], ...] = ()
     graphs: bool = True
     rep_ms: int = 100
     quant_tokens: int = 16384
@@ -282,9 +278,33 @@ def decode_config_for(cfg: BenchConfig, batch: int) -> Any:
 
     from oscar_kernels import ops
 
-    over = {k: v for k, v in (("block_n", cfg.block_n), ("num_warps", cfg.num_warps),
-                              ("num_stages", cfg.num_stages), ("magic", cfg.magic)) if v is not None}
-    return replace(ops.default_config(batch), **(over | dict(cfg.kernel)))
+    return replace(ops.default_config(batch), **dict(cfg.kernel))
+
+
+def int2_plans(
+    shape: AttnShape,
+    batch: int,
+    ctx: int,
+    cfg: BenchConfig,
+    device: torch.device,
+    l2: int,
+    decode_config: Any = None,
+    splits: int | None = None,
+) -> tuple[list[Any], list[dict[str, Any]], int]:
+    """(launch plans, their cases, split count) of one INT2 decode step over enough rotating caches to exceed
+    the L2 (cold-cache timing); the plans share one workspace and output. Benchmarks and GPU scripts build
+    their measurements on these."""
+    from oscar_kernels import ops
+
+    dc = decode_config or decode_config_for(cfg, batch)
+    hist = max(ctx - cfg.sink - cfg.recent, 0)
+    ps, n_pp = page_geometry(cfg, hist)
+    s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
+    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
+    cases = rotating(lambda i: build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i), nbytes, l2)
+    ws = ops.make_workspace(batch, shape.h_q, shape.d, s, device)
+    out = torch.empty(batch, shape.h_q, shape.d, dtype=cases[0]["q"].dtype, device=device)
+    return [int2_plan(c, s, dc, ws, out, cfg.paged) for c in cases], cases, s
 
 
 def bench_int2(
@@ -299,21 +319,9 @@ def bench_int2(
     graphs: bool = True,
 ) -> tuple[float, float | None, int]:
     """(eager µs, graph µs, splits) of one INT2 decode step over rotating caches."""
-    from oscar_kernels import ops
-
-    dc = decode_config or decode_config_for(cfg, batch)
-    hist = max(ctx - cfg.sink - cfg.recent, 0)
-    ps, n_pp = page_geometry(cfg, hist)
-    cap = ps * n_pp
-    s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, cap, dc.block_n, device)
-    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
-    cases = rotating(lambda i: build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i), nbytes, l2)
-    ws = ops.make_workspace(batch, shape.h_q, shape.d, s, device)
-    out = torch.empty(batch, shape.h_q, shape.d, dtype=cases[0]["q"].dtype, device=device)
-    plans = [int2_plan(c, s, dc, ws, out, cfg.paged) for c in cases]
+    plans, _, s = int2_plans(shape, batch, ctx, cfg, device, l2, decode_config, splits)
     eager = median_us(cycle(plans, lambda p: p.run()), cfg.rep_ms)
     g = graph_us([p.run for p in (plans if len(plans) > 1 else plans * 4)], cfg.rep_ms) if graphs else None
-    del cases
     return eager, g, s
 
 

@@ -91,11 +91,11 @@ def bench(
             p.update(task, description=msg)
             p.advance(task)
 
+        from oscar_kernels.ops import ConfigError
+
         try:
             res = harness.run(config, progress=step)
-        except ValueError as exc:
-            if not str(exc).startswith("config:"):
-                raise
+        except ConfigError as exc:
             raise OscarError(f"--kernel {kernel}: {exc}", hint="see DecodeConfig in kernels/ops.py for legal "
                              "values") from exc
     if plot is not None:

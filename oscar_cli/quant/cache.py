@@ -79,7 +79,6 @@ class AppendLayer(CacheLayerMixin):
 class Int2Layer(AppendLayer):
     """One decoder layer's tiered cache (dense or per-token INT2). See the module docstring."""
 
-
     def __init__(
         self, method: QuantMethod, transform: LayerTransform, rotate_values: bool = True, backend: str = "reference"
     ) -> None:
