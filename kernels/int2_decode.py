@@ -152,10 +152,14 @@ def _field(wide, J: tl.constexpr, MAGIC: tl.constexpr):
 
 @triton.jit
 def _pow2_scale(xmax):
-    """A power of two ``f`` with ``xmax·f <= 2^14`` (``xmax >= 0``; the exponent clamped to ``[-24, 112]`` so
-    that ``f`` is a finite float32 even for ``xmax = 0`` or huge values): scales an fp16 MMA operand away from
-    both overflow and the subnormals."""
-    return tl.exp2(14.0 - tl.minimum(tl.maximum(tl.ceil(tl.log2(xmax)), -24.0), 112.0))
+    """A power of two ``f = 2^(14 - c)`` with ``c = ⌈log2 xmax⌉`` (``xmax >= 0``), so ``xmax·f <= 2^14``: scales an
+    fp16 MMA operand away from both overflow and the subnormals. ``c`` comes from the float32 bits (exponent, plus
+    one unless the mantissa is zero; exact, and a few integer instructions instead of ``log2``/``exp2`` on the
+    loop's critical path), clamped to ``[-24, 112]`` so that ``f`` is a normal float32 even for ``xmax = 0``."""
+    bits = xmax.to(tl.int32, bitcast=True)
+    c = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    c = tl.minimum(tl.maximum(c, -24), 112)
+    return ((141 - c) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -402,6 +406,7 @@ def _int2_split(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    HIST_STAGES: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -443,7 +448,7 @@ def _int2_split(
     acc = tl.zeros([D, GP], tl.float32)
     fv = 1.0  # MAGIC 5/6: acc is in units of fv * 2^-24 (see _int2_tile)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N  # whole tiles: no masks; then one masked tail
-    for n0 in range(start, full_end, BLOCK_N):
+    for n0 in tl.range(start, full_end, BLOCK_N, num_stages=HIST_STAGES):
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
@@ -540,6 +545,7 @@ def _decode_stage1_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
+    HIST_STAGES: tl.constexpr = 2,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -559,7 +565,7 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

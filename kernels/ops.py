@@ -208,6 +208,10 @@ class DecodeConfig:
     block_nb: int = 16  # BF16 tokens per tile (small: the BF16 branch shares the INT2 splits' register budget)
     num_warps: int = 1  # INT2 splits: one warp needs no cross-warp softmax reductions (docs/KERNELS.md, v6)
     num_stages: int = 2
+    # pipelining depth of the INT2 loop alone (``tl.range(num_stages=)``): Triton divides the depth between the
+    # block-table load and the copies it addresses, so 2-4 leave one buffer per tile (the next tile's copies are
+    # issued after this tile's math and waited for right away); 5 double-buffers them (docs/KERNELS.md, v8)
+    hist_stages: int = 5
     magic: int = 5  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
     # (128 + c as bf16); 5 PTX fp16 subnormal fields (2 prmt per 4 bytes, then one `and` per 2 codes; q and P
     # rescaled by powers of two); 6 = 5 element by element. CUDA only: 4 and 5 (the CPU interpreter runs 3 or 0
@@ -297,6 +301,8 @@ class DecodePlan:
             cfg = replace(cfg, magic=6)
         if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
             cfg = replace(cfg, pdl=False)
+        if not 1 <= cfg.hist_stages <= 8:
+            raise ConfigError(f"config: hist_stages must be in 1..8, got {cfg.hist_stages}")
         if cfg.magic not in (0, 3, 4, 5, 6) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
                 (dev.type == "cuda" and cfg.block_n < 64):
             raise ConfigError(f"config: magic in (0, 3, 4, 5, 6) and block_n a power of two >= 64 (>= 16 in the "
@@ -366,7 +372,7 @@ class DecodePlan:
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
+                 HIST_STAGES=cfg.hist_stages, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),

@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [breakdown] [splits] [diag] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [breakdown] [splits] [diag] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,12 +63,43 @@ def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = No
     nbytes = H.int2_bytes(SHAPE, batch, ctx, 64, 256, 64)
     row = {"cfg": dict(cfg.__dict__), "batch": batch, "ctx": ctx, "splits": s, "eager_us": us, "graph_us": g,
            "regs": getattr(h, "n_regs", None), "spills": getattr(h, "n_spills", None),
-           "gbps": nbytes / ((g or us) * 1e-6) / 1e9}
+           "gbps": nbytes / ((g or us) * 1e-6) / 1e9, "pipeline": pipeline_facts(h)}
     R["rows"].append(row)
     print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} m{cfg.magic} reg{cfg.maxnreg} "
           f"pdl{int(cfg.pdl)} mc{cfg.merge_cols} bp{cfg.merge_block_p} "
           f"mode{cfg.mode} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} eager {us:8.1f}  graph {g}  regs={row['regs']} "
           f"spills={row['spills']} {row['gbps']:.0f} GB/s", flush=True)
+    save()
+
+
+def pipeline_facts(h: object) -> dict:
+    """What the compiler's loop pipeliner made of stage 1 (from the TTGIR): the buffer depth of the INT2 V-code
+    tile (``memdesc<Nx128x16xi8>``: 1 = no overlap between a tile's copies and the previous tile's math) and the
+    ``async_wait`` counts."""
+    try:
+        ir = h.asm["ttgir"]  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - facts are optional
+        return {}
+    return {"v_tile_buffers": sorted({int(x) for x in re.findall(r"memdesc<(\d+)x128x16xi8", ir)}),
+            "async_wait_nums": sorted({int(x) for x in re.findall(r"async_wait[^{]*\{num = (\d+)", ir)}),
+            "sync_loads_in_ir": len(re.findall(r"= tt\.load ", ir))}
+
+
+def hist() -> None:
+    """The INT2 loop's own pipelining depth (``hist_stages``) against the v7 depth 2, every cell, BF16 in the run."""
+    copy = H.copy_bandwidth(DEV)
+    R["copy_gbps"] = copy
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for b, c in CELLS:
+        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
+        R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
+        print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
+        base = ops.default_config(b)
+        for hs in (2, 3, 5, 7):
+            measure(replace(base, hist_stages=hs), b, c)
+        if b >= 16:
+            for reg in (None, 168):
+                measure(replace(base, hist_stages=5, maxnreg=reg), b, c)
     save()
 
 
@@ -183,6 +215,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
-        {"tests": tests, "sweep": sweep, "bench": bench, "breakdown": breakdown, "splits": splits,
+        {"tests": tests, "sweep": sweep, "hist": hist, "bench": bench, "breakdown": breakdown, "splits": splits,
          "diag": diag}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)
