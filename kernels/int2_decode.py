@@ -281,12 +281,21 @@ def _residue_values(p, vs, vz, ACT: tl.constexpr, OFF: tl.constexpr):
 
 
 @triton.jit
-def _tile_bases(n0, end, b, h, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp, stride_mh, bt_ptr, stride_btb,
-                NQ: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Where tile ``[n0, n0 + BLOCK_N)`` lives: K row base ``kb_j``, metadata base ``mb_j`` (scalars, or ``[NQ]``
-    per quad when a tile can straddle pages), V token-quad columns ``vbase`` ``[NQ]`` and the in-page offsets
-    ``koff`` ``[NQ]`` of the quads' first tokens."""
+def _int2_tile(
+    n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
+    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
+    ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
+
+    MAGIC 5/6: ``acc`` holds ``fv * 2^-24`` times the value sum; ``fv`` is a power of two chosen per tile so that
+    the fp16 operand ``p * s_v * fv * 4^-j`` stays below ``2^14`` (``p <= 1``)."""
+    NQ: tl.constexpr = BLOCK_N // 4
     quad = 4 * tl.arange(0, NQ)  # first token of each quad, relative to the tile
+    dims = tl.arange(0, D)
     if PAGED and PAGE % BLOCK_N == 0:  # a tile never straddles a page (tiles start at multiples of BLOCK_N)
         page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE).to(tl.int64)
         kb_j = page * stride_kp + h * stride_kh
@@ -307,53 +316,10 @@ def _tile_bases(n0, end, b, h, stride_kp, stride_kh, stride_vp, stride_vh, strid
         mb_j = b.to(tl.int64) * stride_mp + h * stride_mh
         vbase = b.to(tl.int64) * stride_vp + h * stride_vh + n0 // 4 + tl.arange(0, NQ)
         koff = n0 + quad
-    return kb_j, mb_j, vbase, koff
-
-
-@triton.jit
-def _tile_scores(
-    n0, end, q0, q1, q2, q3, qsum, kmul, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff,
-    D: tl.constexpr, NQ: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr, OFF: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """Scoresᵀ ``[NQ, GP]`` (log2 domain) of the four token residues of a tile (``-inf`` past ``end`` when
-    ``MASKED``): K scales/zeros, K codes, the four quarter dots per residue."""
-    quad = 4 * tl.arange(0, NQ)
     ok0 = n0 + quad < end  # used only when MASKED
     ok1 = n0 + quad + 1 < end
     ok2 = n0 + quad + 2 < end
     ok3 = n0 + quad + 3 < end
-    if MAGIC >= 5:  # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
-        ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
-        kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
-    else:  # one 2-byte load per element and residue
-        ks0, kz0 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff, ok0, MASKED)
-        ks1, kz1 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 1, ok1, MASKED)
-        ks2, kz2 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 2, ok2, MASKED)
-        ks3, kz3 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 3, ok3, MASKED)
-    s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
-    s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT, OFF,
-                         MASKED)
-    s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, MAGIC, ACT, OFF,
-                         MASKED)
-    s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, MAGIC, ACT, OFF,
-                         MASKED)
-    return s0, s1, s2, s3
-
-
-@triton.jit
-def _tile_values(
-    n0, end, s0, s1, s2, s3, m_i, l_i, acc, accm, fv, vc_ptr, stride_vd, vs_ptr, vz_ptr, mb_j, vbase, koff,
-    D: tl.constexpr, NQ: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr,
-    PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
-):
-    """Online-softmax update with the scores ``s0..s3`` of a tile, and its values: ``Oᵀ += C_Vᵀ·(P∘s_V)ᵀ``.
-
-    MAGIC 5/6: ``acc`` holds ``fv * 2^-24`` times the value sum; ``fv`` is a power of two chosen per tile so that
-    the fp16 operand ``p * s_v * fv * 4^-j`` stays below ``2^14`` (``p <= 1``)."""
-    quad = 4 * tl.arange(0, NQ)
-    dims = tl.arange(0, D)
-    ok0 = n0 + quad < end  # used only when MASKED
     if PAGED:  # constexpr row stride P/4: lets the compiler vectorise the [D, NQ] byte tile
         vptr = vc_ptr + vbase[None, :] + dims[:, None] * (PAGE // 4)  # [D, NQ] token-quad bytes
     else:
@@ -362,70 +328,7 @@ def _tile_values(
         vt = tl.load(vptr, mask=ok0[None, :], other=0)
     else:
         vt = tl.load(vptr)
-    if MAGIC >= 5:
-        vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
-        vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
-    else:
-        vs0, vz0 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff, ok0, MASKED)
-        vs1, vz1 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 1, n0 + quad + 1 < end, MASKED)
-        vs2, vz2 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 2, n0 + quad + 2 < end, MASKED)
-        vs3, vz3 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 3, n0 + quad + 3 < end, MASKED)
-    # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
-    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
-    alpha = tl.exp2(m_i - m_new)
-    p0 = tl.exp2(s0 - m_new[None, :])
-    p1 = tl.exp2(s1 - m_new[None, :])
-    p2 = tl.exp2(s2 - m_new[None, :])
-    p3 = tl.exp2(s3 - m_new[None, :])
-    l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
-    if MAGIC >= 5:
-        f_new = _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0))
-        accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
-                                     + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
-        acc = acc * (alpha * (f_new / fv))[None, :]
-        w = _spread(vt, MAGIC)
-        acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
-        acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
-        acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
-        acc = tl.dot(_field(w, 3, MAGIC), (p3 * (vs3 * (f_new * 0.015625))[:, None]).to(tl.float16), acc)
-        fv = f_new
-    else:
-        pv0, z0 = _residue_values(p0, vs0, vz0, ACT, OFF)
-        pv1, z1 = _residue_values(p1, vs1, vz1, ACT, OFF)
-        pv2, z2 = _residue_values(p2, vs2, vz2, ACT, OFF)
-        pv3, z3 = _residue_values(p3, vs3, vz3, ACT, OFF)
-        # zero terms: Σ p·m_v − OFF·Σ p·s_v (the OFF part with the rounded p·s_v the MMA consumes)
-        accm = accm * alpha + tl.sum((z0 + z1) + (z2 + z3), 0)
-        acc = acc * alpha[None, :]
-        acc = tl.dot(_unpack_quarter(vt, 0, MAGIC, ACT), pv0, acc)
-        acc = tl.dot(_unpack_quarter(vt, 1, MAGIC, ACT), pv1, acc)
-        acc = tl.dot(_unpack_quarter(vt, 2, MAGIC, ACT), pv2, acc)
-        acc = tl.dot(_unpack_quarter(vt, 3, MAGIC, ACT), pv3, acc)
-    return m_new, l_i, acc, accm, fv
-
-
-@triton.jit
-def _int2_tile(
-    n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
-    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
-    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
-):
-    """One whole tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see
-    :func:`_int2_split`): scores, then softmax and values. ``MASKED``: the tile may run past ``end`` (the last
-    tile of a split), else every token is valid. ``MODE == 1``: the load-only diagnostic."""
-    NQ: tl.constexpr = BLOCK_N // 4
-    kb_j, mb_j, vbase, koff = _tile_bases(n0, end, b, h, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp,
-                                          stride_mh, bt_ptr, stride_btb, NQ, BLOCK_N, PAGED, PAGE)
     if MODE == 1:  # diagnostic: load every byte the full kernel loads (K rows of all 4 residues, V, 4 metadata)
-        quad = 4 * tl.arange(0, NQ)
-        dims = tl.arange(0, D)
-        if PAGED:
-            vptr = vc_ptr + vbase[None, :] + dims[:, None] * (PAGE // 4)
-        else:
-            vptr = vc_ptr + vbase[None, :] + dims[:, None] * stride_vd
-        vt = tl.load(vptr, mask=(n0 + quad < end)[None, :], other=0)
         kcols = tl.arange(0, D // 4)[None, :]
         for j in tl.static_range(4):
             kb = tl.load(kc_ptr + (kb_j + (koff + j) * (D // 4))[:, None] + kcols, mask=(n0 + quad + j < end)[:, None],
@@ -436,11 +339,59 @@ def _int2_tile(
         accm += tl.sum(tl.sum(vt.to(tl.float32), 1), 0)
         l_i += 1.0
     else:
-        s0, s1, s2, s3 = _tile_scores(n0, end, q0, q1, q2, q3, qsum, kmul, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j, koff,
-                                      D, NQ, MAGIC, ACT, OFF, MASKED)
-        m_i, l_i, acc, accm, fv = _tile_values(n0, end, s0, s1, s2, s3, m_i, l_i, acc, accm, fv, vc_ptr, stride_vd,
-                                               vs_ptr, vz_ptr, mb_j, vbase, koff, D, NQ, MAGIC, ACT, PAGED, PAGE, OFF,
-                                               MASKED)
+        if MAGIC >= 5:  # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
+            ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
+            kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
+            vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
+            vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
+        else:  # one 2-byte load per element and residue
+            ks0, kz0 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff, ok0, MASKED)
+            ks1, kz1 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 1, ok1, MASKED)
+            ks2, kz2 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 2, ok2, MASKED)
+            ks3, kz3 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 3, ok3, MASKED)
+            vs0, vz0 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff, ok0, MASKED)
+            vs1, vz1 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 1, ok1, MASKED)
+            vs2, vz2 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 2, ok2, MASKED)
+            vs3, vz3 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 3, ok3, MASKED)
+        s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
+        s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT, OFF,
+                             MASKED)
+        s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, MAGIC, ACT, OFF,
+                             MASKED)
+        s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, MAGIC, ACT, OFF,
+                             MASKED)
+        # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
+        m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
+        alpha = tl.exp2(m_i - m_new)
+        p0 = tl.exp2(s0 - m_new[None, :])
+        p1 = tl.exp2(s1 - m_new[None, :])
+        p2 = tl.exp2(s2 - m_new[None, :])
+        p3 = tl.exp2(s3 - m_new[None, :])
+        l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
+        if MAGIC >= 5:
+            f_new = _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0))
+            accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
+                                         + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
+            acc = acc * (alpha * (f_new / fv))[None, :]
+            w = _spread(vt, MAGIC)
+            acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 3, MAGIC), (p3 * (vs3 * (f_new * 0.015625))[:, None]).to(tl.float16), acc)
+            fv = f_new
+        else:
+            pv0, z0 = _residue_values(p0, vs0, vz0, ACT, OFF)
+            pv1, z1 = _residue_values(p1, vs1, vz1, ACT, OFF)
+            pv2, z2 = _residue_values(p2, vs2, vz2, ACT, OFF)
+            pv3, z3 = _residue_values(p3, vs3, vz3, ACT, OFF)
+            # zero terms: Σ p·m_v − OFF·Σ p·s_v (the OFF part with the rounded p·s_v the MMA consumes)
+            accm = accm * alpha + tl.sum((z0 + z1) + (z2 + z3), 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(_unpack_quarter(vt, 0, MAGIC, ACT), pv0, acc)
+            acc = tl.dot(_unpack_quarter(vt, 1, MAGIC, ACT), pv1, acc)
+            acc = tl.dot(_unpack_quarter(vt, 2, MAGIC, ACT), pv2, acc)
+            acc = tl.dot(_unpack_quarter(vt, 3, MAGIC, ACT), pv3, acc)
+        m_i = m_new
     return m_i, l_i, acc, accm, fv
 
 
@@ -455,7 +406,7 @@ def _int2_split(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    HIST_STAGES: tl.constexpr, K_AHEAD: tl.constexpr,
+    HIST_STAGES: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -497,36 +448,11 @@ def _int2_split(
     acc = tl.zeros([D, GP], tl.float32)
     fv = 1.0  # MAGIC 5/6: acc is in units of fv * 2^-24 (see _int2_tile)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N  # whole tiles: no masks; then one masked tail
-    if K_AHEAD and MODE == 0:
-        # software-pipelined: iteration i computes the scores of tile i+1 (independent of the softmax state) next
-        # to the softmax and values of tile i, so the two dependent chains overlap. The last iteration recomputes
-        # its own tile's scores (clamped address: no masks, nothing past the split) and drops them.
-        NQ: tl.constexpr = BLOCK_N // 4
-        if start < full_end:
-            kb_j, mb_j, vbase, koff = _tile_bases(start, end, b, h, stride_kp, stride_kh, stride_vp, stride_vh,
-                                                  stride_mp, stride_mh, bt_ptr, stride_btb, NQ, BLOCK_N, PAGED, PAGE)
-            s0, s1, s2, s3 = _tile_scores(start, end, q0, q1, q2, q3, qsum, kmul, kc_ptr, ks_ptr, kz_ptr, kb_j, mb_j,
-                                          koff, D, NQ, MAGIC, ACT, OFF, False)
-            for n0 in tl.range(start, full_end, BLOCK_N, num_stages=HIST_STAGES):
-                nk = tl.minimum(n0 + BLOCK_N, full_end - BLOCK_N)
-                kb_k, mb_k, vb_k, koff_k = _tile_bases(nk, end, b, h, stride_kp, stride_kh, stride_vp, stride_vh,
-                                                       stride_mp, stride_mh, bt_ptr, stride_btb, NQ, BLOCK_N, PAGED,
-                                                       PAGE)
-                t0, t1, t2, t3 = _tile_scores(nk, end, q0, q1, q2, q3, qsum, kmul, kc_ptr, ks_ptr, kz_ptr, kb_k, mb_k,
-                                              koff_k, D, NQ, MAGIC, ACT, OFF, False)
-                kb_j, mb_j, vbase, koff = _tile_bases(n0, end, b, h, stride_kp, stride_kh, stride_vp, stride_vh,
-                                                      stride_mp, stride_mh, bt_ptr, stride_btb, NQ, BLOCK_N, PAGED,
-                                                      PAGE)
-                m_i, l_i, acc, accm, fv = _tile_values(n0, end, s0, s1, s2, s3, m_i, l_i, acc, accm, fv, vc_ptr,
-                                                       stride_vd, vs_ptr, vz_ptr, mb_j, vbase, koff, D, NQ, MAGIC,
-                                                       ACT, PAGED, PAGE, OFF, False)
-                s0, s1, s2, s3 = t0, t1, t2, t3
-    else:
-        for n0 in tl.range(start, full_end, BLOCK_N, num_stages=HIST_STAGES):
-            m_i, l_i, acc, accm, fv = _int2_tile(
-                n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
-                vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-                bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False)
+    for n0 in tl.range(start, full_end, BLOCK_N, num_stages=HIST_STAGES):
+        m_i, l_i, acc, accm, fv = _int2_tile(
+            n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
+            vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
@@ -619,7 +545,7 @@ def _decode_stage1_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
-    HIST_STAGES: tl.constexpr = 2, K_AHEAD: tl.constexpr = False,
+    HIST_STAGES: tl.constexpr = 2,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -639,7 +565,7 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES, K_AHEAD)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

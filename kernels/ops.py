@@ -212,8 +212,6 @@ class DecodeConfig:
     # block-table load and the copies it addresses, so 2-4 leave one buffer per tile (the next tile's copies are
     # issued after this tile's math and waited for right away); 5 double-buffers them (docs/KERNELS.md, v8)
     hist_stages: int = 5
-    # software-pipelined INT2 loop: the scores of tile i+1 are computed next to the softmax and values of tile i
-    k_ahead: bool = False
     magic: int = 5  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
     # (128 + c as bf16); 5 PTX fp16 subnormal fields (2 prmt per 4 bytes, then one `and` per 2 codes; q and P
     # rescaled by powers of two); 6 = 5 element by element. CUDA only: 4 and 5 (the CPU interpreter runs 3 or 0
@@ -374,7 +372,7 @@ class DecodePlan:
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 HIST_STAGES=cfg.hist_stages, K_AHEAD=cfg.k_ahead, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
+                 HIST_STAGES=cfg.hist_stages, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),

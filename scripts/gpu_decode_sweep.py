@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [ahead] [breakdown] [splits] [diag] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [breakdown] [splits] [diag] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
@@ -65,8 +65,7 @@ def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = No
            "regs": getattr(h, "n_regs", None), "spills": getattr(h, "n_spills", None),
            "gbps": nbytes / ((g or us) * 1e-6) / 1e9, "pipeline": pipeline_facts(h)}
     R["rows"].append(row)
-    print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}/{cfg.hist_stages} "
-          f"ka{int(cfg.k_ahead)} m{cfg.magic} reg{cfg.maxnreg} "
+    print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} m{cfg.magic} reg{cfg.maxnreg} "
           f"pdl{int(cfg.pdl)} mc{cfg.merge_cols} bp{cfg.merge_block_p} "
           f"mode{cfg.mode} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} eager {us:8.1f}  graph {g}  regs={row['regs']} "
           f"spills={row['spills']} {row['gbps']:.0f} GB/s", flush=True)
@@ -101,24 +100,6 @@ def hist() -> None:
         if b >= 16:
             for reg in (None, 168):
                 measure(replace(base, hist_stages=5, maxnreg=reg), b, c)
-    save()
-
-
-def ahead() -> None:
-    """The software-pipelined INT2 loop (``k_ahead``) against the in-order loop, every cell, BF16 in the run."""
-    copy = H.copy_bandwidth(DEV)
-    R["copy_gbps"] = copy
-    print(f"copy {copy:.0f} GB/s", flush=True)
-    for b, c in CELLS:
-        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
-        R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
-        print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
-        base = ops.default_config(b)
-        for cfg in (base, replace(base, k_ahead=True), replace(base, k_ahead=True, hist_stages=7)):
-            measure(cfg, b, c)
-        if b >= 16:
-            for reg in (None, 168):
-                measure(replace(base, k_ahead=True, maxnreg=reg), b, c)
     save()
 
 
@@ -234,6 +215,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
-        {"tests": tests, "sweep": sweep, "hist": hist, "ahead": ahead, "bench": bench, "breakdown": breakdown, "splits": splits,
+        {"tests": tests, "sweep": sweep, "hist": hist, "bench": bench, "breakdown": breakdown, "splits": splits,
          "diag": diag}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)

@@ -143,9 +143,7 @@ CPU_CASES = [
 
 
 SUBNORMAL = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=1, num_stages=1, magic=5)
-# config, seed multiplier; "k-ahead": the software-pipelined loop (scores of the next tile next to this one's values)
-UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17),
-           "subnormal-fields-k-ahead": (replace(SUBNORMAL, k_ahead=True), 13)}
+UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17)}  # config, seed multiplier
 
 
 @pytest.mark.unit
@@ -153,8 +151,7 @@ UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17),
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_decode_interpreter(case: tuple, unpack: str) -> None:
     """Both unpacks against the float64 oracle: the magic number (4 on CUDA, 3 in the interpreter) and the fp16
-    subnormal fields (5 on CUDA, 6 in the interpreter: q and P rescaled by powers of two), the latter also in the
-    software-pipelined loop."""
+    subnormal fields (5 on CUDA, 6 in the interpreter: q and P rescaled by powers of two)."""
     name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
     config, seed = UNPACKS[unpack]
     dev = "cuda" if CUDA else "cpu"
@@ -171,13 +168,12 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
                          [(300.0, 1.0, 0.0), (0.002, 1.0, 0.0), (1.0, 2000.0, 0.0), (1.0, 1e-4, 0.0), (1.0, 1.0, 16.0),
                           (1.0, 1.0, -16.0)],
                          ids=["large-q", "tiny-q", "large-v", "tiny-v", "growing-v", "shrinking-v"])
-@pytest.mark.parametrize("k_ahead", [False, True], ids=["in-order", "k-ahead"])
-def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ramp: float, k_ahead: bool) -> None:
+def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ramp: float) -> None:
     """The per-program q scale and the per-tile V scale keep fp16 operands finite and out of the subnormals."""
     dev = "cuda" if CUDA else "cpu"
     c = make_case(5, 1, 4, 1, 64, [90], [2], [3], 16, torch.float16, dev, meta=torch.float16, q_mag=q_mag,
                   v_mag=v_mag, v_ramp=v_ramp)
-    assert_budget(run_op(c, num_splits=1, config=replace(SUBNORMAL, k_ahead=k_ahead), out=_poisoned(c)), c)
+    assert_budget(run_op(c, num_splits=1, config=SUBNORMAL, out=_poisoned(c)), c)
 
 
 @pytest.mark.unit
@@ -243,9 +239,7 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
-                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
-                    ops.DecodeConfig(k_ahead=True), ops.DecodeConfig(k_ahead=True, maxnreg=128),
-                    ops.DecodeConfig(hist_stages=2)):
+                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
