@@ -65,7 +65,8 @@ def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = No
            "regs": getattr(h, "n_regs", None), "spills": getattr(h, "n_spills", None),
            "gbps": nbytes / ((g or us) * 1e-6) / 1e9, "pipeline": pipeline_facts(h)}
     R["rows"].append(row)
-    print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} m{cfg.magic} reg{cfg.maxnreg} "
+    print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}/{cfg.hist_stages} "
+          f"m{cfg.magic} reg{cfg.maxnreg} "
           f"pdl{int(cfg.pdl)} mc{cfg.merge_cols} bp{cfg.merge_block_p} "
           f"mode{cfg.mode} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} eager {us:8.1f}  graph {g}  regs={row['regs']} "
           f"spills={row['spills']} {row['gbps']:.0f} GB/s", flush=True)
