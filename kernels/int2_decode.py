@@ -34,8 +34,14 @@ other MMA operand: the K quarter ``J`` of ``q`` is pre-scaled by ``4^-J`` (and a
 keeps ``|q| <= 2^14``), the V residue ``j`` of ``P∘s_V`` by ``4^-j`` (and a per-tile power of two ``F`` that keeps
 ``p·s_V·F <= 2^14``); the dots run on fp16 for bf16 and fp16 activations alike, and ``2^24`` and the powers of
 two are undone on the fp32 results. 0.625 instead of 1 instruction per code (docs/KERNELS.md, v7); the
-metadata are then loaded as ``[BLOCK_N/4, 4]`` tiles the loop pipeliner copies asynchronously. 6 = the same
-fields element by element (the CPU interpreter). 4 = inline PTX per 32-bit register of 4 code bytes (``shr``,
+metadata are then loaded as ``[BLOCK_N/4, 4]`` tiles the loop pipeliner copies asynchronously. **7 (default
+on CUDA since v8) = 5 with the whole byte as the top field**: the zero-extended byte ``c0 + 4c1 + 16c2 + 64c3``
+is already the fp16 subnormal ``Σ_J c_J·4^J·2^-24``, so fields 0..2 are masked as in 5 and the byte itself
+stands for field 3; the other operands of fields 0..2 carry ``- x_3`` (``x_J - x_3``, ``x_3``: the cross terms
+``4^J·c_J·x_3`` cancel exactly), computed in float32 and rounded to fp16 once per program (q) or per tile
+(``P∘s_V``). 3 instead of 4 ``and`` per spread register: 0.5 instead of 0.625 instructions per code, on the
+integer pipe that bounds the loop at batch 16 (docs/KERNELS.md, v8). 6 and 8 = 5 and 7 element by element (the
+CPU interpreter). 4 = inline PTX per 32-bit register of 4 code bytes (``shr``,
 ``and 0x03030303``, two ``prmt`` with the constant byte 0x43: four bf16 ``128 + c`` exactly, bf16's ulp at 128
 being 1; no conversion); 3 = the same magic number per element (the CPU interpreter); 0 = shift/and/int->float
 convert. The ``128`` folds into the per-token zero term; fp16 uses 0x64 (``1024 + c``) and subtracts 1024
@@ -124,9 +130,9 @@ def _unpack_quarter(raw, J: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr
 
 @triton.jit
 def _spread(raw, MAGIC: tl.constexpr):
-    """Code bytes ``raw`` (uint8) zero-extended to uint16, position by position (MAGIC 5: two ``prmt`` per 4
-    bytes; 6: a plain conversion)."""
-    if MAGIC == 5:
+    """Code bytes ``raw`` (uint8) zero-extended to uint16, position by position (MAGIC 5, 7: two ``prmt`` per 4
+    bytes; 6, 8: a plain conversion)."""
+    if MAGIC == 5 or MAGIC == 7:
         return tl.inline_asm_elementwise(_ASM_SPREAD, "=r,=r,r", [raw], dtype=tl.uint16, is_pure=True, pack=4)
     else:
         return raw.to(tl.uint16)
@@ -135,8 +141,8 @@ def _spread(raw, MAGIC: tl.constexpr):
 @triton.jit
 def _field(wide, J: tl.constexpr, MAGIC: tl.constexpr):
     """Field ``J`` of spread codes ``wide`` (uint16) as the fp16 subnormals ``c * 4^J * 2^-24`` (exact), one
-    ``and`` per two codes (MAGIC 5) or per element (6)."""
-    if MAGIC == 5:
+    ``and`` per two codes (MAGIC 5, 7) or per element (6, 8)."""
+    if MAGIC == 5 or MAGIC == 7:
         if J == 0:
             out = tl.inline_asm_elementwise(_ASM_FIELD_0, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
         elif J == 1:
@@ -213,6 +219,22 @@ def _store_partial_t(ot, lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh, s
 
 
 @triton.jit
+def _field_dots(kb, q0, q1, q2, q3, MAGIC: tl.constexpr):
+    """``C_K·qᵀ`` for the K code bytes ``kb`` ``[M, D/4]`` in the subnormal-field scaling (MAGIC 5-8): one dot
+    per field; MAGIC 7/8 use the whole byte ``c0 + 4c1 + 16c2 + 64c3`` (no instruction) as the top field, with
+    ``q0..q2`` carrying ``- q3`` (see :func:`_int2_split`)."""
+    w = _spread(kb, MAGIC)
+    raw = tl.dot(_field(w, 0, MAGIC), q0)
+    raw = tl.dot(_field(w, 1, MAGIC), q1, raw)
+    raw = tl.dot(_field(w, 2, MAGIC), q2, raw)
+    if MAGIC >= 7:
+        raw = tl.dot(w.to(tl.float16, bitcast=True), q3, raw)
+    else:
+        raw = tl.dot(_field(w, 3, MAGIC), q3, raw)
+    return raw
+
+
+@triton.jit
 def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, valid,
                     D: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr):
     """Scoresᵀ ``[NQ, GP]`` (log2 domain) of one token residue: K rows at ``kbase + koff`` (``[NQ]`` each), K
@@ -226,12 +248,7 @@ def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, val
     else:
         kb = tl.load(kptr)
     if MAGIC >= 5:
-        w = _spread(kb, MAGIC)
-        raw = tl.dot(_field(w, 0, MAGIC), q0)
-        raw = tl.dot(_field(w, 1, MAGIC), q1, raw)
-        raw = tl.dot(_field(w, 2, MAGIC), q2, raw)
-        raw = tl.dot(_field(w, 3, MAGIC), q3, raw)
-        s = raw * (ks * kmul)[:, None] + kz[:, None] * qsum[None, :]
+        s = _field_dots(kb, q0, q1, q2, q3, MAGIC) * (ks * kmul)[:, None] + kz[:, None] * qsum[None, :]
     else:
         raw = tl.dot(_unpack_quarter(kb, 0, MAGIC, ACT), q0)
         raw = tl.dot(_unpack_quarter(kb, 1, MAGIC, ACT), q1, raw)
@@ -374,10 +391,17 @@ def _int2_tile(
                                          + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
             acc = acc * (alpha * (f_new / fv))[None, :]
             w = _spread(vt, MAGIC)
-            acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
-            acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
-            acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
-            acc = tl.dot(_field(w, 3, MAGIC), (p3 * (vs3 * (f_new * 0.015625))[:, None]).to(tl.float16), acc)
+            u3 = p3 * (vs3 * (f_new * 0.015625))[:, None]
+            if MAGIC >= 7:  # whole-byte top field: residues 0..2 carry "- u3"
+                acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None] - u3).to(tl.float16), acc)
+                acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None] - u3).to(tl.float16), acc)
+                acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None] - u3).to(tl.float16), acc)
+                acc = tl.dot(w.to(tl.float16, bitcast=True), u3.to(tl.float16), acc)
+            else:
+                acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
+                acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
+                acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
+                acc = tl.dot(_field(w, 3, MAGIC), u3.to(tl.float16), acc)
             fv = f_new
         else:
             pv0, z0 = _residue_values(p0, vs0, vz0, ACT, OFF)
@@ -433,10 +457,16 @@ def _int2_split(
                                      tl.max(tl.max(tl.abs(q3.to(tl.float32)), 1), 0)))
         qs = _pow2_scale(qmax)
         kmul = 16777216.0 / qs
-        q0 = (q0.to(tl.float32) * qs).to(tl.float16)
-        q1 = (q1.to(tl.float32) * (qs * 0.25)).to(tl.float16)
-        q2 = (q2.to(tl.float32) * (qs * 0.0625)).to(tl.float16)
-        q3 = (q3.to(tl.float32) * (qs * 0.015625)).to(tl.float16)
+        x3 = q3.to(tl.float32) * (qs * 0.015625)
+        if MAGIC >= 7:  # whole-byte top field: operands x_J - x_3 for J < 3 (see the module docstring)
+            q0 = (q0.to(tl.float32) * qs - x3).to(tl.float16)
+            q1 = (q1.to(tl.float32) * (qs * 0.25) - x3).to(tl.float16)
+            q2 = (q2.to(tl.float32) * (qs * 0.0625) - x3).to(tl.float16)
+        else:
+            q0 = (q0.to(tl.float32) * qs).to(tl.float16)
+            q1 = (q1.to(tl.float32) * (qs * 0.25)).to(tl.float16)
+            q2 = (q2.to(tl.float32) * (qs * 0.0625)).to(tl.float16)
+        q3 = x3.to(tl.float16)
 
     length = tl.load(hist_len_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N

@@ -212,10 +212,12 @@ class DecodeConfig:
     # block-table load and the copies it addresses, so 2-4 leave one buffer per tile (the next tile's copies are
     # issued after this tile's math and waited for right away); 5 double-buffers them (docs/KERNELS.md, v8)
     hist_stages: int = 5
-    magic: int = 5  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
+    magic: int = 7  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
     # (128 + c as bf16); 5 PTX fp16 subnormal fields (2 prmt per 4 bytes, then one `and` per 2 codes; q and P
-    # rescaled by powers of two); 6 = 5 element by element. CUDA only: 4 and 5 (the CPU interpreter runs 3 or 0
-    # for 4, 6 for 5). fp16 activations: not 3 (it folds 1024 into a float32 sum: too lossy)
+    # rescaled by powers of two); 7 = 5 with the whole zero-extended byte as the top field (3 `and` per 4 fields,
+    # the other operand of fields 0..2 carries "- top"); 6 and 8 = 5 and 7 element by element. CUDA only: 4, 5, 7
+    # (the CPU interpreter runs 3 or 0 for 4, 6 for 5, 8 for 7). fp16 activations: not 3 (it folds 1024 into a
+    # float32 sum: too lossy)
     mode: int = 0  # 0 full kernel; diagnostic 1: load only
     min_gp: int = 8  # query heads per KV head are padded to max(min_gp, next power of two) (the MMA's N)
     maxnreg: int | None = None  # register cap per thread for stage 1 (None: the compiler's choice)
@@ -225,10 +227,12 @@ class DecodeConfig:
 
 
 def default_config(batch: int) -> DecodeConfig:
-    """The measured H200 choice (docs/KERNELS.md, v7): one warp per split, 64-token tiles, subnormal-field unpack,
-    programmatic dependent launches; from batch 16 the registers are capped at 128 (16 instead of 9 programs per
-    SM: 16 x 128K 512 µs vs 596 µs; at batch 1 the grid fits the GPU either way and the cap costs 8 µs)."""
-    return DecodeConfig(maxnreg=128) if batch >= 16 else DecodeConfig()
+    """The measured H200 choice (docs/KERNELS.md, v8): one warp per split, 64-token tiles, subnormal fields with
+    the whole byte as the top field, a double-buffered INT2 loop, programmatic dependent launches; from batch 16
+    the registers are capped at 168 (3 instead of 2 one-warp programs per scheduler, no spills: 16 x 128K 401 µs
+    vs 424 µs uncapped and 418 µs at a 128 cap with spills; at batch 1 the grid is one wave either way and
+    registers buy instruction-level parallelism)."""
+    return DecodeConfig(maxnreg=168) if batch >= 16 else DecodeConfig()
 
 
 def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
@@ -297,15 +301,15 @@ class DecodePlan:
         dev = q.device
         if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
             cfg = replace(cfg, magic=3 if q.dtype == torch.bfloat16 else 0)  # fp16: the exact variant
-        if cfg.magic == 5 and dev.type != "cuda":  # the same subnormal fields, element by element
-            cfg = replace(cfg, magic=6)
+        if cfg.magic in (5, 7) and dev.type != "cuda":  # the same subnormal fields, element by element
+            cfg = replace(cfg, magic=cfg.magic + 1)
         if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
             cfg = replace(cfg, pdl=False)
         if not 1 <= cfg.hist_stages <= 8:
             raise ConfigError(f"config: hist_stages must be in 1..8, got {cfg.hist_stages}")
-        if cfg.magic not in (0, 3, 4, 5, 6) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
+        if cfg.magic not in (0, 3, 4, 5, 6, 7, 8) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
                 (dev.type == "cuda" and cfg.block_n < 64):
-            raise ConfigError(f"config: magic in (0, 3, 4, 5, 6) and block_n a power of two >= 64 (>= 16 in the "
+            raise ConfigError(f"config: magic in (0, 3, 4, 5, 6, 7, 8) and block_n a power of two >= 64 (>= 16 in the "
                               f"interpreter), got {cfg}")
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")

@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [breakdown] [splits] [diag] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [breakdown] [splits] [diag] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
@@ -101,6 +101,29 @@ def hist() -> None:
         if b >= 16:
             for reg in (None, 168):
                 measure(replace(base, hist_stages=5, maxnreg=reg), b, c)
+    save()
+
+
+def whole() -> None:
+    """The whole-byte top field (``magic=7``) against the four fields (5), every cell, BF16 in the run; register caps
+    at batch 16 and one-wave split counts at batch 1 (8 one-warp programs per SM at > 128 registers)."""
+    copy = H.copy_bandwidth(DEV)
+    R["copy_gbps"] = copy
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for b, c in CELLS:
+        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
+        R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
+        print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
+        base = ops.default_config(b)
+        for m in (5, 7):
+            measure(replace(base, magic=m), b, c)
+        if b >= 16:
+            for reg in (None, 168):
+                measure(replace(base, magic=7, maxnreg=reg), b, c)
+        elif c >= 32768:
+            for sp in (120, 124):
+                for m in (5, 7):
+                    measure(replace(base, magic=m), b, c, splits=sp)
     save()
 
 
@@ -216,6 +239,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
-        {"tests": tests, "sweep": sweep, "hist": hist, "bench": bench, "breakdown": breakdown, "splits": splits,
+        {"tests": tests, "sweep": sweep, "hist": hist, "whole": whole, "bench": bench, "breakdown": breakdown, "splits": splits,
          "diag": diag}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)

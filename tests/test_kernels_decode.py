@@ -143,7 +143,9 @@ CPU_CASES = [
 
 
 SUBNORMAL = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=1, num_stages=1, magic=5)
-UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17)}  # config, seed multiplier
+WHOLE_BYTE = replace(SUBNORMAL, magic=7)  # fields 0..2 and the whole byte as the top field (8 in the interpreter)
+UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17),
+           "subnormal-whole-byte": (WHOLE_BYTE, 13)}  # config, seed multiplier
 
 
 @pytest.mark.unit
@@ -168,12 +170,14 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
                          [(300.0, 1.0, 0.0), (0.002, 1.0, 0.0), (1.0, 2000.0, 0.0), (1.0, 1e-4, 0.0), (1.0, 1.0, 16.0),
                           (1.0, 1.0, -16.0)],
                          ids=["large-q", "tiny-q", "large-v", "tiny-v", "growing-v", "shrinking-v"])
-def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ramp: float) -> None:
+@pytest.mark.parametrize("config", [SUBNORMAL, WHOLE_BYTE], ids=["four-fields", "whole-byte"])
+def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ramp: float,
+                                                config: ops.DecodeConfig) -> None:
     """The per-program q scale and the per-tile V scale keep fp16 operands finite and out of the subnormals."""
     dev = "cuda" if CUDA else "cpu"
     c = make_case(5, 1, 4, 1, 64, [90], [2], [3], 16, torch.float16, dev, meta=torch.float16, q_mag=q_mag,
                   v_mag=v_mag, v_ramp=v_ramp)
-    assert_budget(run_op(c, num_splits=1, config=SUBNORMAL, out=_poisoned(c)), c)
+    assert_budget(run_op(c, num_splits=1, config=config, out=_poisoned(c)), c)
 
 
 @pytest.mark.unit
@@ -235,11 +239,12 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
     assert_budget(out, c)
     if heads == (32, 8) and d == 128:  # the other unpack variants and tile shapes, on one head layout
         # magic 3 folds 1024 + c into a float32 sum for fp16 (too lossy: documented); 0 and 4 are exact
-        for magic in (0, 3, 5) if dtype == torch.bfloat16 else (0, 5):
+        for magic in (0, 3, 5, 7) if dtype == torch.bfloat16 else (0, 5, 7):
             assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(magic=magic)), c)
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
-                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128)):
+                    ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
+                    ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
