@@ -303,7 +303,7 @@ def _int2_tile(
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
     ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
@@ -384,26 +384,12 @@ def _int2_tile(
         p1 = tl.exp2(s1 - m_new[None, :])
         p2 = tl.exp2(s2 - m_new[None, :])
         p3 = tl.exp2(s3 - m_new[None, :])
-        if LAZY:
-            # F only shrinks along the split and the accumulators are rescaled only when the running max or F
-            # changed (rare after the first tiles; a warp-uniform branch). l_i and accm are per-lane partial sums
-            # [NQ, GP], reduced over the tokens once per split instead of once per tile.
-            f_new = tl.minimum(fv, _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0)))
-            r = alpha * (f_new / fv)
-            if tl.min(r, 0) < 1.0:
-                acc = acc * r[None, :]
-                l_i = l_i * alpha[None, :]
-                accm = accm * alpha[None, :]
-            l_i += (p0 + p1) + (p2 + p3)
-            accm += (p0 * vz0[:, None] + p1 * vz1[:, None]) + (p2 * vz2[:, None] + p3 * vz3[:, None])
-        else:
-            l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
+        l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
         if MAGIC >= 5:
-            if not LAZY:
-                f_new = _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0))
-                accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
-                                             + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
-                acc = acc * (alpha * (f_new / fv))[None, :]
+            f_new = _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0))
+            accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
+                                         + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
+            acc = acc * (alpha * (f_new / fv))[None, :]
             w = _spread(vt, MAGIC)
             u3 = p3 * (vs3 * (f_new * 0.015625))[:, None]
             if MAGIC >= 7:  # whole-byte top field: residues 0..2 carry "- u3"
@@ -444,7 +430,7 @@ def _int2_split(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    HIST_STAGES: tl.constexpr, LAZY: tl.constexpr,
+    HIST_STAGES: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -487,29 +473,21 @@ def _int2_split(
     start = sp * chunk
     end = tl.minimum(start + chunk, length)
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    if LAZY:  # per-lane partial sums, reduced after the loop
-        l_i = tl.zeros([BLOCK_N // 4, GP], tl.float32)
-        accm = tl.zeros([BLOCK_N // 4, GP], tl.float32)
-    else:
-        l_i = tl.zeros([GP], tl.float32)
-        accm = tl.zeros([GP], tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    accm = tl.zeros([GP], tl.float32)
     acc = tl.zeros([D, GP], tl.float32)
-    # MAGIC 5-8: acc is in units of fv * 2^-24 (see _int2_tile); LAZY starts from the largest F _pow2_scale gives
-    fv = 274877906944.0 if LAZY else 1.0
+    fv = 1.0  # MAGIC 5/6: acc is in units of fv * 2^-24 (see _int2_tile)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N  # whole tiles: no masks; then one masked tail
     for n0 in tl.range(start, full_end, BLOCK_N, num_stages=HIST_STAGES):
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False, LAZY)
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, True, LAZY)
-    if LAZY:
-        l_i = tl.sum(l_i, 0)
-        accm = tl.sum(accm, 0)
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, True)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -597,7 +575,7 @@ def _decode_stage1_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
-    HIST_STAGES: tl.constexpr = 2, LAZY: tl.constexpr = False,
+    HIST_STAGES: tl.constexpr = 2,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -617,7 +595,7 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES, LAZY)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

@@ -145,8 +145,7 @@ CPU_CASES = [
 SUBNORMAL = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=1, num_stages=1, magic=5)
 WHOLE_BYTE = replace(SUBNORMAL, magic=7)  # fields 0..2 and the whole byte as the top field (8 in the interpreter)
 UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17),
-           "subnormal-whole-byte": (WHOLE_BYTE, 13),
-           "whole-byte-lazy-rescale": (replace(WHOLE_BYTE, lazy_rescale=True), 11)}  # config, seed multiplier
+           "subnormal-whole-byte": (WHOLE_BYTE, 13)}  # config, seed multiplier
 
 
 @pytest.mark.unit
@@ -171,8 +170,7 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
                          [(300.0, 1.0, 0.0), (0.002, 1.0, 0.0), (1.0, 2000.0, 0.0), (1.0, 1e-4, 0.0), (1.0, 1.0, 16.0),
                           (1.0, 1.0, -16.0)],
                          ids=["large-q", "tiny-q", "large-v", "tiny-v", "growing-v", "shrinking-v"])
-@pytest.mark.parametrize("config", [SUBNORMAL, WHOLE_BYTE, replace(WHOLE_BYTE, lazy_rescale=True)],
-                         ids=["four-fields", "whole-byte", "whole-byte-lazy"])
+@pytest.mark.parametrize("config", [SUBNORMAL, WHOLE_BYTE], ids=["four-fields", "whole-byte"])
 def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ramp: float,
                                                 config: ops.DecodeConfig) -> None:
     """The per-program q scale and the per-tile V scale keep fp16 operands finite and out of the subnormals."""
@@ -246,8 +244,7 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
                     ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
-                    ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2),
-                    ops.DecodeConfig(lazy_rescale=True), ops.DecodeConfig(lazy_rescale=True, maxnreg=168)):
+                    ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
