@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [breakdown] [splits] [diag] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
@@ -127,6 +127,27 @@ def whole() -> None:
     save()
 
 
+def variants() -> None:
+    """``default_config(batch)`` and the overrides in env VARIANTS (a JSON list of DecodeConfig field dicts, e.g.
+    ``[{"lazy_rescale": true}, {"lazy_rescale": true, "maxnreg": null}]``; entries with ``"min_batch": 16`` only
+    at batch >= 16), every cell, BF16 in the run."""
+    over = json.loads(os.environ.get("VARIANTS", "[]"))
+    copy = H.copy_bandwidth(DEV)
+    R["copy_gbps"] = copy
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for b, c in CELLS:
+        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
+        R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
+        print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
+        base = ops.default_config(b)
+        measure(base, b, c)
+        for o in over:
+            o = dict(o)
+            if b >= o.pop("min_batch", 0):
+                measure(replace(base, **o), b, c)
+    save()
+
+
 CELLS = [(1, 131072), (16, 131072), (1, 32768), (1, 4096), (16, 32768)]
 D = ops.DecodeConfig
 CONFIGS = {
@@ -239,6 +260,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
-        {"tests": tests, "sweep": sweep, "hist": hist, "whole": whole, "bench": bench, "breakdown": breakdown, "splits": splits,
+        {"tests": tests, "sweep": sweep, "hist": hist, "whole": whole, "variants": variants, "bench": bench, "breakdown": breakdown, "splits": splits,
          "diag": diag}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)
