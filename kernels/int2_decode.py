@@ -615,7 +615,6 @@ def _merge_rotate_kernel(
     n_parts,  # S + TIER_PARTS
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr, HAS_MU: tl.constexpr, HAS_R: tl.constexpr, E_PROG: tl.constexpr, PDL: tl.constexpr,
-    MERGE_STAGES: tl.constexpr = 1,
 ):
     """Stage 2: LSE merge over the partials, ``+ mu_V``, ``@ R_Vᵀ``, cast; output dims ``[e0, e0 + E_PROG)`` of
     one query head per program, in chunks of ``BLOCK_E`` (each program merges what its dims need: all of ``o``
@@ -645,9 +644,7 @@ def _merge_rotate_kernel(
     else:
         cols = e_base + tl.arange(0, E_PROG)
     o = tl.zeros([cols.shape[0]], tl.float32)
-    # partials in chunks: [BLOCK_P, D] tiles, never [S, D] in registers; MERGE_STAGES > 1 prefetches the next
-    # chunks (asynchronous copies) instead of one dependent round trip to memory per chunk
-    for p0 in tl.range(0, n_parts, BLOCK_P, num_stages=MERGE_STAGES):
+    for p0 in range(0, n_parts, BLOCK_P):  # partials in chunks: [BLOCK_P, D] tiles, never [S, D] in registers
         pp = p0 + tl.arange(0, BLOCK_P)
         pm = pp < n_parts
         w = tl.exp2(tl.load(lse_base + pp, mask=pm, other=float("-inf")) - mx)

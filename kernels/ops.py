@@ -224,7 +224,6 @@ class DecodeConfig:
     merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
     pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
     merge_block_p: int = 64  # partials per merge iteration (a power of two)
-    merge_stages: int = 1  # pipelining depth of the merge's loop over partial chunks (1: one round trip per chunk)
 
 
 def default_config(batch: int) -> DecodeConfig:
@@ -306,8 +305,6 @@ class DecodePlan:
             cfg = replace(cfg, magic=cfg.magic + 1)
         if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
             cfg = replace(cfg, pdl=False)
-        if not 1 <= cfg.merge_stages <= 8:
-            raise ConfigError(f"config: merge_stages must be in 1..8, got {cfg.merge_stages}")
         if not 1 <= cfg.hist_stages <= 8:
             raise ConfigError(f"config: hist_stages must be in 1..8, got {cfg.hist_stages}")
         if cfg.magic not in (0, 3, 4, 5, 6, 7, 8) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
@@ -387,8 +384,7 @@ class DecodePlan:
             mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
             out, out.stride(0), out.stride(1), n_parts),
             dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32, BLOCK_P=cfg.merge_block_p,
-                 HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl,
-                 MERGE_STAGES=cfg.merge_stages, num_warps=4,
+                 HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl, num_warps=4,
                  **({"launch_pdl": True} if cfg.pdl else {})))
 
     def run(self) -> torch.Tensor:

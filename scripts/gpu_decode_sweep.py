@@ -129,7 +129,7 @@ def whole() -> None:
 
 def variants() -> None:
     """``default_config(batch)`` and the overrides in env VARIANTS (a JSON list of DecodeConfig field dicts, e.g.
-    ``[{"merge_stages": 3}, {"maxnreg": null, "min_batch": 16}]``; entries with ``"min_batch": 16`` only
+    ``[{"lazy_rescale": true}, {"lazy_rescale": true, "maxnreg": null}]``; entries with ``"min_batch": 16`` only
     at batch >= 16), every cell, BF16 in the run."""
     over = json.loads(os.environ.get("VARIANTS", "[]"))
     copy = H.copy_bandwidth(DEV)

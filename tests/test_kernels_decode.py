@@ -181,15 +181,12 @@ def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ra
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("merge_cols", "block_p", "stages"), [(32, 64, 1), (64, 64, 1), (32, 4, 3), (64, 2, 2)],
-                         ids=["merge-32-cols", "merge-all-cols", "merge-chunks-pipelined", "merge-2-partial-chunks"])
-def test_decode_merge_column_split(merge_cols: int, block_p: int, stages: int) -> None:
-    """The merge either re-reads the partials per 32 output dims (more programs) or reads them once (all D); its
-    loop over chunks of partials (11 partials here: whole and ragged chunks), pipelined or not."""
+@pytest.mark.parametrize("merge_cols", [32, 64], ids=["merge-32-cols", "merge-all-cols"])
+def test_decode_merge_column_split(merge_cols: int) -> None:
+    """The merge either re-reads the partials per 32 output dims (more programs) or reads them once (all D)."""
     dev = "cuda" if CUDA else "cpu"
     c = make_case(9, 2, 8, 2, 64, [40, 7], [2, 3], [3, 0], 16, torch.float16, dev, meta=torch.float16)
-    cfg = replace(TINY, merge_cols=merge_cols, merge_block_p=block_p, merge_stages=stages)
-    assert_budget(run_op(c, num_splits=3, config=cfg, out=_poisoned(c)), c)
+    assert_budget(run_op(c, num_splits=3, config=replace(TINY, merge_cols=merge_cols), out=_poisoned(c)), c)
     with pytest.raises(ValueError, match="merge_cols"):
         run_op(c, num_splits=3, config=replace(TINY, merge_cols=48))
 
@@ -247,8 +244,7 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
                     ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
-                    ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2),
-                    ops.DecodeConfig(merge_stages=3), ops.DecodeConfig(merge_stages=3, merge_cols=128)):
+                    ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
