@@ -26,6 +26,10 @@ from oscar_kernels import int2_decode, ops
 BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
 PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
         "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32"}
+# Opcodes Nsight Compute counts on the ALU pipe (integer logic, permutes, shifts, compares, selects, min/max): it
+# issues at half the float pipe's rate, and it is what throttles the INT2 loop at batch 16 (docs/KERNELS.md, v8)
+ALU = ("LOP3", "PRMT", "SHF", "SEL", "FSEL", "FMNMX", "HMNMX2", "VHMNMX", "IMNMX", "ISETP", "FSETP", "PLOP3", "IADD3",
+       "LEA")
 INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
 
 
@@ -97,10 +101,11 @@ def main() -> None:
           f"stack {usage.group(2) if usage else '?'} B; {a.warps} warp(s), BLOCK_N {a.block_n}, GP {a.gp}")
     codes = a.block_n * 128 * 2  # K and V codes one INT2 iteration consumes (D = 128)
     for n, hist in loops(sass):
-        kind = "INT2" if hist.get("PRMT", 0) > 100 else "BF16"
+        kind = "INT2" if hist.get("LOP3", 0) + hist.get("PRMT", 0) > 150 else "BF16"  # the unpack's and/permute
+        alu = sum(hist.get(op, 0) for op in ALU)
         print(f"{kind} loop: {n} instructions/warp/iteration"
-              + (f" = {n * a.warps / codes:.4f} warp-instructions per code" if kind == "INT2" else ""),
-              dict(hist.most_common(12)))
+              + (f" = {n * a.warps / codes:.4f} warp-instructions per code" if kind == "INT2" else "")
+              + f", {alu} on the integer pipe", dict(hist.most_common(12)))
 
 
 if __name__ == "__main__":
