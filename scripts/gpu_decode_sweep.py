@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -86,8 +87,9 @@ def pipeline_facts(h: object) -> dict:
             "sync_loads_in_ir": len(re.findall(r"= tt\.load ", ir))}
 
 
-def hist() -> None:
-    """The INT2 loop's own pipelining depth (``hist_stages``) against the v7 depth 2, every cell, BF16 in the run."""
+def cells_with_bf16() -> Iterator[tuple[int, int]]:
+    """The copy bandwidth, then every cell of CELLS after measuring the BF16 baselines (cuDNN, flash) for it, so
+    each INT2 measurement of a stage has its BF16 reference from the same run."""
     copy = H.copy_bandwidth(DEV)
     R["copy_gbps"] = copy
     print(f"copy {copy:.0f} GB/s", flush=True)
@@ -95,6 +97,12 @@ def hist() -> None:
         e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
         R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
         print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
+        yield b, c
+
+
+def hist() -> None:
+    """The INT2 loop's own pipelining depth (``hist_stages``) against the v7 depth 2, every cell, BF16 in the run."""
+    for b, c in cells_with_bf16():
         base = ops.default_config(b)
         for hs in (2, 3, 5, 7):
             measure(replace(base, hist_stages=hs), b, c)
@@ -107,13 +115,7 @@ def hist() -> None:
 def whole() -> None:
     """The whole-byte top field (``magic=7``) against the four fields (5), every cell, BF16 in the run; register caps
     at batch 16 and one-wave split counts at batch 1 (8 one-warp programs per SM at > 128 registers)."""
-    copy = H.copy_bandwidth(DEV)
-    R["copy_gbps"] = copy
-    print(f"copy {copy:.0f} GB/s", flush=True)
-    for b, c in CELLS:
-        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
-        R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
-        print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
+    for b, c in cells_with_bf16():
         base = ops.default_config(b)
         for m in (5, 7):
             measure(replace(base, magic=m), b, c)
@@ -129,16 +131,10 @@ def whole() -> None:
 
 def variants() -> None:
     """``default_config(batch)`` and the overrides in env VARIANTS (a JSON list of DecodeConfig field dicts, e.g.
-    ``[{"lazy_rescale": true}, {"lazy_rescale": true, "maxnreg": null}]``; entries with ``"min_batch": 16`` only
+    ``[{"merge_cols": 128}, {"maxnreg": null, "min_batch": 16}]``; entries with ``"min_batch": 16`` only
     at batch >= 16), every cell, BF16 in the run."""
     over = json.loads(os.environ.get("VARIANTS", "[]"))
-    copy = H.copy_bandwidth(DEV)
-    R["copy_gbps"] = copy
-    print(f"copy {copy:.0f} GB/s", flush=True)
-    for b, c in CELLS:
-        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
-        R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
-        print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
+    for b, c in cells_with_bf16():
         base = ops.default_config(b)
         measure(base, b, c)
         for o in over:
@@ -160,13 +156,7 @@ CONFIGS = {
 
 
 def sweep() -> None:
-    copy = H.copy_bandwidth(DEV)
-    R["copy_gbps"] = copy
-    print(f"copy {copy:.0f} GB/s", flush=True)
-    for b, c in CELLS:
-        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
-        R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
-        print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
+    for b, c in cells_with_bf16():
         for cfg in CONFIGS:
             measure(cfg, b, c)
         if b == 1 and os.environ.get("SWEEP", "short") == "full":
