@@ -19,7 +19,7 @@ EXAMPLES = """
   oscar bench --shape llama-3.1-8b --batch 1,4,16,64   # another model's attention shape
   oscar bench --shape 32,8,128 --ctx 8k,64k --plot bench.png
   oscar --json bench > bench.json                       # GPU name, versions, git sha and every number
-  oscar bench --ctx 128k --kernel magic=4,pdl=false      # an older kernel variant, same harness
+  oscar bench --ctx 128k --kernel magic=5,hist_stages=2  # the v7 kernel (four fields, one buffer), same harness
 """
 
 
