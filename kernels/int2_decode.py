@@ -430,7 +430,7 @@ def _int2_split(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    HIST_STAGES: tl.constexpr,
+    HIST_STAGES: tl.constexpr, HOIST_Q: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -467,6 +467,15 @@ def _int2_split(
             q1 = (q1.to(tl.float32) * (qs * 0.25)).to(tl.float16)
             q2 = (q2.to(tl.float32) * (qs * 0.0625)).to(tl.float16)
         q3 = x3.to(tl.float16)
+        if HOIST_Q:
+            # Triton re-lays out the loop-invariant q operands into the MMA operand layout inside the loop, every
+            # tile (16 SHFL + 16 SEL). The same dots on a K tile loaded before the loop put that conversion outside
+            # it, and the compiler then reuses it in the loop. The tile's mask is never true (sp < num_splits in an
+            # INT2 program: no memory traffic, zeros), so the dots give exactly 0 and qsum is unchanged.
+            rows = tl.arange(0, BLOCK_N // 4)
+            kb0 = tl.load(kc_ptr + rows[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :],
+                          mask=(rows < sp - num_splits)[:, None], other=0)
+            qsum += tl.max(_field_dots(kb0, q0, q1, q2, q3, MAGIC), 0)
 
     length = tl.load(hist_len_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
@@ -575,7 +584,7 @@ def _decode_stage1_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
-    HIST_STAGES: tl.constexpr = 2,
+    HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -595,7 +604,7 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES, HOIST_Q)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

@@ -34,11 +34,13 @@ INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.
 
 
 def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0,
-                   act: str = "bf16", magic: int = 5, hist_stages: int = 0) -> object:
+                   act: str = "bf16", magic: int = 5, hist_stages: int = 0,
+                   hoist_q: bool = False) -> object:
     fn = int2_decode._decode_stage1_kernel
     const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, MAGIC=magic, MODE=0,
                  ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=64,
-                 TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages)
+                 TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
+                 HOIST_Q=hoist_q)
     sig = {n: "constexpr" if n in const else PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     # like the JIT's specialisation: pointers and strides divisible by 16 (the split count is not)
@@ -85,13 +87,14 @@ def main() -> None:
     p.add_argument("--gp", type=int, default=8)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--hist-stages", type=int, default=0, help="pipelining depth of the INT2 loop (0: --stages)")
+    p.add_argument("--hoist-q", action="store_true", help="q operands converted before the loop (DecodeConfig.hoist_q)")
     p.add_argument("--block-nb", type=int, default=16)
     p.add_argument("--maxnreg", type=int, default=0)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--magic", type=int, default=5, help="unpack variant (4 PTX 128+c, 5 PTX subnormal fields)")
     p.add_argument("--sass", type=Path)
     a = p.parse_args()
-    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.magic, a.hist_stages)
+    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.magic, a.hist_stages, a.hoist_q)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)
     if a.sass:

@@ -145,7 +145,8 @@ CPU_CASES = [
 SUBNORMAL = ops.DecodeConfig(block_n=64 if CUDA else 16, block_nb=16, num_warps=1, num_stages=1, magic=5)
 WHOLE_BYTE = replace(SUBNORMAL, magic=7)  # fields 0..2 and the whole byte as the top field (8 in the interpreter)
 UNPACKS = {"magic-number": (TINY, 31), "subnormal-fields": (SUBNORMAL, 17),
-           "subnormal-whole-byte": (WHOLE_BYTE, 13)}  # config, seed multiplier
+           "subnormal-whole-byte": (WHOLE_BYTE, 13),
+           "whole-byte-q-hoisted": (replace(WHOLE_BYTE, hoist_q=True), 11)}  # config, seed multiplier
 
 
 @pytest.mark.unit
@@ -163,6 +164,17 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
     out = run_op(c, num_splits=splits, config=config, out=_poisoned(c))
     assert torch.equal(c["q"], before), "q was modified"
     assert_budget(out, c)
+
+
+@pytest.mark.unit
+def test_decode_hoisted_q_operands_change_nothing() -> None:
+    """``hoist_q`` only moves the q operands' layout conversion before the loop (through dots on a K tile whose
+    loads are all masked off): the output is bitwise the in-order kernel's."""
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(21, 2, 8, 2, 64, [97, 40], [3, 2], [5, 3], 16, torch.float16, dev, meta=torch.float16)
+    base = run_op(c, num_splits=3, config=WHOLE_BYTE, out=_poisoned(c))
+    hoisted = run_op(c, num_splits=3, config=replace(WHOLE_BYTE, hoist_q=True), out=_poisoned(c))
+    assert torch.equal(base, hoisted)
 
 
 @pytest.mark.unit
@@ -189,6 +201,8 @@ def test_decode_merge_column_split(merge_cols: int) -> None:
     assert_budget(run_op(c, num_splits=3, config=replace(TINY, merge_cols=merge_cols), out=_poisoned(c)), c)
     with pytest.raises(ValueError, match="merge_cols"):
         run_op(c, num_splits=3, config=replace(TINY, merge_cols=48))
+    with pytest.raises(ops.ConfigError, match="hoist_q needs the subnormal fields"):
+        run_op(c, num_splits=3, config=replace(TINY, hoist_q=True))
 
 
 @pytest.mark.unit
@@ -244,7 +258,8 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
         for cfg in (ops.DecodeConfig(num_warps=4), ops.DecodeConfig(block_n=128, num_warps=2),
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
                     ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
-                    ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2)):
+                    ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2),
+                    ops.DecodeConfig(hoist_q=True), ops.DecodeConfig(hoist_q=True, maxnreg=168)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
