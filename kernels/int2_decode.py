@@ -157,6 +157,26 @@ def _field(wide, J: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _top_field(wide, MAGIC: tl.constexpr):
+    """The top MMA operand of spread codes ``wide``: MAGIC 7/8 the whole byte ``c0 + 4c1 + 16c2 + 64c3`` as an fp16
+    subnormal (no instruction), MAGIC 5/6 field 3."""
+    if MAGIC >= 7:
+        return wide.to(tl.float16, bitcast=True)
+    else:
+        return _field(wide, 3, MAGIC)
+
+
+@triton.jit
+def _top_correction(x3, MAGIC: tl.constexpr):
+    """What the other operand of fields 0..2 subtracts: ``x3`` (the top field's operand) when the top field is the
+    whole byte (its cross terms ``4^J·c_J·x3`` cancel exactly), else nothing."""
+    if MAGIC >= 7:
+        return x3
+    else:
+        return 0.0
+
+
+@triton.jit
 def _pow2_scale(xmax):
     """A power of two ``f = 2^(14 - c)`` with ``c = ⌈log2 xmax⌉`` (``xmax >= 0``), so ``xmax·f <= 2^14``: scales an
     fp16 MMA operand away from both overflow and the subnormals. ``c`` comes from the float32 bits (exponent, plus
@@ -227,11 +247,7 @@ def _field_dots(kb, q0, q1, q2, q3, MAGIC: tl.constexpr):
     raw = tl.dot(_field(w, 0, MAGIC), q0)
     raw = tl.dot(_field(w, 1, MAGIC), q1, raw)
     raw = tl.dot(_field(w, 2, MAGIC), q2, raw)
-    if MAGIC >= 7:
-        raw = tl.dot(w.to(tl.float16, bitcast=True), q3, raw)
-    else:
-        raw = tl.dot(_field(w, 3, MAGIC), q3, raw)
-    return raw
+    return tl.dot(_top_field(w, MAGIC), q3, raw)
 
 
 @triton.jit
@@ -392,16 +408,11 @@ def _int2_tile(
             acc = acc * (alpha * (f_new / fv))[None, :]
             w = _spread(vt, MAGIC)
             u3 = p3 * (vs3 * (f_new * 0.015625))[:, None]
-            if MAGIC >= 7:  # whole-byte top field: residues 0..2 carry "- u3"
-                acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None] - u3).to(tl.float16), acc)
-                acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None] - u3).to(tl.float16), acc)
-                acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None] - u3).to(tl.float16), acc)
-                acc = tl.dot(w.to(tl.float16, bitcast=True), u3.to(tl.float16), acc)
-            else:
-                acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None]).to(tl.float16), acc)
-                acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None]).to(tl.float16), acc)
-                acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None]).to(tl.float16), acc)
-                acc = tl.dot(_field(w, 3, MAGIC), u3.to(tl.float16), acc)
+            c3 = _top_correction(u3, MAGIC)  # whole-byte top field: residues 0..2 carry "- u3"
+            acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None] - c3).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None] - c3).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None] - c3).to(tl.float16), acc)
+            acc = tl.dot(_top_field(w, MAGIC), u3.to(tl.float16), acc)
             fv = f_new
         else:
             pv0, z0 = _residue_values(p0, vs0, vz0, ACT, OFF)
@@ -458,14 +469,10 @@ def _int2_split(
         qs = _pow2_scale(qmax)
         kmul = 16777216.0 / qs
         x3 = q3.to(tl.float32) * (qs * 0.015625)
-        if MAGIC >= 7:  # whole-byte top field: operands x_J - x_3 for J < 3 (see the module docstring)
-            q0 = (q0.to(tl.float32) * qs - x3).to(tl.float16)
-            q1 = (q1.to(tl.float32) * (qs * 0.25) - x3).to(tl.float16)
-            q2 = (q2.to(tl.float32) * (qs * 0.0625) - x3).to(tl.float16)
-        else:
-            q0 = (q0.to(tl.float32) * qs).to(tl.float16)
-            q1 = (q1.to(tl.float32) * (qs * 0.25)).to(tl.float16)
-            q2 = (q2.to(tl.float32) * (qs * 0.0625)).to(tl.float16)
+        c3 = _top_correction(x3, MAGIC)  # whole-byte top field: operands x_J - x_3 for J < 3
+        q0 = (q0.to(tl.float32) * qs - c3).to(tl.float16)
+        q1 = (q1.to(tl.float32) * (qs * 0.25) - c3).to(tl.float16)
+        q2 = (q2.to(tl.float32) * (qs * 0.0625) - c3).to(tl.float16)
         q3 = x3.to(tl.float16)
         if HOIST_Q:
             # Triton re-lays out the loop-invariant q operands into the MMA operand layout inside the loop, every
