@@ -313,6 +313,106 @@ def _residue_values(p, vs, vz, ACT: tl.constexpr, OFF: tl.constexpr):
     return pv, p * vz[:, None] - OFF * pv.to(tl.float32)
 
 
+_ASM_PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """A hint: fetch the cache lines holding ``ptrs`` (any shape) into L2; no result, no fault (CUDA only)."""
+    tl.inline_asm_elementwise(_ASM_PREFETCH_L2, "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
+                         stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
+                         hist_len_ptr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                         PAGE: tl.constexpr):
+    """Start the DRAM -> L2 transfer of the first tile of INT2 split ``sp`` (K rows, V token-quad rows, the four
+    metadata rows) before stage 1 waits for the q rotation (``PREFETCH``): at short contexts that tile is all the
+    split reads, and its DRAM latency then overlaps the rotation kernel. Tokens past the split's end are clamped to
+    its last token (no address outside the cache)."""
+    length = tl.load(hist_len_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, length)
+    if start < end:
+        NQ: tl.constexpr = BLOCK_N // 4
+        quad = tl.minimum(4 * tl.arange(0, NQ), end - 1 - start)
+        kb_j, mb_j, vbase, koff = _tile_addrs(start, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
+                                              stride_mp, stride_mh, bt_ptr, stride_btb, BLOCK_N, PAGED, PAGE)
+        _prefetch_l2(kc_ptr + kb_j + koff * (D // 4))  # one pointer per 4 rows of D/4 bytes
+        if PAGED:
+            vrow = PAGE // 4
+        else:
+            vrow = stride_vd
+        # per V row, the first quad of each 16-token group (one page: pages are multiples of 16 tokens), groups past
+        # the end replaced by the tile's first quad
+        vgrp = tl.min(tl.reshape(vbase, [4, NQ // 4]), 1)
+        vgrp = tl.where(start + (BLOCK_N // 4) * tl.arange(0, 4) < end, vgrp, tl.min(vbase, 0))
+        _prefetch_l2(vc_ptr + tl.reshape(vgrp[None, :] + tl.arange(0, D)[:, None] * vrow, [4 * D]))
+        _prefetch_l2(ks_ptr + mb_j + koff)
+        _prefetch_l2(kz_ptr + mb_j + koff)
+        _prefetch_l2(vs_ptr + mb_j + koff)
+        _prefetch_l2(vz_ptr + mb_j + koff)
+
+
+@triton.jit
+def _prefetch_tier_rows(b, h, part, sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
+                        rk2_ptr, rv2_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
+                        D: tl.constexpr, BLOCK_NB: tl.constexpr, TIER_PARTS: tl.constexpr):
+    """Start the DRAM -> L2 transfer of the BF16 rows (K and V) of tier range ``part`` (see :func:`_bf16_tiers`)
+    before stage 1 waits for the q rotation (``PREFETCH``)."""
+    n_sink = tl.load(sink_len_ptr + b)
+    n_all = n_sink + tl.load(recent_len_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(n_all, TIER_PARTS), BLOCK_NB) * BLOCK_NB
+    start = part * chunk
+    end = tl.minimum(start + chunk, n_all)
+    lines = tl.arange(0, (D * 2 + 127) // 128) * 64  # one pointer per 128-byte line of a row (2-byte elements)
+    for t0 in range(start, end, BLOCK_NB):
+        t = tl.minimum(t0 + tl.arange(0, BLOCK_NB), end - 1)
+        in_sink = t < n_sink
+        srow = tl.where(in_sink, t, 0)
+        rrow = tl.where(in_sink, 0, t - n_sink)
+        soff = b * stride_sb + h * stride_sh + srow * stride_st
+        roff = b * stride_rb + h * stride_rh + rrow * stride_rt
+        off = tl.where(in_sink, soff, roff)[:, None] + lines[None, :]
+        kp = tl.where(in_sink[:, None], sk_ptr + off, rk2_ptr + off)
+        vp = tl.where(in_sink[:, None], sv_ptr + off, rv2_ptr + off)
+        _prefetch_l2(tl.reshape(kp, [BLOCK_NB * lines.shape[0]]))
+        _prefetch_l2(tl.reshape(vp, [BLOCK_NB * lines.shape[0]]))
+
+
+@triton.jit
+def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp, stride_mh,
+                bt_ptr, stride_btb, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Element offsets of the tile of tokens ``[n0, n0 + BLOCK_N)`` of (batch ``b``, KV head ``h``): ``kb_j`` (K page
+    + head), ``mb_j`` (metadata page + head), ``vbase`` (V token-quad byte of each quad, ``[NQ]``) and ``koff``
+    (row of each quad's first token in its page, ``[NQ]``); ``quad = 4 * arange(NQ)``. Paged with tiles inside a
+    page: one block-table entry per tile; paged otherwise: one per quad (quads never straddle pages,
+    ``P % 4 == 0``); non-paged: one "page" of T rows per sequence."""
+    NQ: tl.constexpr = BLOCK_N // 4
+    if PAGED and PAGE % BLOCK_N == 0:  # a tile never straddles a page (tiles start at multiples of BLOCK_N)
+        page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE).to(tl.int64)
+        kb_j = page * stride_kp + h * stride_kh
+        mb_j = page * stride_mp + h * stride_mh
+        tile = (n0 % PAGE) // BLOCK_N  # written so that the compiler sees 16-byte aligned, contiguous V rows
+        vbase = page * stride_vp + h * stride_vh + tile * NQ + tl.arange(0, NQ)
+        koff = tile * BLOCK_N + quad
+    elif PAGED:
+        qpage = tl.load(bt_ptr + b * stride_btb + (n0 + quad) // PAGE, mask=n0 + quad < end,
+                        other=0).to(tl.int64)
+        vbase = qpage * stride_vp + h * stride_vh + ((n0 + quad) % PAGE) // 4
+        koff = (n0 + quad) % PAGE
+        kb_j = qpage * stride_kp + h * stride_kh
+        mb_j = qpage * stride_mp + h * stride_mh
+    else:
+        kb_j = b.to(tl.int64) * stride_kp + h * stride_kh
+        mb_j = b.to(tl.int64) * stride_mp + h * stride_mh
+        vbase = b.to(tl.int64) * stride_vp + h * stride_vh + n0 // 4 + tl.arange(0, NQ)
+        koff = n0 + quad
+    return kb_j, mb_j, vbase, koff
+
+
 @triton.jit
 def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
@@ -329,26 +429,8 @@ def _int2_tile(
     NQ: tl.constexpr = BLOCK_N // 4
     quad = 4 * tl.arange(0, NQ)  # first token of each quad, relative to the tile
     dims = tl.arange(0, D)
-    if PAGED and PAGE % BLOCK_N == 0:  # a tile never straddles a page (tiles start at multiples of BLOCK_N)
-        page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE).to(tl.int64)
-        kb_j = page * stride_kp + h * stride_kh
-        mb_j = page * stride_mp + h * stride_mh
-        tile = (n0 % PAGE) // BLOCK_N  # written so that the compiler sees 16-byte aligned, contiguous V rows
-        vbase = page * stride_vp + h * stride_vh + tile * NQ + tl.arange(0, NQ)
-        koff = tile * BLOCK_N + quad
-    elif PAGED:
-        # per quad: its page (quads never straddle pages: P % 4 == 0)
-        qpage = tl.load(bt_ptr + b * stride_btb + (n0 + quad) // PAGE, mask=n0 + quad < end,
-                        other=0).to(tl.int64)
-        vbase = qpage * stride_vp + h * stride_vh + ((n0 + quad) % PAGE) // 4
-        koff = (n0 + quad) % PAGE
-        kb_j = qpage * stride_kp + h * stride_kh
-        mb_j = qpage * stride_mp + h * stride_mh
-    else:  # one "page" of T rows per sequence (the non-paged layout): no table lookups
-        kb_j = b.to(tl.int64) * stride_kp + h * stride_kh
-        mb_j = b.to(tl.int64) * stride_mp + h * stride_mh
-        vbase = b.to(tl.int64) * stride_vp + h * stride_vh + n0 // 4 + tl.arange(0, NQ)
-        koff = n0 + quad
+    kb_j, mb_j, vbase, koff = _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp,
+                                          stride_mh, bt_ptr, stride_btb, BLOCK_N, PAGED, PAGE)
     ok0 = n0 + quad < end  # used only when MASKED
     ok1 = n0 + quad + 1 < end
     ok2 = n0 + quad + 2 < end
@@ -591,7 +673,7 @@ def _decode_stage1_kernel(
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
-    HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False,
+    HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -599,12 +681,21 @@ def _decode_stage1_kernel(
     wait for it (``griddepcontrol.wait``) before reading ``q_rot``; let the merge launch once every program has
     written its partial.
     """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     b = pid // H_KV
     h = pid % H_KV
     sp = tl.program_id(1)
+    if PREFETCH:  # nothing below the wait but q depends on the rotation: start this program's first DRAM reads
+        if sp < num_splits:
+            _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
+                                 stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
+                                 hist_len_ptr, D, BLOCK_N, PAGED, PAGE)
+        else:
+            _prefetch_tier_rows(b, h, sp - num_splits, sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
+                                rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr, D, BLOCK_NB,
+                                TIER_PARTS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if sp < num_splits:
         _int2_split(b, h, sp, num_splits, q_ptr, stride_qb, stride_qh,
                     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,

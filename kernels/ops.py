@@ -213,7 +213,8 @@ class DecodeConfig:
     # issued after this tile's math and waited for right away); 5 double-buffers them (docs/KERNELS.md, v8)
     hist_stages: int = 5
     # subnormal fields (magic 5-8): convert the q operands to the MMA layout once, before the INT2 loop, instead of
-    # in every iteration (local sm_90 SASS: 804 -> 755 instructions per tile; not yet measured on a GPU)
+    # in every iteration (local sm_90 SASS: 804 -> 755 instructions per tile at 168 registers; H200: faster at batch
+    # 16, slower at batch 1 where ptxas then keeps 168 instead of 195 registers; docs/KERNELS.md, v9)
     hoist_q: bool = False
     magic: int = 7  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
     # (128 + c as bf16); 5 PTX fp16 subnormal fields (2 prmt per 4 bytes, then one `and` per 2 codes; q and P
@@ -227,6 +228,9 @@ class DecodeConfig:
     merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
     pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
     merge_block_p: int = 64  # partials per merge iteration (a power of two)
+    # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
+    # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
+    prefetch: bool = True
 
 
 def default_config(batch: int) -> DecodeConfig:
@@ -235,7 +239,7 @@ def default_config(batch: int) -> DecodeConfig:
     the registers are capped at 168 (3 instead of 2 one-warp programs per scheduler, no spills: 16 x 128K 401 µs
     vs 424 µs uncapped and 418 µs at a 128 cap with spills; at batch 1 the grid is one wave either way and
     registers buy instruction-level parallelism)."""
-    return DecodeConfig(maxnreg=168) if batch >= 16 else DecodeConfig()
+    return DecodeConfig(maxnreg=168, hoist_q=True) if batch >= 16 else DecodeConfig()
 
 
 def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
@@ -310,6 +314,8 @@ class DecodePlan:
             cfg = replace(cfg, magic=cfg.magic + 1)
         if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
             cfg = replace(cfg, pdl=False)
+        if cfg.prefetch and dev.type != "cuda":  # an inline-PTX cache hint: nothing to run in the interpreter
+            cfg = replace(cfg, prefetch=False)
         if cfg.hoist_q and cfg.magic not in (5, 6, 7, 8):
             raise ConfigError(f"config: hoist_q needs the subnormal fields (magic 5-8), got magic {cfg.magic}")
         if not 1 <= cfg.hist_stages <= 8:
@@ -383,7 +389,7 @@ class DecodePlan:
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
+                 HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),

@@ -169,12 +169,18 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
 @pytest.mark.unit
 def test_decode_hoisted_q_operands_change_nothing() -> None:
     """``hoist_q`` only moves the q operands' layout conversion before the loop (through dots on a K tile whose
-    loads are all masked off): the output is bitwise the in-order kernel's."""
+    loads are all masked off): in the interpreter the output is bitwise the in-order kernel's; compiled for a GPU,
+    ptxas may contract multiply-adds differently in the two kernels, so there both meet the error budget and agree
+    closely."""
     dev = "cuda" if CUDA else "cpu"
     c = make_case(21, 2, 8, 2, 64, [97, 40], [3, 2], [5, 3], 16, torch.float16, dev, meta=torch.float16)
     base = run_op(c, num_splits=3, config=WHOLE_BYTE, out=_poisoned(c))
     hoisted = run_op(c, num_splits=3, config=replace(WHOLE_BYTE, hoist_q=True), out=_poisoned(c))
-    assert torch.equal(base, hoisted)
+    if CUDA:
+        assert_budget(hoisted, c)
+        torch.testing.assert_close(hoisted, base, rtol=0, atol=1e-2)
+    else:
+        assert torch.equal(base, hoisted)
 
 
 @pytest.mark.unit
@@ -259,26 +265,29 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
                     ops.DecodeConfig(min_gp=16), ops.DecodeConfig(maxnreg=128), ops.DecodeConfig(magic=5, pdl=True),
                     ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
                     ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2),
-                    ops.DecodeConfig(hoist_q=True), ops.DecodeConfig(hoist_q=True, maxnreg=168)):
+                    ops.DecodeConfig(hoist_q=True), ops.DecodeConfig(hoist_q=True, maxnreg=168),
+                    ops.DecodeConfig(prefetch=False), ops.DecodeConfig(prefetch=False, hoist_q=False, maxnreg=168)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="requires CUDA")
-def test_decode_cuda_graph_replay_equals_eager() -> None:
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_decode_cuda_graph_replay_equals_eager(prefetch: bool) -> None:
     c = make_case(11, 3, 32, 8, 128, [3000, 17, 0], [64, 64, 5], [256, 100, 0], 64, torch.bfloat16, "cuda")
     s = 8
+    cfg = replace(ops.default_config(3), prefetch=prefetch)
     ws = ops.make_workspace(3, 32, 128, s, torch.device("cuda"))
     out = _poisoned(c)
-    eager = run_op(c, num_splits=s, workspace=ws, out=out).clone()
+    eager = run_op(c, num_splits=s, workspace=ws, out=out, config=cfg).clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run_op(c, num_splits=s, workspace=ws, out=out)
+        run_op(c, num_splits=s, workspace=ws, out=out, config=cfg)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run_op(c, num_splits=s, workspace=ws, out=out)
+        run_op(c, num_splits=s, workspace=ws, out=out, config=cfg)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
