@@ -244,17 +244,19 @@ def default_config(batch: int) -> DecodeConfig:
 
 def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
                        device: torch.device | None = None, tokens_per_split: int = 2730,
-                       min_programs: int = 1024) -> int:
+                       min_programs: int = 1024, min_tiles: int = 2) -> int:
     """A fixed split count from static shapes only (CUDA-graph safe).
 
     At most ``tokens_per_split`` history tokens per program, at least ``min_programs`` programs (fills the
-    H200's 132 SMs several times over; measured in docs/KERNELS.md), at least one tile per split. The two bounds
-    meet at large batch: 2730 tokens gives 12 splits at 16 x 32K (117 µs, 16 splits 121 µs) and 48 at 16 x 128K
-    (as fast as 64; docs/KERNELS.md, v8); batch 1 stays at 1024 programs.
+    H200's 132 SMs several times over; measured in docs/KERNELS.md), at least ``min_tiles`` tiles per split (the
+    pipelined loop overlaps the second tile's copies with the first tile's math, and fewer partials make the
+    merge one pass: 1 x 4K 12.6 µs at 30 splits of two tiles vs 13.4 at 59 of one; docs/KERNELS.md, v9). The
+    bounds meet at large batch: 2730 tokens gives 12 splits at 16 x 32K (117 µs, 16 splits 121 µs) and 48 at
+    16 x 128K (as fast as 64; docs/KERNELS.md, v8); batch 1 from 32K stays at 1024 programs.
     """
     del device  # the measured choice does not depend on the SM count within H100/H200; kept for callers
     want = max(math.ceil(hist_capacity / tokens_per_split), math.ceil(min_programs / max(batch * h_kv, 1)))
-    most = max(1, math.ceil(hist_capacity / block_n))
+    most = max(1, math.ceil(hist_capacity / (min_tiles * block_n)))
     return max(1, min(want, most, 256))
 
 

@@ -3,7 +3,8 @@
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
     PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [bench]
-(env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter.)
+(env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter, CELLS
+the (batch, context) cells, e.g. CELLS=1x4096,16x131072, VARIANTS the variants stage's configs.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
 """
@@ -131,20 +132,23 @@ def whole() -> None:
 
 def variants() -> None:
     """``default_config(batch)`` and the overrides in env VARIANTS (a JSON list of DecodeConfig field dicts, e.g.
-    ``[{"merge_cols": 128}, {"maxnreg": null, "min_batch": 16}]``; entries with ``"min_batch": 16`` only
-    at batch >= 16), every cell, BF16 in the run."""
+    ``[{"merge_cols": 128}, {"maxnreg": null, "min_batch": 16}]``; ``min_batch``, ``max_batch`` and ``max_ctx``
+    limit an entry to some cells, ``splits`` fixes the split count), every cell, BF16 in the run."""
     over = json.loads(os.environ.get("VARIANTS", "[]"))
     for b, c in cells_with_bf16():
         base = ops.default_config(b)
         measure(base, b, c)
         for o in over:
             o = dict(o)
-            if b >= o.pop("min_batch", 0):
-                measure(replace(base, **o), b, c)
+            sp = o.pop("splits", None)
+            if b >= o.pop("min_batch", 0) and b <= o.pop("max_batch", 1 << 30) and c <= o.pop("max_ctx", 1 << 30):
+                measure(replace(base, **o), b, c, splits=sp)
     save()
 
 
 CELLS = [(1, 131072), (16, 131072), (1, 32768), (1, 4096), (16, 32768)]
+if os.environ.get("CELLS"):  # e.g. CELLS=1x4096,1x32768
+    CELLS = [(int(b), int(c)) for b, c in (x.split("x") for x in os.environ["CELLS"].split(","))]
 D = ops.DecodeConfig
 CONFIGS = {
     "short": [D(magic=4), D(magic=4, maxnreg=128), D(magic=5), D(magic=5, maxnreg=128), D(magic=5, maxnreg=168),
@@ -223,8 +227,7 @@ def breakdown() -> None:
     R["breakdown"] = []
     bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
     for b, c in CELLS:
-        for cfg in (replace(ops.default_config(b), magic=5, merge_cols=32),
-                    replace(ops.default_config(b), magic=5, merge_cols=128)):
+        for cfg in (ops.default_config(b),):
             plans, _, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
             plans = plans if len(plans) > 1 else plans * 4
             row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
