@@ -238,16 +238,62 @@ def _store_partial_t(ot, lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh, s
     tl.store(lse_ptr + b * stride_lb + (h * GROUP + heads) * stride_lh + sp, lse, mask=ok)
 
 
+# Integer K fields (MAGIC 9/10): ``w & 0x03030303`` and ``w & 0x0c0c0c0c`` of a 32-bit register of 4 code bytes give
+# ``c0`` and ``4·c1`` of each byte as int8 MMA operands, ``w >> 4`` then the same masks ``c2`` and ``4·c3``: 5 integer
+# instructions per 16 codes, no zero-extension (an int8 MMA takes 4 consecutive bytes per register).
+_ASM_I8_LO = tl.constexpr("and.b32 $0, $2, 0x03030303;\nand.b32 $1, $2, 0x0c0c0c0c;")
+_ASM_I8_HI = tl.constexpr("{\n.reg .b32 t;\nshr.b32 t, $2, 4;\nand.b32 $0, t, 0x03030303;\nand.b32 $1, t, 0x0c0c0c0c;\n}")
+
+
+@triton.jit
+def _int8_fields(kb, MAGIC: tl.constexpr):
+    """Code bytes ``kb`` (uint8) -> int8 ``(c0, 4·c1, c2, 4·c3)`` (MAGIC 9: PTX per 4 bytes; 10: element by element)."""
+    if MAGIC == 9:
+        f0, f1 = tl.inline_asm_elementwise(_ASM_I8_LO, "=r,=r,r", [kb], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+        f2, f3 = tl.inline_asm_elementwise(_ASM_I8_HI, "=r,=r,r", [kb], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        f0 = (kb & 3).to(tl.int8)
+        f1 = (kb & 12).to(tl.int8)
+        f2 = ((kb >> 4) & 3).to(tl.int8)
+        f3 = ((kb >> 4) & 12).to(tl.int8)
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _int8_operand(x):
+    """float32 ``x`` ``[K, N]`` (``|x| <= 2^14``) rounded to integers ``y = 256·hi + lo`` (``lo`` in [-128, 127], ``hi``
+    in [-64, 64]) -> int8 ``[K, 2N]`` with ``hi`` and ``lo`` of column ``n`` in columns ``2n`` and ``2n + 1`` (MMA
+    accumulator columns come in pairs per thread: splitting them again costs no shuffle)."""
+    y = (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int32)
+    lo = ((y + 128) & 255) - 128
+    hi = (y - lo) >> 8
+    return tl.reshape(tl.join(hi, lo), [x.shape[0], 2 * x.shape[1]]).to(tl.int8)
+
+
 @triton.jit
 def _field_dots(kb, q0, q1, q2, q3, MAGIC: tl.constexpr):
     """``C_K·qᵀ`` for the K code bytes ``kb`` ``[M, D/4]`` in the subnormal-field scaling (MAGIC 5-8): one dot
     per field; MAGIC 7/8 use the whole byte ``c0 + 4c1 + 16c2 + 64c3`` (no instruction) as the top field, with
     ``q0..q2`` carrying ``- q3`` (see :func:`_int2_split`)."""
-    w = _spread(kb, MAGIC)
-    raw = tl.dot(_field(w, 0, MAGIC), q0)
-    raw = tl.dot(_field(w, 1, MAGIC), q1, raw)
-    raw = tl.dot(_field(w, 2, MAGIC), q2, raw)
-    return tl.dot(_top_field(w, MAGIC), q3, raw)
+    if MAGIC >= 9:  # int8 fields against 16-bit fixed-point q (hi, lo column pairs), int32 accumulation
+        # The accumulator starts at 0x4B400000, the float 1.5·2^23: for |sum| < 2^22 (here < 2^18) its bits
+        # are then the float 1.5·2^23 + sum, and one exact subtraction converts, on the float pipe (int-to-float
+        # conversions run at a quarter of its rate on Hopper).
+        f0, f1, f2, f3 = _int8_fields(kb, MAGIC)
+        acc = tl.dot(f0, q0, tl.full([kb.shape[0], q0.shape[1]], 0x4B400000, tl.int32), out_dtype=tl.int32)
+        acc = tl.dot(f1, q1, acc, out_dtype=tl.int32)
+        acc = tl.dot(f2, q2, acc, out_dtype=tl.int32)
+        acc = tl.dot(f3, q3, acc, out_dtype=tl.int32)
+        hi, lo = tl.split(tl.reshape(acc.to(tl.float32, bitcast=True) - 12582912.0,
+                                     [acc.shape[0], acc.shape[1] // 2, 2]))
+        raw = hi * 256.0 + lo
+    else:
+        w = _spread(kb, MAGIC)
+        raw = tl.dot(_field(w, 0, MAGIC), q0)
+        raw = tl.dot(_field(w, 1, MAGIC), q1, raw)
+        raw = tl.dot(_field(w, 2, MAGIC), q2, raw)
+        raw = tl.dot(_top_field(w, MAGIC), q3, raw)
+    return raw
 
 
 @triton.jit
@@ -488,13 +534,14 @@ def _int2_tile(
             accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
                                          + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
             acc = acc * (alpha * (f_new / fv))[None, :]
-            w = _spread(vt, MAGIC)
+            VM: tl.constexpr = MAGIC - 2 if MAGIC >= 9 else MAGIC  # integer K fields: values as in 7/8
+            w = _spread(vt, VM)
             u3 = p3 * (vs3 * (f_new * 0.015625))[:, None]
-            c3 = _top_correction(u3, MAGIC)  # whole-byte top field: residues 0..2 carry "- u3"
-            acc = tl.dot(_field(w, 0, MAGIC), (p0 * (vs0 * f_new)[:, None] - c3).to(tl.float16), acc)
-            acc = tl.dot(_field(w, 1, MAGIC), (p1 * (vs1 * (f_new * 0.25))[:, None] - c3).to(tl.float16), acc)
-            acc = tl.dot(_field(w, 2, MAGIC), (p2 * (vs2 * (f_new * 0.0625))[:, None] - c3).to(tl.float16), acc)
-            acc = tl.dot(_top_field(w, MAGIC), u3.to(tl.float16), acc)
+            c3 = _top_correction(u3, VM)  # whole-byte top field: residues 0..2 carry "- u3"
+            acc = tl.dot(_field(w, 0, VM), (p0 * (vs0 * f_new)[:, None] - c3).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 1, VM), (p1 * (vs1 * (f_new * 0.25))[:, None] - c3).to(tl.float16), acc)
+            acc = tl.dot(_field(w, 2, VM), (p2 * (vs2 * (f_new * 0.0625))[:, None] - c3).to(tl.float16), acc)
+            acc = tl.dot(_top_field(w, VM), u3.to(tl.float16), acc)
             fv = f_new
         else:
             pv0, z0 = _residue_values(p0, vs0, vz0, ACT, OFF)
@@ -549,6 +596,13 @@ def _int2_split(
                           tl.maximum(tl.max(tl.max(tl.abs(q2.to(tl.float32)), 1), 0),
                                      tl.max(tl.max(tl.abs(q3.to(tl.float32)), 1), 0)))
         qs = _pow2_scale(qmax)
+    if MAGIC >= 9:  # int8 K fields (c0, 4c1, c2, 4c3): operands q0, q1/4, q2, q3/4 as 16-bit fixed point
+        kmul = 1.0 / qs
+        q0 = _int8_operand(q0.to(tl.float32) * qs)
+        q1 = _int8_operand(q1.to(tl.float32) * (qs * 0.25))
+        q2 = _int8_operand(q2.to(tl.float32) * qs)
+        q3 = _int8_operand(q3.to(tl.float32) * (qs * 0.25))
+    elif MAGIC >= 5:
         kmul = 16777216.0 / qs
         x3 = q3.to(tl.float32) * (qs * 0.015625)
         c3 = _top_correction(x3, MAGIC)  # whole-byte top field: operands x_J - x_3 for J < 3
@@ -556,15 +610,15 @@ def _int2_split(
         q1 = (q1.to(tl.float32) * (qs * 0.25) - c3).to(tl.float16)
         q2 = (q2.to(tl.float32) * (qs * 0.0625) - c3).to(tl.float16)
         q3 = x3.to(tl.float16)
-        if HOIST_Q:
-            # Triton re-lays out the loop-invariant q operands into the MMA operand layout inside the loop, every
-            # tile (16 SHFL + 16 SEL). The same dots on a K tile loaded before the loop put that conversion outside
-            # it, and the compiler then reuses it in the loop. The tile's mask is never true (sp < num_splits in an
-            # INT2 program: no memory traffic, zeros), so the dots give exactly 0 and qsum is unchanged.
-            rows = tl.arange(0, BLOCK_N // 4)
-            kb0 = tl.load(kc_ptr + rows[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :],
-                          mask=(rows < sp - num_splits)[:, None], other=0)
-            qsum += tl.max(_field_dots(kb0, q0, q1, q2, q3, MAGIC), 0)
+    if MAGIC >= 5 and HOIST_Q:
+        # Triton re-lays out the loop-invariant q operands into the MMA operand layout inside the loop, every
+        # tile (16 SHFL + 16 SEL). The same dots on a K tile loaded before the loop put that conversion outside
+        # it, and the compiler then reuses it in the loop. The tile's mask is never true (sp < num_splits in an
+        # INT2 program: no memory traffic, zeros), so the dots give exactly 0 and qsum is unchanged.
+        rows = tl.arange(0, BLOCK_N // 4)
+        kb0 = tl.load(kc_ptr + rows[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :],
+                      mask=(rows < sp - num_splits)[:, None], other=0)
+        qsum += tl.max(_field_dots(kb0, q0, q1, q2, q3, MAGIC), 0)
 
     length = tl.load(hist_len_ptr + b)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N

@@ -219,9 +219,10 @@ class DecodeConfig:
     magic: int = 7  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
     # (128 + c as bf16); 5 PTX fp16 subnormal fields (2 prmt per 4 bytes, then one `and` per 2 codes; q and P
     # rescaled by powers of two); 7 = 5 with the whole zero-extended byte as the top field (3 `and` per 4 fields,
-    # the other operand of fields 0..2 carries "- top"); 6 and 8 = 5 and 7 element by element. CUDA only: 4, 5, 7
-    # (the CPU interpreter runs 3 or 0 for 4, 6 for 5, 8 for 7). fp16 activations: not 3 (it folds 1024 into a
-    # float32 sum: too lossy)
+    # the other operand of fields 0..2 carries "- top"); 9 = 7 for values, keys as int8 fields (c0, 4c1, c2, 4c3:
+    # 5 integer instructions per 16 codes) against q in 16-bit fixed point (two int8 MMA columns per head), head_dim
+    # 128 only; 6, 8 and 10 = 5, 7 and 9 element by element. CUDA only: 4, 5, 7, 9 (the CPU interpreter runs 3 or 0
+    # for 4, 6 for 5, 8 for 7, 10 for 9). fp16 activations: not 3 (it folds 1024 into a float32 sum: too lossy)
     mode: int = 0  # 0 full kernel; diagnostic 1: load only
     min_gp: int = 8  # query heads per KV head are padded to max(min_gp, next power of two) (the MMA's N)
     maxnreg: int | None = None  # register cap per thread for stage 1 (None: the compiler's choice)
@@ -312,23 +313,25 @@ class DecodePlan:
         dev = q.device
         if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
             cfg = replace(cfg, magic=3 if q.dtype == torch.bfloat16 else 0)  # fp16: the exact variant
-        if cfg.magic in (5, 7) and dev.type != "cuda":  # the same subnormal fields, element by element
+        if cfg.magic in (5, 7, 9) and dev.type != "cuda":  # the same fields, element by element
             cfg = replace(cfg, magic=cfg.magic + 1)
         if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
             cfg = replace(cfg, pdl=False)
         if cfg.prefetch and dev.type != "cuda":  # an inline-PTX cache hint: nothing to run in the interpreter
             cfg = replace(cfg, prefetch=False)
-        if cfg.hoist_q and cfg.magic not in (5, 6, 7, 8):
-            raise ConfigError(f"config: hoist_q needs the subnormal fields (magic 5-8), got magic {cfg.magic}")
+        if cfg.hoist_q and cfg.magic not in (5, 6, 7, 8, 9, 10):
+            raise ConfigError(f"config: hoist_q needs the subnormal fields (magic 5-10), got magic {cfg.magic}")
         if not 1 <= cfg.hist_stages <= 8:
             raise ConfigError(f"config: hist_stages must be in 1..8, got {cfg.hist_stages}")
-        if cfg.magic not in (0, 3, 4, 5, 6, 7, 8) or cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
-                (dev.type == "cuda" and cfg.block_n < 64):
-            raise ConfigError(f"config: magic in (0, 3, 4, 5, 6, 7, 8) and block_n a power of two >= 64 (>= 16 in the "
-                              f"interpreter), got {cfg}")
+        if cfg.magic not in (0, 3, 4, 5, 6, 7, 8, 9, 10) or cfg.block_n % 4 or cfg.block_n < 16 or \
+                cfg.block_n & (cfg.block_n - 1) or (dev.type == "cuda" and cfg.block_n < 64):
+            raise ConfigError(f"config: magic in 0, 3-10 and block_n a power of two >= 64 (>= 16 in the interpreter), "
+                              f"got {cfg}")
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
         b, h_q, d = q.shape
+        if cfg.magic in (9, 10) and d != 128:  # an int8 MMA reduces over 32 bytes: one field of D/4 dims
+            raise ConfigError(f"config: magic {cfg.magic} (integer K fields) needs head_dim 128, got {d}")
         e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)
         if e_prog not in (32, d) or cfg.merge_block_p < 2 or cfg.merge_block_p & (cfg.merge_block_p - 1):
             raise ConfigError(f"config: merge_cols must be 0, 32 or {d} and merge_block_p a power of two >= 2, got "

@@ -183,6 +183,35 @@ def test_decode_hoisted_q_operands_change_nothing() -> None:
         assert torch.equal(base, hoisted)
 
 
+INT8_K = replace(WHOLE_BYTE, magic=9, hoist_q=True)  # integer K fields (10 in the interpreter); head_dim 128
+INT8_CASES = [
+    # id, (B, H_q, H_kv, D), hist, sink, recent, page, splits, q_mag
+    ("ragged-page16", (2, 8, 2, 128), [70, 9], [3, 1], [4, 2], 16, 2, 1.0),
+    ("page64-one-split", (1, 4, 1, 128), [128], [1], [2], 64, 1, 1.0),
+    ("large-q", (1, 4, 1, 128), [90], [2], [3], 16, 1, 300.0),
+    ("tiny-q", (1, 4, 1, 128), [90], [2], [3], 16, 1, 0.002),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", INT8_CASES, ids=[c[0] for c in INT8_CASES])
+def test_decode_int8_key_fields(case: tuple) -> None:
+    """Integer K fields (magic 9; 10 in the interpreter): q as 16-bit fixed point against the int8 code fields, int32
+    accumulation converted through the float 1.5·2^23, against the float64 oracle."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits, q_mag = case
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(len(name) * 7 + b, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
+                  meta=torch.float16, q_mag=q_mag)
+    assert_budget(run_op(c, num_splits=splits, config=INT8_K, out=_poisoned(c)), c)
+
+
+@pytest.mark.unit
+def test_decode_int8_key_fields_need_head_dim_128() -> None:
+    c = make_case(4, 1, 4, 1, 64, [20], [1], [2], 16, torch.float16, "cpu", meta=torch.float16)
+    with pytest.raises(ops.ConfigError, match="needs head_dim 128"):
+        run_op(c, num_splits=1, config=INT8_K)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(("q_mag", "v_mag", "v_ramp"),
                          [(300.0, 1.0, 0.0), (0.002, 1.0, 0.0), (1.0, 2000.0, 0.0), (1.0, 1e-4, 0.0), (1.0, 1.0, 16.0),
@@ -266,7 +295,9 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
                     ops.DecodeConfig(magic=5, merge_cols=128), ops.DecodeConfig(magic=5, maxnreg=128),
                     ops.DecodeConfig(magic=7, maxnreg=128), ops.DecodeConfig(hist_stages=2),
                     ops.DecodeConfig(hoist_q=True), ops.DecodeConfig(hoist_q=True, maxnreg=168),
-                    ops.DecodeConfig(prefetch=False), ops.DecodeConfig(prefetch=False, hoist_q=False, maxnreg=168)):
+                    ops.DecodeConfig(prefetch=False), ops.DecodeConfig(prefetch=False, hoist_q=False, maxnreg=168),
+                    ops.DecodeConfig(magic=9, hoist_q=True), ops.DecodeConfig(magic=9, hoist_q=True, maxnreg=168),
+                    ops.DecodeConfig(magic=9)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
