@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [flashinfer] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter, CELLS
 the (batch, context) cells, e.g. CELLS=1x4096,16x131072, VARIANTS the variants stage's configs.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
@@ -240,10 +240,22 @@ def breakdown() -> None:
     save()
 
 
+def flashinfer() -> None:
+    """FlashInfer's paged BF16 decode at 1 x 4K, tensor-core and CUDA-core kernels: compiles its JIT kernels (cached
+    for a ``bench`` stage after it) and shows whether it runs here at all."""
+    bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    for tc in (True, False):
+        t = time.time()
+        e, g = H.bench_flashinfer(SHAPE, 1, 4096, bc, DEV, L2, tc)
+        R.setdefault("flashinfer", []).append({"tensor_cores": tc, "eager": e, "graph": g, "seconds": time.time() - t})
+        print("FLASHINFER", "tc" if tc else "cuda-cores", e, g, f"{time.time() - t:.0f}s", flush=True)
+    save()
+
+
 def bench() -> None:
     p = subprocess.run([sys.executable, "-c", "from oscar_cli.main import main; main()", "--json", "bench",
                         "--batch", "1,16", "--ctx", "4k,32k,128k", "--plot", str(OUT / "bench.png")],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=int(os.environ.get("BENCH_TIMEOUT", "300")))
     (OUT / "bench.json").write_text(p.stdout)
     (OUT / "bench.log").write_text(p.stderr)
     print("BENCH rc", p.returncode, p.stderr[-600:], flush=True)
@@ -254,5 +266,5 @@ if __name__ == "__main__":
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
         {"tests": tests, "sweep": sweep, "hist": hist, "whole": whole, "variants": variants, "bench": bench, "breakdown": breakdown, "splits": splits,
-         "diag": diag}[st]()
+         "diag": diag, "flashinfer": flashinfer}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)

@@ -361,7 +361,59 @@ def bench_bf16(
             graph_us([partial(call, t) for t in (sets if len(sets) > 1 else sets * 4)], cfg.rep_ms) if graphs else None
         )
     del sets
+    if _has_flashinfer():
+        for name, tensor_cores in (("flashinfer_tc", True), ("flashinfer", False)):
+            eager[name], graph[name] = bench_flashinfer(shape, batch, ctx, cfg, device, l2, tensor_cores, graphs)
     return eager, graph
+
+
+def bench_flashinfer(
+    shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, l2: int, tensor_cores: bool,
+    graphs: bool = True,
+) -> tuple[float | None, float | None]:
+    """FlashInfer's paged BF16 decode (``BatchDecodeWithPagedKVCacheWrapper``, NHD pages of ``cfg.page_size``
+    tokens, tensor-core or CUDA-core kernels) over rotating caches; planned once, a CUDA-graph wrapper for the
+    graph time. (None, None) with a log line when it does not run here (optional baseline)."""
+    import flashinfer
+
+    act = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
+    pages_per_seq = math.ceil(ctx / cfg.page_size)
+    n_pages = batch * pages_per_seq
+    indptr = torch.arange(0, n_pages + 1, pages_per_seq, dtype=torch.int32, device=device)
+    indices = torch.randperm(n_pages, device=device).to(torch.int32)  # pages scattered like a real pool
+    last = torch.full((batch,), ctx - (pages_per_seq - 1) * cfg.page_size, dtype=torch.int32, device=device)
+
+    def make(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.randn(batch, shape.h_q, shape.d, device=device, dtype=act)
+        return q, torch.randn(n_pages, 2, cfg.page_size, shape.h_kv, shape.d, device=device, dtype=act)
+
+    try:
+        sets = rotating(make, bf16_bytes(shape, batch, ctx), l2, most=16)
+        timings: list[float | None] = []
+        for use_graph in (False, True) if graphs else (False,):
+            ws = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
+            bufs = {"paged_kv_indptr_buffer": indptr.clone(), "paged_kv_indices_buffer": indices.clone(),
+                    "paged_kv_last_page_len_buffer": last.clone()} if use_graph else {}
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=use_graph,
+                                                              use_tensor_cores=tensor_cores, **bufs)
+            w.plan(indptr, indices, last, shape.h_q, shape.h_kv, shape.d, cfg.page_size, q_data_type=act,
+                   kv_data_type=act)
+
+            def call(t: tuple[torch.Tensor, torch.Tensor], w: Any = w) -> torch.Tensor:
+                return w.run(t[0], t[1])
+
+            call(sets[0])
+            torch.cuda.synchronize()
+            if use_graph:
+                timings.append(graph_us([partial(call, t) for t in (sets if len(sets) > 1 else sets * 4)], cfg.rep_ms))
+            else:
+                timings.append(median_us(cycle(sets, call), cfg.rep_ms))
+        del sets
+    except Exception as exc:  # noqa: BLE001 - an optional baseline: recorded as not run, never fatal
+        log.info("FlashInfer (%s) did not run: %s", "tensor cores" if tensor_cores else "CUDA cores",
+                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None, None
+    return timings[0], (timings[1] if len(timings) > 1 else None)
 
 
 def bench_quantize(shape: AttnShape, tokens: int, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
@@ -435,10 +487,17 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
     notes = [
         "FlashInfer not measured: optional, not importable here"
         if not _has_flashinfer()
-        else "FlashInfer importable but not wired into this harness"
+        else f"FlashInfer {_flashinfer_version()} measured: paged BF16 decode, pages of {config.page_size} tokens, "
+        "tensor-core (flashinfer_tc) and CUDA-core (flashinfer) kernels; a cell without it did not run (see the log)"
     ]
     cfg = {k: (v.__dict__ if isinstance(v, AttnShape) else v) for k, v in config.__dict__.items()}
     return BenchResult(config=cfg, environment=env, copy_gbps=copy, cells=cells, quantize=quant, notes=notes)
+
+
+def _flashinfer_version() -> str:
+    import flashinfer
+
+    return str(getattr(flashinfer, "__version__", "?"))
 
 
 def _has_flashinfer() -> bool:
