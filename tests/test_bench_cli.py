@@ -103,6 +103,54 @@ def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str]) 
     assert re.search(r"\b1%\s*│\s*6%", out), out  # eager share, then the graph share
 
 
+def test_bench_table_shows_the_faster_flashinfer_kernel(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FlashInfer measured, its column shows the faster of its tensor-core and CUDA-core kernels."""
+    from oscar_cli import _output
+    from oscar_cli.bench import harness as H
+    from oscar_cli.commands.bench import _render
+
+    cell = H.CellResult(batch=1, ctx=4096, splits=30, int2_us=35.6, int2_graph_us=11.8, int2_bytes=3_633_900,
+                        int2_gbps=102.0, pct_copy=2.4, bf16_us={"cudnn": 51.8, "flash": 24.4, "flashinfer_tc": 19.2,
+                                                                 "flashinfer": 18.2},
+                        bf16_graph_us={"cudnn": 12.2, "flash": 19.2, "flashinfer_tc": 14.7, "flashinfer": 29.7},
+                        best_bf16="flashinfer", best_bf16_us=18.2, speedup=0.51, speedup_graph=1.03,
+                        pct_copy_graph=7.2)
+    res = H.BenchResult(config={"shape": {"name": "qwen3-8b", "h_kv": 8}}, environment={"gpu": "H200"},
+                        copy_gbps=4274.0, cells=[cell],
+                        quantize={"tokens": 16, "us": 1.0, "rows_per_s": 1e6, "gbps": 1.0, "values_us": 2.0},
+                        notes=[])
+    monkeypatch.setattr(_output.stdout, "width", 240)  # every column unabbreviated
+    _render(res)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "4k" in line)
+    cols = [c.strip() for c in row.split("│")[1:-1]]
+    assert "FlashInfer µs" in out and cols[10] == "18.2", out  # eager: min(flashinfer_tc 19.2, flashinfer 18.2)
+
+
+def test_flashinfer_failure_is_recorded_as_not_run(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """FlashInfer is an optional baseline: when its kernels do not run here the cell records None, never an error
+    or a made-up number."""
+    import logging
+    import sys
+    import types
+
+    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.shapes import NAMED_SHAPES
+
+    class Wrapper:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper))
+    cfg = H.BenchConfig(shape=NAMED_SHAPES["smollm2-135m"], rep_ms=1)
+    with caplog.at_level(logging.INFO, logger=H.log.name):
+        got = H.bench_flashinfer(cfg.shape, 1, 256, cfg, torch.device("cpu"), 1 << 20, tensor_cores=True)
+    assert got == (None, None)
+    assert "FlashInfer (tensor cores) did not run: no kernel image" in caplog.text
+
+
 def test_kernel_options_parse_and_apply() -> None:
     """``--kernel`` sets any DecodeConfig field; the others keep default_config(batch)."""
     from oscar_cli.bench import harness as H
