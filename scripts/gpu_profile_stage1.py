@@ -3,12 +3,15 @@
 Usage (on the H200; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
     PYTHONPATH=.:/tmp/pp ncu --clock-control none -k regex:stage1 -s 2 -c 1 --section WarpStateStats \\
-        --section SchedulerStats --section Occupancy python3 scripts/gpu_profile_stage1.py BATCH CTX
+        --section SchedulerStats --section Occupancy python3 scripts/gpu_profile_stage1.py BATCH CTX [OVERRIDES]
+(OVERRIDES: a JSON object of DecodeConfig fields over ``default_config(BATCH)``, e.g. '{"magic": 9}'.)
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +25,7 @@ SHAPE = NAMED_SHAPES["qwen3-8b"]
 def main() -> None:
     b, c = int(sys.argv[1]), int(sys.argv[2])
     dev = torch.device("cuda")
-    cfg = ops.default_config(b)
+    cfg = replace(ops.default_config(b), **(json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))
     plans, _, s = H.int2_plans(SHAPE, b, c, H.BenchConfig(shape=SHAPE), dev,
                                torch.cuda.get_device_properties(dev).L2_cache_size, cfg)
     plan = plans[0]
