@@ -40,7 +40,10 @@ is already the fp16 subnormal ``Σ_J c_J·4^J·2^-24``, so fields 0..2 are maske
 stands for field 3; the other operands of fields 0..2 carry ``- x_3`` (``x_J - x_3``, ``x_3``: the cross terms
 ``4^J·c_J·x_3`` cancel exactly), computed in float32 and rounded to fp16 once per program (q) or per tile
 (``P∘s_V``). 3 instead of 4 ``and`` per spread register: 0.5 instead of 0.625 instructions per code, on the
-integer pipe that bounds the loop at batch 16 (docs/KERNELS.md, v8). 6 and 8 = 5 and 7 element by element (the
+integer pipe that bounds the loop at batch 16 (docs/KERNELS.md, v8). **9 = 7 for values, integer K fields**
+(head_dim 128): int8 MMAs on ``c0, 4c1, c2, 4c3`` (``and`` masks on the raw 32-bit words, ``shr 4`` for the upper
+two: no zero-extension) against q in 16-bit fixed point (hi and lo int8 columns per head), int32 accumulators
+converted through the float 1.5·2^23 (docs/KERNELS.md, v9). 6, 8 and 10 = 5, 7 and 9 element by element (the
 CPU interpreter). 4 = inline PTX per 32-bit register of 4 code bytes (``shr``,
 ``and 0x03030303``, two ``prmt`` with the constant byte 0x43: four bf16 ``128 + c`` exactly, bf16's ulp at 128
 being 1; no conversion); 3 = the same magic number per element (the CPU interpreter); 0 = shift/and/int->float
@@ -272,9 +275,10 @@ def _int8_operand(x):
 
 @triton.jit
 def _field_dots(kb, q0, q1, q2, q3, MAGIC: tl.constexpr):
-    """``C_K·qᵀ`` for the K code bytes ``kb`` ``[M, D/4]`` in the subnormal-field scaling (MAGIC 5-8): one dot
-    per field; MAGIC 7/8 use the whole byte ``c0 + 4c1 + 16c2 + 64c3`` (no instruction) as the top field, with
-    ``q0..q2`` carrying ``- q3`` (see :func:`_int2_split`)."""
+    """``C_K·qᵀ`` for the K code bytes ``kb`` ``[M, D/4]`` in the field scaling (MAGIC 5-10; float32 ``[M, GP]``):
+    one dot per field; MAGIC 7/8 use the whole byte ``c0 + 4c1 + 16c2 + 64c3`` (no instruction) as the top field,
+    with ``q0..q2`` carrying ``- q3``; MAGIC 9/10 int8 fields against int8 ``[D/4, 2·GP]`` q operands (hi, lo
+    columns; see :func:`_int2_split`)."""
     if MAGIC >= 9:  # int8 fields against 16-bit fixed-point q (hi, lo column pairs), int32 accumulation
         # The accumulator starts at 0x4B400000, the float 1.5·2^23: for |sum| < 2^22 (here < 2^18) its bits
         # are then the float 1.5·2^23 + sum, and one exact subtraction converts, on the float pipe (int-to-float
