@@ -825,3 +825,55 @@ def _merge_rotate_kernel(
             tl.store(obase + e, tl.sum(r * o[None, :], 1).to(out_ptr.dtype.element_ty))
     else:
         tl.store(obase + cols, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _merge_rotate_group_kernel(
+    op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials (see stage 1)
+    mu_ptr, stride_muh,  # mu_V [H_r, D] float32 (rotated space)
+    rv_ptr, stride_rvh,  # R_V [H_r, D, D] float32
+    out_ptr, stride_outb, stride_outh,  # out [B, H_q, D] act dtype
+    n_parts,  # S + TIER_PARTS
+    H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, HAS_MU: tl.constexpr, HAS_R: tl.constexpr, PDL: tl.constexpr,
+):
+    """Stage 2 for all ``g`` query heads of one KV head per program (grid ``(B * H_kv,)``): the same LSE merge,
+    ``+ mu_V`` and ``@ R_Vᵀ`` as :func:`_merge_rotate_kernel`, but ``R_V`` (``D x D`` float32, shared by the group)
+    is read once per group instead of once per query head — at 16 x 128K the per-head merge reads 32 MB of ``R_V``
+    for 14 MB of partials. Partials are read as ``[GP, BLOCK_P, D]`` tiles."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    b = pid // H_KV
+    hkv = pid % H_KV
+    rows = tl.arange(0, GP)
+    row_ok = rows < GROUP
+    heads = hkv * GROUP + rows
+    cols = tl.arange(0, D)
+    lse_rows = lse_ptr + b * stride_lb + heads[:, None] * stride_lh  # [GP, 1]
+    parts = tl.arange(0, SP)
+    lse = tl.load(lse_rows + parts[None, :], mask=row_ok[:, None] & (parts < n_parts)[None, :], other=float("-inf"))
+    mx = tl.max(lse, 1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.sum(tl.exp2(lse - mx[:, None]), 1)
+    part_rows = op_ptr + b * stride_ob + heads * stride_oh  # [GP]
+    o = tl.zeros([GP, D], tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        pp = p0 + tl.arange(0, BLOCK_P)
+        pm = row_ok[:, None] & (pp < n_parts)[None, :]  # [GP, BLOCK_P]
+        w = tl.exp2(tl.load(lse_rows + pp[None, :], mask=pm, other=float("-inf")) - mx[:, None])
+        tile = tl.load(part_rows[:, None, None] + pp[None, :, None] * stride_os + cols[None, None, :],
+                       mask=pm[:, :, None], other=0.0)  # [GP, BLOCK_P, D]
+        o += tl.sum(w[:, :, None] * tile, 1)
+    o = o / tl.where(den > 0, den, 1.0)[:, None]
+    if HAS_MU:
+        o += tl.load(mu_ptr + hkv * stride_muh + cols)[None, :]
+    out_rows = out_ptr + b * stride_outb + heads * stride_outh  # [GP]
+    if HAS_R:
+        for c in tl.static_range(D // BLOCK_E):
+            e = c * BLOCK_E + tl.arange(0, BLOCK_E)
+            r = tl.load(rv_ptr + hkv * stride_rvh + e[:, None] * D + cols[None, :])  # R_V[e, :]
+            y = tl.sum(o[:, None, :] * r[None, :, :], 2)  # [GP, BLOCK_E]
+            tl.store(out_rows[:, None] + e[None, :], y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(out_rows[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
