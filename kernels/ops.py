@@ -232,9 +232,6 @@ class DecodeConfig:
     # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
     # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
     prefetch: bool = True
-    # merge programs: one per query head (False) or one per KV head's group (True: R_V read once per group; None:
-    # the group from 128 query heads in the batch, where the merge reads every partial once anyway)
-    merge_kv: bool | None = None
 
 
 def default_config(batch: int) -> DecodeConfig:
@@ -399,31 +396,21 @@ class DecodePlan:
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
-        merge_kv = cfg.merge_kv if cfg.merge_kv is not None else b * h_q >= 128
-        merge_args = (o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-                      lse_part.stride(0), lse_part.stride(1),
-                      mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
-                      out, out.stride(0), out.stride(1), n_parts)
-        sp_pow2 = max(2, 1 << (n_parts - 1).bit_length())
-        if merge_kv:
-            self._merge: tuple[Any, ...] = (
-                "_merge_rotate_group_kernel", (b * h_kv,), merge_args,
-                dict(H_KV=h_kv, GROUP=g, GP=1 << (g - 1).bit_length(), D=d, SP=sp_pow2, BLOCK_E=16, BLOCK_P=16,
-                     HAS_MU=mu is not None, HAS_R=rv is not None, PDL=cfg.pdl, num_warps=4,
-                     **({"launch_pdl": True} if cfg.pdl else {})))
-        else:
-            self._merge = ("_merge_rotate_kernel", (b * h_q, d // e_prog), merge_args,
-                           dict(H_Q=h_q, GROUP=g, D=d, SP=sp_pow2, BLOCK_E=32, BLOCK_P=cfg.merge_block_p,
-                                HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl, num_warps=4,
-                                **({"launch_pdl": True} if cfg.pdl else {})))
+        self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
+            o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
+            out, out.stride(0), out.stride(1), n_parts),
+            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32, BLOCK_P=cfg.merge_block_p,
+                 HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl, num_warps=4,
+                 **({"launch_pdl": True} if cfg.pdl else {})))
 
     def run(self) -> torch.Tensor:
         """Launch the three kernels (rotate q, stage 1, merge + rotate back); returns ``out [B, H_q, D]``."""
         k = self._kernels
         k._rotate_q_kernel[self._rot[0]](*self._rot[1], **self._rot[2])
         LAST_LAUNCH["stage1"] = k._decode_stage1_kernel[self._stage1[0]](*self._stage1[1], **self._stage1[2])
-        name, grid, args, kw = self._merge
-        getattr(k, name)[grid](*args, **kw)
+        k._merge_rotate_kernel[self._merge[0]](*self._merge[1], **self._merge[2])
         return self.out
 
 

@@ -218,7 +218,7 @@ def _launch(p: ops.DecodePlan, part: str) -> None:
     """One of the plan's three kernels alone (rotate q, stage 1, merge + rotate back)."""
     k = p._kernels
     fn, (grid, args, kw) = {"rotate": (k._rotate_q_kernel, p._rot), "stage1": (k._decode_stage1_kernel, p._stage1),
-                            "merge": (getattr(k, p._merge[0]), p._merge[1:])}[part]
+                            "merge": (k._merge_rotate_kernel, p._merge)}[part]
     fn[grid](*args, **kw)
 
 

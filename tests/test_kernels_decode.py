@@ -227,24 +227,6 @@ def test_decode_subnormal_fields_extreme_scales(q_mag: float, v_mag: float, v_ra
     assert_budget(run_op(c, num_splits=1, config=config, out=_poisoned(c)), c)
 
 
-MERGE_CASES = [  # id, (B, H_q, H_kv, D), hist, sink, recent, splits
-    ("group-4", (2, 8, 2, 64), [40, 7], [2, 3], [3, 0], 3),
-    ("group-1", (3, 4, 4, 64), [33, 0, 12], [1, 2, 0], [2, 0, 3], 2),
-    ("group-3-padded", (1, 6, 2, 64), [50], [2], [4], 3),
-]
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("case", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
-@pytest.mark.parametrize("merge_kv", [False, True], ids=["per-query-head", "per-kv-head"])
-def test_decode_merge_per_kv_head(case: tuple, merge_kv: bool) -> None:
-    """The merge per query head and per KV head's group (``R_V`` read once per group; padded groups, g = 1)."""
-    name, (b, h_q, h_kv, d), hist, sink, recent, splits = case
-    dev = "cuda" if CUDA else "cpu"
-    c = make_case(len(name) * 13 + b, b, h_q, h_kv, d, hist, sink, recent, 16, torch.float16, dev, meta=torch.float16)
-    assert_budget(run_op(c, num_splits=splits, config=replace(TINY, merge_kv=merge_kv), out=_poisoned(c)), c)
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("merge_cols", [32, 64], ids=["merge-32-cols", "merge-all-cols"])
 def test_decode_merge_column_split(merge_cols: int) -> None:
@@ -315,8 +297,7 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
                     ops.DecodeConfig(hoist_q=True), ops.DecodeConfig(hoist_q=True, maxnreg=168),
                     ops.DecodeConfig(prefetch=False), ops.DecodeConfig(prefetch=False, hoist_q=False, maxnreg=168),
                     ops.DecodeConfig(magic=9, hoist_q=True), ops.DecodeConfig(magic=9, hoist_q=True, maxnreg=168),
-                    ops.DecodeConfig(magic=9), ops.DecodeConfig(merge_kv=True),
-                    ops.DecodeConfig(merge_kv=False, merge_cols=128)):
+                    ops.DecodeConfig(magic=9)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
