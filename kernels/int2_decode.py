@@ -363,6 +363,15 @@ def _residue_values(p, vs, vz, ACT: tl.constexpr, OFF: tl.constexpr):
     return pv, p * vz[:, None] - OFF * pv.to(tl.float32)
 
 
+@triton.jit
+def _part_range(n, part, parts, BLOCK: tl.constexpr):
+    """Rows ``[start, end)`` of range ``part`` when ``n`` rows are cut into ``parts`` ranges of whole ``BLOCK``-row
+    tiles (the INT2 splits and the BF16 tier ranges; trailing ranges may be empty: ``start >= end``)."""
+    chunk = tl.cdiv(tl.cdiv(n, parts), BLOCK) * BLOCK
+    start = part * chunk
+    return start, tl.minimum(start + chunk, n)
+
+
 _ASM_PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
 
 
@@ -382,9 +391,7 @@ def _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_
     split reads, and its DRAM latency then overlaps the rotation kernel. Tokens past the split's end are clamped to
     its last token (no address outside the cache)."""
     length = tl.load(hist_len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(start + chunk, length)
+    start, end = _part_range(length, sp, num_splits, BLOCK_N)
     if start < end:
         NQ: tl.constexpr = BLOCK_N // 4
         quad = tl.minimum(4 * tl.arange(0, NQ), end - 1 - start)
@@ -414,9 +421,7 @@ def _prefetch_tier_rows(b, h, part, sk_ptr, sv_ptr, stride_sb, stride_sh, stride
     before stage 1 waits for the q rotation (``PREFETCH``)."""
     n_sink = tl.load(sink_len_ptr + b)
     n_all = n_sink + tl.load(recent_len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(n_all, TIER_PARTS), BLOCK_NB) * BLOCK_NB
-    start = part * chunk
-    end = tl.minimum(start + chunk, n_all)
+    start, end = _part_range(n_all, part, TIER_PARTS, BLOCK_NB)
     lines = tl.arange(0, (D * 2 + 127) // 128) * 64  # one pointer per 128-byte line of a row (2-byte elements)
     for t0 in range(start, end, BLOCK_NB):
         t = tl.minimum(t0 + tl.arange(0, BLOCK_NB), end - 1)
@@ -625,9 +630,7 @@ def _int2_split(
         qsum += tl.max(_field_dots(kb0, q0, q1, q2, q3, MAGIC), 0)
 
     length = tl.load(hist_len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(start + chunk, length)
+    start, end = _part_range(length, sp, num_splits, BLOCK_N)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     accm = tl.zeros([GP], tl.float32)
@@ -698,9 +701,7 @@ def _bf16_tiers(
     acc = tl.zeros([D, GP], tl.float32)
     n_sink = tl.load(sink_len_ptr + b)
     n_all = n_sink + tl.load(recent_len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(n_all, TIER_PARTS), BLOCK_NB) * BLOCK_NB
-    start = part * chunk
-    end = tl.minimum(start + chunk, n_all)
+    start, end = _part_range(n_all, part, TIER_PARTS, BLOCK_NB)
     s0 = tl.minimum(start, n_sink)  # sink rows [s0, s1) of this range
     s1 = tl.minimum(end, n_sink)
     r0 = tl.maximum(start - n_sink, 0)  # recent rows [r0, r1)
