@@ -202,10 +202,9 @@ def diag() -> None:
             if one_page:  # the plans read these tensors: every history token now comes from page 0
                 for x in cases:
                     x["block_table"].zero_()
-            plans = plans if len(plans) > 1 else plans * 4
             row = {"batch": b, "ctx": c, "one_page": one_page, "cfg": dict(cfg.__dict__),
-                   "stage1": H.graph_us([partial(_launch, p, "stage1") for p in plans], 40),
-                   "all": H.graph_us([p.run for p in plans], 40)}
+                   "stage1": H.graph_over(plans, partial(_launch, part="stage1"), 40),
+                   "all": H.graph_over(plans, lambda p: p.run(), 40)}
             R["diag"].append(row)
             print("DIAG", row, flush=True)
             del cases, plans
@@ -227,16 +226,15 @@ def breakdown() -> None:
     R["breakdown"] = []
     bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
     for b, c in CELLS:
-        for cfg in (ops.default_config(b),):
-            plans, _, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
-            plans = plans if len(plans) > 1 else plans * 4
-            row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
-            for part in ("rotate", "stage1", "merge"):
-                row[part] = H.graph_us([partial(_launch, p, part) for p in plans], 40)
-            row["all"] = H.graph_us([p.run for p in plans], 40)
-            R["breakdown"].append(row)
-            print("BREAKDOWN", row, flush=True)
-            del plans
+        cfg = ops.default_config(b)
+        plans, _, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
+        row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
+        for part in ("rotate", "stage1", "merge"):
+            row[part] = H.graph_over(plans, partial(_launch, part=part), 40)
+        row["all"] = H.graph_over(plans, lambda p: p.run(), 40)
+        R["breakdown"].append(row)
+        print("BREAKDOWN", row, flush=True)
+        del plans
     save()
 
 

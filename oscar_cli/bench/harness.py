@@ -172,6 +172,12 @@ def rotating(make: Callable[[int], Any], bytes_each: int, l2_bytes: int, most: i
     return [make(i) for i in range(n)]
 
 
+def graph_over(items: list[Any], call: Callable[[Any], Any], rep_ms: int = 100) -> float | None:
+    """:func:`graph_us` of ``call(item)`` for every rotating input set, back to back in one graph (a single set is
+    captured four times, so one replay is never a single launch)."""
+    return graph_us([partial(call, t) for t in (items if len(items) > 1 else items * 4)], rep_ms)
+
+
 def cycle(items: list[Any], call: Callable[[Any], Any]) -> Callable[[], Any]:
     state = {"i": 0}
 
@@ -321,7 +327,7 @@ def bench_int2(
     """(eager µs, graph µs, splits) of one INT2 decode step over rotating caches."""
     plans, _, s = int2_plans(shape, batch, ctx, cfg, device, l2, decode_config, splits)
     eager = median_us(cycle(plans, lambda p: p.run()), cfg.rep_ms)
-    g = graph_us([p.run for p in (plans if len(plans) > 1 else plans * 4)], cfg.rep_ms) if graphs else None
+    g = graph_over(plans, lambda p: p.run(), cfg.rep_ms) if graphs else None
     return eager, g, s
 
 
@@ -357,9 +363,7 @@ def bench_bf16(
             eager[name] = graph[name] = None
             continue
         eager[name] = median_us(cycle(sets, call), cfg.rep_ms)
-        graph[name] = (
-            graph_us([partial(call, t) for t in (sets if len(sets) > 1 else sets * 4)], cfg.rep_ms) if graphs else None
-        )
+        graph[name] = graph_over(sets, call, cfg.rep_ms) if graphs else None
     del sets
     if _has_flashinfer():
         for name, tensor_cores in (("flashinfer_tc", True), ("flashinfer", False)):
@@ -404,10 +408,7 @@ def bench_flashinfer(
 
             call(sets[0])
             torch.cuda.synchronize()
-            if use_graph:
-                timings.append(graph_us([partial(call, t) for t in (sets if len(sets) > 1 else sets * 4)], cfg.rep_ms))
-            else:
-                timings.append(median_us(cycle(sets, call), cfg.rep_ms))
+            timings.append(graph_over(sets, call, cfg.rep_ms) if use_graph else median_us(cycle(sets, call), cfg.rep_ms))
         del sets
     except Exception as exc:  # noqa: BLE001 - an optional baseline: recorded as not run, never fatal
         log.info("FlashInfer (%s) did not run: %s", "tensor cores" if tensor_cores else "CUDA cores",
