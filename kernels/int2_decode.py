@@ -23,8 +23,9 @@ on raw codes and every per-token factor is applied once per token, outside the d
 
 Layouts (see ``reference.py``): keys are quarter-packed rows ``[pages, H_kv, P, D/4]`` (a byte holds dims
 ``i, i + D/4, i + D/2, i + 3D/4`` of one token: unpacking quarter ``t`` yields consecutive dims, the reduction
-axis of ``C_K·qᵀ``); values are token quads ``[pages, H_kv, D, P/4]`` (a byte holds tokens ``4i .. 4i+3`` of one
-dim: unpacking residue ``j`` yields consecutive quads, the reduction axis of ``C_Vᵀ·Pᵀ``). With the row layout
+axis of ``C_K·qᵀ``); values are token quads ``[pages, H_kv, P/R·D, R/4]`` (a byte holds tokens ``4i .. 4i+3`` of one
+dim: unpacking residue ``j`` yields consecutive quads, the reduction axis of ``C_Vᵀ·Pᵀ``), in rows of ``R = min(P, 64)``
+tokens (non-paged: ``[B, H_kv, ⌈T/64⌉·D, 16]``), so that a 64-token tile is ``D`` rows of 16 contiguous bytes. With the row layout
 for values, the V operand had to be transposed byte by byte through shared memory (docs/KERNELS.md, v2–v5).
 
 Unpack (``MAGIC``): **5 (default on CUDA) = fp16 subnormal fields**: two ``prmt`` zero-extend 4 code bytes to
@@ -383,9 +384,9 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
-                         stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
+                         ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
                          hist_len_ptr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                         PAGE: tl.constexpr):
+                         PAGE: tl.constexpr, VROW: tl.constexpr):
     """Start the DRAM -> L2 transfer of the first tile of INT2 split ``sp`` (K rows, V token-quad rows, the four
     metadata rows) before stage 1 waits for the q rotation (``PREFETCH``): at short contexts that tile is all the
     split reads, and its DRAM latency then overlaps the rotation kernel. Tokens past the split's end are clamped to
@@ -396,17 +397,14 @@ def _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_
         NQ: tl.constexpr = BLOCK_N // 4
         quad = tl.minimum(4 * tl.arange(0, NQ), end - 1 - start)
         kb_j, mb_j, vbase, koff = _tile_addrs(start, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
-                                              stride_mp, stride_mh, bt_ptr, stride_btb, BLOCK_N, PAGED, PAGE)
+                                              stride_mp, stride_mh, bt_ptr, stride_btb, D, BLOCK_N, PAGED, PAGE,
+                                              VROW)
         _prefetch_l2(kc_ptr + kb_j + koff * (D // 4))  # one pointer per 4 rows of D/4 bytes
-        if PAGED:
-            vrow = PAGE // 4
-        else:
-            vrow = stride_vd
         # per V row, the first quad of each 16-token group (one page: pages are multiples of 16 tokens), groups past
         # the end replaced by the tile's first quad
         vgrp = tl.min(tl.reshape(vbase, [4, NQ // 4]), 1)
         vgrp = tl.where(start + (BLOCK_N // 4) * tl.arange(0, 4) < end, vgrp, tl.min(vbase, 0))
-        _prefetch_l2(vc_ptr + tl.reshape(vgrp[None, :] + tl.arange(0, D)[:, None] * vrow, [4 * D]))
+        _prefetch_l2(vc_ptr + tl.reshape(vgrp[None, :] + tl.arange(0, D)[:, None] * VROW, [4 * D]))
         _prefetch_l2(ks_ptr + mb_j + koff)
         _prefetch_l2(kz_ptr + mb_j + koff)
         _prefetch_l2(vs_ptr + mb_j + koff)
@@ -438,20 +436,35 @@ def _prefetch_tier_rows(b, h, part, sk_ptr, sv_ptr, stride_sb, stride_sh, stride
 
 
 @triton.jit
-def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp, stride_mh,
-                bt_ptr, stride_btb, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Element offsets of the tile of tokens ``[n0, n0 + BLOCK_N)`` of (batch ``b``, KV head ``h``): ``kb_j`` (K page
-    + head), ``mb_j`` (metadata page + head), ``vbase`` (V token-quad byte of each quad, ``[NQ]``) and ``koff``
-    (row of each quad's first token in its page, ``[NQ]``); ``quad = 4 * arange(NQ)``. Paged with tiles inside a
-    page: one block-table entry per tile; paged otherwise: one per quad (quads never straddle pages,
-    ``P % 4 == 0``); non-paged: one "page" of T rows per sequence."""
+def _vquad_cols(tile, D: tl.constexpr, BLOCK_N: tl.constexpr, VROW: tl.constexpr):
+    """Byte offsets (in dim row 0 of a page or non-paged sequence) of the token quads of the tile that starts at token
+    ``tile·BLOCK_N``: rows of ``R = 4·VROW`` tokens, row ``i·D + d`` at ``(i·D + d)·VROW`` (``[BLOCK_N/4]``)."""
     NQ: tl.constexpr = BLOCK_N // 4
+    R: tl.constexpr = 4 * VROW
+    if R % BLOCK_N == 0:  # the tile lies in one row: contiguous, NQ-aligned bytes (the compiler vectorises them)
+        TPR: tl.constexpr = R // BLOCK_N
+        return (tile // TPR) * (D * VROW) + (tile % TPR) * NQ + tl.arange(0, NQ)
+    else:
+        t = tile * BLOCK_N + 4 * tl.arange(0, NQ)
+        return (t // R) * (D * VROW) + (t % R) // 4
+
+
+@triton.jit
+def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp, stride_mh,
+                bt_ptr, stride_btb, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                VROW: tl.constexpr):
+    """Element offsets of the tile of tokens ``[n0, n0 + BLOCK_N)`` of (batch ``b``, KV head ``h``): ``kb_j`` (K page
+    + head), ``mb_j`` (metadata page + head), ``vbase`` (V token-quad byte of each quad in dim row 0, ``[NQ]``; dim
+    ``d`` adds ``d·VROW``) and ``koff`` (row of each quad's first token in its page, ``[NQ]``); ``quad = 4 *
+    arange(NQ)``. Paged with tiles inside a page: one block-table entry per tile; paged otherwise: one per quad
+    (quads never straddle pages, ``P % 4 == 0``; such pages are one token-quad row); non-paged: one "page" of T rows
+    per sequence, token-quad rows of 64 tokens."""
     if PAGED and PAGE % BLOCK_N == 0:  # a tile never straddles a page (tiles start at multiples of BLOCK_N)
         page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE).to(tl.int64)
         kb_j = page * stride_kp + h * stride_kh
         mb_j = page * stride_mp + h * stride_mh
-        tile = (n0 % PAGE) // BLOCK_N  # written so that the compiler sees 16-byte aligned, contiguous V rows
-        vbase = page * stride_vp + h * stride_vh + tile * NQ + tl.arange(0, NQ)
+        tile = (n0 % PAGE) // BLOCK_N
+        vbase = page * stride_vp + h * stride_vh + _vquad_cols(tile, D, BLOCK_N, VROW)
         koff = tile * BLOCK_N + quad
     elif PAGED:
         qpage = tl.load(bt_ptr + b * stride_btb + (n0 + quad) // PAGE, mask=n0 + quad < end,
@@ -463,7 +476,7 @@ def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
     else:
         kb_j = b.to(tl.int64) * stride_kp + h * stride_kh
         mb_j = b.to(tl.int64) * stride_mp + h * stride_mh
-        vbase = b.to(tl.int64) * stride_vp + h * stride_vh + n0 // 4 + tl.arange(0, NQ)
+        vbase = b.to(tl.int64) * stride_vp + h * stride_vh + _vquad_cols(n0 // BLOCK_N, D, BLOCK_N, VROW)
         koff = n0 + quad
     return kb_j, mb_j, vbase, koff
 
@@ -471,10 +484,10 @@ def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
 @triton.jit
 def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
-    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
+    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
     ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
@@ -485,15 +498,12 @@ def _int2_tile(
     quad = 4 * tl.arange(0, NQ)  # first token of each quad, relative to the tile
     dims = tl.arange(0, D)
     kb_j, mb_j, vbase, koff = _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp,
-                                          stride_mh, bt_ptr, stride_btb, BLOCK_N, PAGED, PAGE)
+                                          stride_mh, bt_ptr, stride_btb, D, BLOCK_N, PAGED, PAGE, VROW)
     ok0 = n0 + quad < end  # used only when MASKED
     ok1 = n0 + quad + 1 < end
     ok2 = n0 + quad + 2 < end
     ok3 = n0 + quad + 3 < end
-    if PAGED:  # constexpr row stride P/4: lets the compiler vectorise the [D, NQ] byte tile
-        vptr = vc_ptr + vbase[None, :] + dims[:, None] * (PAGE // 4)  # [D, NQ] token-quad bytes
-    else:
-        vptr = vc_ptr + vbase[None, :] + dims[:, None] * stride_vd
+    vptr = vc_ptr + vbase[None, :] + dims[:, None] * VROW  # [D, NQ] token-quad bytes (constexpr row stride)
     if MASKED:
         vt = tl.load(vptr, mask=ok0[None, :], other=0)
     else:
@@ -573,13 +583,13 @@ def _int2_split(
     b, h, sp, num_splits,
     q_ptr, stride_qb, stride_qh,  # q_rot [B, H_q, D] (scaled, log2 domain)
     kc_ptr, stride_kp, stride_kh,  # K codes [pages, H_kv, P, D/4] uint8 (quarter packing, rows contiguous)
-    vc_ptr, stride_vp, stride_vh, stride_vd,  # V codes [pages, H_kv, D, P/4] uint8 (token quads)
+    vc_ptr, stride_vp, stride_vh,  # V codes [pages, H_kv, P/R·D, R/4] uint8 (token quads, rows of VROW bytes)
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # meta [pages, H_kv, P], contiguous along P
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32, lengths [B] int32
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    HIST_STAGES: tl.constexpr, HOIST_Q: tl.constexpr,
+    VROW: tl.constexpr, HIST_STAGES: tl.constexpr, HOIST_Q: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -640,13 +650,13 @@ def _int2_split(
     for n0 in tl.range(start, full_end, BLOCK_N, num_stages=HIST_STAGES):
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
-            vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, False)
+            vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, VROW, OFF, False)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
-            vc_ptr, stride_vp, stride_vh, stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, OFF, True)
+            vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
+            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, VROW, OFF, True)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -722,7 +732,7 @@ def _bf16_tiers(
 def _decode_stage1_kernel(
     q_ptr, stride_qb, stride_qh,  # q_rot [B, H_q, D] act dtype, from _rotate_q_kernel
     kc_ptr, stride_kp, stride_kh,  # K codes [pages, H_kv, P, D/4] uint8, quarter packing, rows contiguous
-    vc_ptr, stride_vp, stride_vh, stride_vd,  # V codes [pages, H_kv, D, P/4] uint8, token quads
+    vc_ptr, stride_vp, stride_vh,  # V codes [pages, H_kv, P/R·D, R/4] uint8, token quads in rows of VROW bytes
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # scale / zero [pages, H_kv, P] md, P contiguous
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32; hist_len [B] int32
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
@@ -733,6 +743,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
     ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    VROW: tl.constexpr = 16,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -747,8 +758,8 @@ def _decode_stage1_kernel(
     if PREFETCH:  # nothing below the wait but q depends on the rotation: start this program's first DRAM reads
         if sp < num_splits:
             _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
-                                 stride_vd, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
-                                 hist_len_ptr, D, BLOCK_N, PAGED, PAGE)
+                                 ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
+                                 hist_len_ptr, D, BLOCK_N, PAGED, PAGE, VROW)
         else:
             _prefetch_tier_rows(b, h, sp - num_splits, sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                                 rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr, D, BLOCK_NB,
@@ -757,11 +768,11 @@ def _decode_stage1_kernel(
         tl.extra.cuda.gdc_wait()
     if sp < num_splits:
         _int2_split(b, h, sp, num_splits, q_ptr, stride_qb, stride_qh,
-                    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh, stride_vd,
+                    kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, HIST_STAGES, HOIST_Q)
+                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

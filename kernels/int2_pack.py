@@ -29,8 +29,8 @@ def _quantize_write_kernel(
     mu_ptr,  # [H_r, D] float32 mean in rotated space; unused when not HAS_MU
     stride_muh,
     slot_ptr,  # [N] int64 destination slots (page * P + offset); < 0 = skip
-    codes_ptr,  # rows: [num_pages, H_kv, P, D/4] uint8; token quads: the int32 view of [num_pages, H_kv, D, P/4]
-    stride_cp,  # byte strides (page, head, and row (rows) or dim (token quads))
+    codes_ptr,  # rows: [num_pages, H_kv, P, D/4] uint8; token quads: the int32 view of [num_pages, H_kv, P/R·D, R/4]
+    stride_cp,  # byte strides (page, head, and row (rows) or token-quad row (token quads; R/4 bytes))
     stride_ch,
     stride_cr,
     scale_ptr,  # [num_pages, H_kv, P, D/G] md
@@ -40,6 +40,7 @@ def _quantize_write_kernel(
     stride_mr,
     n_rows,  # N
     page_size,  # P
+    row_tokens,  # token quads: tokens per row R (P up to 64, else 64)
     clip_idx,  # min(int(ratio * D), D - 1); < 0 = no clipping
     D: tl.constexpr,
     G: tl.constexpr,
@@ -81,8 +82,10 @@ def _quantize_write_kernel(
     slot = tl.where(ok, slot, 0)
     page = slot // page_size
     off = slot % page_size
-    if TQ:  # token quads: this row owns bits 2·(off % 4) of byte (d, off // 4); other rows' bits are kept
-        byte = (page * stride_cp + h * stride_ch + off // 4)[:, None] + cols[None, :].to(tl.int64) * stride_cr
+    if TQ:  # token quads: this row owns bits 2·(off % 4) of byte (off // R · D + d, off % R // 4); others are kept
+        blk = off // row_tokens
+        byte = (page * stride_cp + h * stride_ch + blk * (D * stride_cr) + (off % row_tokens) // 4)[:, None] \
+            + cols[None, :].to(tl.int64) * stride_cr
         shift = ((byte % 4) * 8 + (off % 4)[:, None] * 2).to(tl.int32)
         word = codes_ptr + byte // 4
         tl.atomic_and(word, ~(3 << shift), mask=ok[:, None])

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from oscar_kernels.reference import QuantizedRows
+from oscar_kernels.reference import TOKEN_QUAD_ROW, QuantizedRows, token_quad_row
 
 __all__ = [
     "ConfigError",
@@ -104,14 +104,17 @@ def new_paged_cache(num_pages: int, h_kv: int, page_size: int, d: int, group_siz
     """Empty paged INT2 storage; scale/zero ``[num_pages, H_kv, P, D/G]``.
 
     ``layout="rows"`` (keys): codes ``uint8 [num_pages, H_kv, P, D/4]``, quarter packing.
-    ``layout="token_quads"`` (values, what the decode kernel reads): codes ``uint8 [num_pages, H_kv, D, P/4]``
-    (``reference.pack_token_quads``; ``P % 16 == 0`` so that every page row is whole 32-bit words).
+    ``layout="token_quads"`` (values, what the decode kernel reads): codes ``uint8 [num_pages, H_kv, P/R·D, R/4]``
+    with ``R = min(P, 64)`` tokens per row (``reference.pack_token_quads``; ``P % 16 == 0`` so that every row is
+    whole 32-bit words, and pages above 64 tokens are multiples of 64: each 64-token tile is ``D`` rows of 16
+    contiguous bytes).
     """
     g = d if group_size is None else group_size
     if layout == "token_quads":
-        if page_size % 16:
-            raise ValueError(f"page_size: token quads need a multiple of 16, got {page_size}")
-        codes = torch.zeros(num_pages, h_kv, d, page_size // 4, dtype=torch.uint8, device=device)
+        if page_size % 16 or (page_size > TOKEN_QUAD_ROW and page_size % TOKEN_QUAD_ROW):
+            raise ValueError(f"page_size: token quads need a multiple of 16 (of 64 above 64), got {page_size}")
+        row = token_quad_row(page_size)
+        codes = torch.zeros(num_pages, h_kv, page_size // row * d, row // 4, dtype=torch.uint8, device=device)
     elif layout == "rows":
         codes = torch.zeros(num_pages, h_kv, page_size, d // 4, dtype=torch.uint8, device=device)
     else:
@@ -128,7 +131,7 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     Args:
         x: ``[N, H_kv, D]`` bf16/fp16/fp32 post-RoPE keys or values (last dim contiguous).
         cache: paged storage from :func:`new_paged_cache` with the same ``layout`` (``"rows"``:
-            ``packed [pages, H_kv, P, D/4]``; ``"token_quads"``: ``packed [pages, H_kv, D, P/4]``).
+            ``packed [pages, H_kv, P, D/4]``; ``"token_quads"``: ``packed [pages, H_kv, P/R·D, R/4]``, R = min(P, 64)).
         slots: int64 ``[N]``: destination ``page * P + offset``; negative = skip the row.
         rotation: float32 ``[D, D]`` or ``[H_kv, D, D]``; mean: float32 ``[D]`` or ``[H_kv, D]`` (rotated space).
         clip_ratio: as in ``reference.clip_rows`` (sort-based threshold; ``<= 0``: off).
@@ -142,11 +145,16 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if tq:
-        _check("cache.packed", codes, f"uint8 [pages, {h_kv}, {d}, P/4]", (None, h_kv, d, None), (torch.uint8,), dev)
+        _check("cache.packed", codes, f"uint8 [pages, {h_kv}, P/R·{d}, R/4]", (None, h_kv, None, None), (torch.uint8,),
+               dev)
+        row = 4 * int(codes.shape[-1])
+        blocks = int(codes.shape[2]) // d
+        if int(codes.shape[2]) % d or blocks < 1 or (blocks > 1 and row != TOKEN_QUAD_ROW):
+            raise _bad("cache.packed", codes, f"token-quad pages [pages, {h_kv}, P/R·{d}, R/4] (R = min(P, 64))")
         if codes.shape[-1] % 4 or codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1] or \
                 codes.stride(1) % 4 or codes.stride(0) % 4 or codes.storage_offset() % 4:
             raise _bad("cache.packed", codes, "contiguous token-quad pages of whole 32-bit words (P % 16 == 0)")
-        page_size = 4 * int(codes.shape[-1])
+        page_size = blocks * row
     else:
         _check("cache.packed", codes, f"uint8 [pages, {h_kv}, P, {d // 4}]", (None, h_kv, None, d // 4),
                (torch.uint8,), dev)
@@ -172,7 +180,7 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_stride,
         slots, codes.view(torch.int32) if tq else codes, codes.stride(0), codes.stride(1), codes.stride(2),
         scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
-        n, page_size, clip_idx,
+        n, page_size, row if tq else 0, clip_idx,
         D=d, G=d // ng, BLOCK_T=block_t, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
         TQ=tq, num_warps=num_warps,
     )
@@ -340,7 +348,7 @@ class DecodePlan:
         if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
             raise _bad("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
         h_kv, page = int(kc.shape[1]), int(kc.shape[2])
-        _check_cache(k_cache, v_cache, kc, h_kv, page, dev)
+        _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged)
         _check("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
         if not paged and (block_table.shape[1] != 1 or kc.shape[0] != b):
             raise ValueError("paged=False needs k_cache [B, H_kv, T, D/4] and a [B, 1] block table (page b = row b)")
@@ -386,7 +394,7 @@ class DecodePlan:
         ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
         self._stage1: tuple[Any, ...] = ((b * h_kv, n_parts), (
             q_rot, q_rot.stride(0), q_rot.stride(1), kc, kc.stride(0), kc.stride(1),
-            vc, vc.stride(0), vc.stride(1), vc.stride(2),
+            vc, vc.stride(0), vc.stride(1),
             ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl,
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
@@ -394,6 +402,7 @@ class DecodePlan:
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
+                 VROW=(token_quad_row(page) if paged else TOKEN_QUAD_ROW) // 4,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -415,10 +424,16 @@ class DecodePlan:
 
 
 def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tensor, h_kv: int, page: int,
-                 dev: torch.device) -> None:
-    """Keys: quarter-packed rows ``[pages, H_kv, P, D/4]``; values: token quads ``[pages, H_kv, D, ⌈P/4⌉]``."""
+                 dev: torch.device, paged: bool = True) -> None:
+    """Keys: quarter-packed rows ``[pages, H_kv, P, D/4]``; values: token quads ``[pages, H_kv, P/R·D, R/4]`` with
+    ``R = min(P, 64)`` tokens per row (paged; pages above 64 tokens are multiples of 64), ``[B, H_kv, ⌈T/64⌉·D, 16]``
+    (non-paged)."""
     d = 4 * int(kc.shape[-1])
-    vshape = (kc.shape[0], h_kv, d, (page + 3) // 4)
+    if paged and page > TOKEN_QUAD_ROW and page % TOKEN_QUAD_ROW:
+        raise ValueError(f"k_cache.packed: pages above {TOKEN_QUAD_ROW} tokens must be multiples of "
+                         f"{TOKEN_QUAD_ROW} (token-quad rows), got {page}")
+    row = token_quad_row(page) if paged else TOKEN_QUAD_ROW
+    vshape = (kc.shape[0], h_kv, d * max(1, -(-page // row)), (row + 3) // 4)
     _check("v_cache.packed", v_cache.packed, f"uint8 {list(vshape)} (token quads)", vshape, (torch.uint8,), dev)
     vc = v_cache.packed
     if vc.stride(-1) != 1:
@@ -443,7 +458,7 @@ def decode_attention(
     Args:
         q: ``[B, H_q, D]`` bf16/fp16 post-RoPE queries, **not** rotated (``q @ R_K`` happens on the GPU).
         k_cache: paged INT2 keys (``packed uint8 [pages, H_kv, P, D/4]``, quarter-packed contiguous rows),
-            v_cache: paged INT2 values in token quads (``packed uint8 [pages, H_kv, D, P/4]``, from
+            v_cache: paged INT2 values in token quads (``packed uint8 [pages, H_kv, P/R·D, R/4]``, R = min(P, 64), from
             :func:`new_paged_cache` with ``layout="token_quads"``); both with ``scale``/``zero``
             ``md [pages, H_kv, P, 1]`` (the kernel supports ``G = D``) of identical strides; ``P % 4 == 0``.
         block_table: int32 ``[B, max_pages]``; hist_len: int32 ``[B]`` (or an int for all rows).

@@ -27,8 +27,8 @@ Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic 
    ``c[i] | c[i + D/4] << 2 | c[i + D/2] << 4 | c[i + 3D/4] << 6`` — the first quarter of the row sits in
    bits 0-1 (lowest), the last quarter in bits 6-7.
    **Value layout of the decode kernels** (the same codes, arranged for the consumer): token-quad packing,
-   :func:`pack_token_quads` — byte ``(d, i)`` of a ``[D, T/4]`` block holds tokens ``4i .. 4i+3`` of channel
-   ``d``, the earliest in bits 0-1. Keys always use quarter packing (their MMA reduction axis is D).
+   :func:`pack_token_quads` — byte ``(d, i)`` of a ``[D, R/4]`` row block holds tokens ``4i .. 4i+3`` of the
+   block's ``R`` tokens (64, or a whole page of at most 64) of channel ``d``, the earliest in bits 0-1. Keys always use quarter packing (their MMA reduction axis is D).
 7. Dequantize: ``x_hat = float(zero) + code * float(scale)`` in float32 (``code`` as float32; one multiply,
    one add, no fma), then cast to the requested dtype.
 
@@ -83,6 +83,8 @@ __all__ = [
     "quantize_rows",
     "rotate",
     "rows_to_token_quads",
+    "token_quad_row",
+    "TOKEN_QUAD_ROW",
     "unpack_int2",
     "unpack_token_quads",
 ]
@@ -218,36 +220,59 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1).to(torch.uint8)
 
 
-def pack_token_quads(codes: torch.Tensor) -> torch.Tensor:
-    """Token-quad packing (the decode kernel's value layout): codes ``uint8 [..., T, D] -> uint8 [..., D, ⌈T/4⌉]``.
+TOKEN_QUAD_ROW = 64  # tokens per token-quad row: a 64-token decode tile reads D rows of 16 contiguous bytes
 
-    Byte ``(d, i)`` holds ``c[4i, d] | c[4i+1, d] << 2 | c[4i+2, d] << 4 | c[4i+3, d] << 6``: four consecutive
-    tokens of one channel, the earliest in the lowest bits; a missing last token (``T % 4 != 0``) packs as 0.
-    Dims-major, so the ``V^T`` tile a decode kernel multiplies (``[D, tokens]``, tokens along the MMA reduction
-    axis) unpacks straight into operand registers. Scale and zero stay per token, exactly as in the row layout.
+
+def token_quad_row(page_size: int) -> int:
+    """Tokens per token-quad row of a page of ``page_size`` tokens: the page itself up to 64 tokens, else 64 (pages
+    larger than 64 tokens must be multiples of 64; a non-paged sequence uses 64)."""
+    return page_size if page_size <= TOKEN_QUAD_ROW else TOKEN_QUAD_ROW
+
+
+def pack_token_quads(codes: torch.Tensor, row_tokens: int = TOKEN_QUAD_ROW) -> torch.Tensor:
+    """Token-quad packing (the decode kernel's value layout): codes ``uint8 [..., T, D] -> uint8 [..., n·D, R/4]``
+    with ``R = row_tokens`` tokens per row and ``n = ⌈T/R⌉`` row blocks.
+
+    Row ``i·D + d`` holds tokens ``R·i .. R·i + R - 1`` of channel ``d``; its byte ``j`` holds
+    ``c[t, d] | c[t+1, d] << 2 | c[t+2, d] << 4 | c[t+3, d] << 6`` (``t = R·i + 4j``): four consecutive tokens of
+    one channel, the earliest in the lowest bits; tokens past ``T`` pack as 0. Dims-major within a row block, so the
+    ``V^T`` tile a decode kernel multiplies (``[D, tokens]``, tokens along the MMA reduction axis) unpacks straight
+    into operand registers, and a 64-token tile of a row block is ``D`` rows of 16 contiguous bytes (one 2 KB block
+    at ``D = 128``). A page of ``P <= 64`` tokens is one row block ``[D, P/4]`` (``row_tokens = P``); larger pages and
+    non-paged sequences use rows of 64 tokens. Scale and zero stay per token, exactly as in the row layout.
     """
     if codes.dtype != torch.uint8 or codes.dim() < 2:
         raise ValueError(f"codes: expected uint8 [..., T, D], got {codes.dtype} {tuple(codes.shape)} on {codes.device}")
-    t = codes.shape[-2]
-    pad = (-t) % 4
-    c = torch.nn.functional.pad(codes.to(torch.int32).transpose(-1, -2), (0, pad))  # [..., D, T + pad]
-    c = c.reshape(*c.shape[:-1], -1, 4)
-    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).to(torch.uint8).contiguous()
+    if row_tokens <= 0 or row_tokens % 4:
+        raise ValueError(f"row_tokens: expected a positive multiple of 4, got {row_tokens}")
+    t, d = codes.shape[-2], codes.shape[-1]
+    n = max(1, -(-t // row_tokens))
+    c = torch.nn.functional.pad(codes.to(torch.int32), (0, 0, 0, n * row_tokens - t))  # [..., n·R, D]
+    c = c.reshape(*c.shape[:-2], n, row_tokens // 4, 4, d).permute(*range(c.dim() - 2), -4, -1, -3, -2)
+    packed = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)  # [..., n, D, R/4]
+    return packed.reshape(*packed.shape[:-3], n * d, row_tokens // 4).to(torch.uint8).contiguous()
 
 
-def unpack_token_quads(packed: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
-    """Inverse of :func:`pack_token_quads`: ``uint8 [..., D, T/4] -> uint8 [..., T, D]`` (first ``tokens`` rows)."""
+def unpack_token_quads(packed: torch.Tensor, tokens: int | None = None, head_dim: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_token_quads`: ``uint8 [..., n·D, R/4] -> uint8 [..., T, D]`` (first ``tokens`` rows);
+    ``head_dim`` D (default: the row count, one row block)."""
     if packed.dtype != torch.uint8 or packed.dim() < 2:
-        raise ValueError(f"packed: expected uint8 [..., D, T/4], got {packed.dtype} {tuple(packed.shape)} on {packed.device}")
-    p = packed.to(torch.int32)
-    c = torch.stack([(p >> shift) & 3 for shift in (0, 2, 4, 6)], -1)  # [..., D, T/4, 4]
-    c = c.reshape(*c.shape[:-2], -1).transpose(-1, -2)  # [..., T, D]
+        raise ValueError(f"packed: expected uint8 [..., n·D, R/4], got {packed.dtype} {tuple(packed.shape)} on "
+                         f"{packed.device}")
+    rows, rl = packed.shape[-2], packed.shape[-1]
+    d = rows if head_dim is None else head_dim
+    if d <= 0 or rows % d:
+        raise ValueError(f"packed: {rows} rows are not whole blocks of head_dim {d} ({tuple(packed.shape)})")
+    p = packed.to(torch.int32).reshape(*packed.shape[:-2], rows // d, d, rl)
+    c = torch.stack([(p >> shift) & 3 for shift in (0, 2, 4, 6)], -1)  # [..., n, D, R/4, 4]
+    c = c.reshape(*c.shape[:-2], 4 * rl).transpose(-1, -2)  # [..., n, R, D]
+    c = c.reshape(*c.shape[:-3], -1, d)
     return c[..., : (c.shape[-2] if tokens is None else tokens), :].to(torch.uint8).contiguous()
 
 
-def rows_to_token_quads(packed_rows: torch.Tensor) -> torch.Tensor:
-    """Quarter-packed rows ``[..., T, D/4]`` -> token quads ``[..., D, ⌈T/4⌉]`` (same codes, other layout)."""
-    return pack_token_quads(unpack_int2(packed_rows))
+def rows_to_token_quads(packed_rows: torch.Tensor, row_tokens: int = TOKEN_QUAD_ROW) -> torch.Tensor:
+    """Quarter-packed rows ``[..., T, D/4]`` -> token quads ``[..., ⌈T/R⌉·D, R/4]`` (same codes, other layout)."""
+    return pack_token_quads(unpack_int2(packed_rows), row_tokens)
 
 
 def dequantize_int2(

@@ -52,7 +52,7 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
         for name in ("packed", "scale", "zero"):
             s = getattr(src, name).reshape(b, h_kv, n_pp, page, -1).permute(0, 2, 1, 3, 4)
             if dst is vc and name == "packed":  # values: token quads per page [.., D, P/4]
-                s = ref.rows_to_token_quads(s)
+                s = ref.rows_to_token_quads(s, ref.token_quad_row(page))
             getattr(dst, name)[perm.reshape(-1)] = s.reshape(b * n_pp, h_kv, *s.shape[-2:])
     s_cap, r_cap = max(max(sink), 1), max(max(recent), 1)
     case = {
@@ -137,6 +137,8 @@ CPU_CASES = [
     ("hist97-page-boundary", (1, 4, 1, 64), [97], [3], [16], 16, 3),
     ("short-no-hist", (2, 4, 2, 64), [0, 0], [2, 4], [0, 7], 16, 2),
     ("D128-page64", (1, 4, 1, 128), [64], [1], [2], 64, 2),
+    # pages above 64 tokens: token-quad rows of 64 tokens, tiles on both sides of a row boundary inside a page
+    ("page128-two-rows-ragged", (2, 4, 2, 64), [150, 70], [2, 1], [3, 4], 128, 3),
     # BF16 rows split over ops.TIER_PARTS programs in tiles of 16: ranges straddle sink/recent, one is empty
     ("tier-parts-straddle-ragged", (2, 4, 2, 64), [5, 0], [20, 3], [30, 0], 16, 1),
 ]
@@ -241,13 +243,15 @@ def test_decode_merge_column_split(merge_cols: int) -> None:
 
 
 @pytest.mark.unit
-def test_decode_contiguous_entry_matches_paged() -> None:
+@pytest.mark.parametrize("hist", [40, 150])
+def test_decode_contiguous_entry_matches_paged(hist: int) -> None:
+    """The non-paged layout (values in token-quad rows of 64 tokens: 150 tokens are three row blocks)."""
     dev = "cuda" if CUDA else "cpu"
-    c = make_case(7, 1, 4, 1, 64, [40], [2], [3], 64, torch.float16, dev, meta=torch.float16)
+    c = make_case(7, 1, 4, 1, 64, [hist], [2], [3], 64, torch.float16, dev, meta=torch.float16)
     out = ops.decode_attention_contiguous(
         c["q"][:, :, None, :], c["qk"], ref.QuantizedRows(ref.rows_to_token_quads(c["qv"].packed), c["qv"].scale,
                                                            c["qv"].zero), c["sink_k"], c["sink_v"], c["recent_k"], c["recent_v"],
-        hist_len=40, sink_len=2, recent_len=3, rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
+        hist_len=hist, sink_len=2, recent_len=3, rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
         mean_v=c["mean_v"], num_splits=2, config=TINY)
     assert out.shape == (1, 4, 1, 64)
     assert_budget(out[:, :, 0], c)
@@ -299,6 +303,20 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
                     ops.DecodeConfig(magic=9, hoist_q=True), ops.DecodeConfig(magic=9, hoist_q=True, maxnreg=168),
                     ops.DecodeConfig(magic=9)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="requires CUDA")
+@pytest.mark.parametrize("page", [128, 256])
+@pytest.mark.parametrize("length", [1000, 4097])
+def test_decode_gpu_large_pages(length: int, page: int) -> None:
+    """Pages above 64 tokens (token-quad rows of 64 tokens), every unpack of the grid's head layout."""
+    b = 3
+    hist = [length - 320, (length * 2) % (length + 1), 17]
+    c = make_case(length + page, b, 32, 8, 128, hist, [64] * b, [256] * b, page, torch.bfloat16, "cuda")
+    for cfg in (None, ops.DecodeConfig(magic=5), ops.DecodeConfig(magic=9), ops.DecodeConfig(block_n=128, num_warps=2),
+                ops.DecodeConfig(prefetch=False)):
+        assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 
 @pytest.mark.gpu

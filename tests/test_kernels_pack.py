@@ -116,17 +116,17 @@ def _token_quad_case(seed: int, n: int, h: int, d: int, page: int, pages: int) -
 
 def _token_quads_want(cache: ref.QuantizedRows, x: torch.Tensor, slots: torch.Tensor, page: int) -> torch.Tensor:
     """Expected token-quad bytes: the cache's previous codes with the written slots replaced by the reference's."""
-    pages, h, d, _ = cache.packed.shape
-    codes = ref.unpack_token_quads(cache.packed.cpu())  # [pages, H, P, D]
+    d = int(x.shape[-1])
+    codes = ref.unpack_token_quads(cache.packed.cpu(), head_dim=d)  # [pages, H, P, D]
     rows = ref.unpack_int2(_ref_cpu(x, None, None, 0.0, None, torch.float16).packed)  # [N, H, D]
     ok = (slots >= 0).cpu()
     s = slots.cpu()[ok]
     codes[s // page, :, s % page] = rows[ok]
-    return ref.pack_token_quads(codes)
+    return ref.pack_token_quads(codes, ref.token_quad_row(page))
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("page", [16, 64, 128])
 def test_quantize_write_token_quads_bitwise(page: int) -> None:
     """Values in token quads: each row sets only its own 2 bits of D shared bytes, whatever the other rows of its
     quad hold or whether they are written in the same launch (shuffled slots, a skipped row, a second launch)."""
@@ -158,12 +158,15 @@ def test_quantize_write_token_quads_bitwise(page: int) -> None:
 def test_token_quads_cache_shape_and_refusals() -> None:
     c = ops.new_paged_cache(2, 3, 64, 128, None, torch.bfloat16, DEV, layout="token_quads")
     assert c.packed.shape == (2, 3, 128, 16) and c.scale.shape == (2, 3, 64, 1)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        ops.new_paged_cache(2, 3, 8, 128, None, torch.bfloat16, DEV, layout="token_quads")
+    c = ops.new_paged_cache(2, 3, 256, 128, None, torch.bfloat16, DEV, layout="token_quads")  # 4 rows of 64 tokens
+    assert c.packed.shape == (2, 3, 4 * 128, 16) and c.scale.shape == (2, 3, 256, 1)
+    for bad in (8, 96):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            ops.new_paged_cache(2, 3, bad, 128, None, torch.bfloat16, DEV, layout="token_quads")
     with pytest.raises(ValueError, match="layout: expected one of"):
         ops.new_paged_cache(2, 3, 64, 128, None, torch.bfloat16, DEV, layout="cols")
     x = torch.zeros(1, 3, 128, dtype=torch.float16, device=DEV)
-    with pytest.raises(ValueError, match=r"cache.packed: expected uint8 \[pages, 3, 128, P/4\]"):
+    with pytest.raises(ValueError, match=r"cache.packed: expected token-quad pages"):
         ops.quantize_write(x, ops.new_paged_cache(2, 3, 64, 128, device=DEV), torch.zeros(1, dtype=torch.int64,
                                                                                             device=DEV),
                            layout="token_quads")

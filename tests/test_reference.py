@@ -85,22 +85,38 @@ def test_bit_order_first_quarter_lowest() -> None:
     assert ref.pack_int2(codes).tolist() == [1 | (2 << 2) | (3 << 4), 0, 0, 1 << 6]
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 64, 97])
-def test_token_quads_roundtrip_and_layout(tokens: int) -> None:
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 64, 65, 97, 200])
+@pytest.mark.parametrize("row", [16, 64])
+def test_token_quads_roundtrip_and_layout(tokens: int, row: int) -> None:
     codes = torch.randint(0, 4, (2, 3, tokens, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(tokens))
-    packed = ref.pack_token_quads(codes)
-    assert packed.shape == (2, 3, 16, (tokens + 3) // 4)
-    assert torch.equal(ref.unpack_token_quads(packed, tokens), codes)
-    assert torch.equal(ref.rows_to_token_quads(ref.pack_int2(codes)), packed)
-    allbytes = torch.arange(256, dtype=torch.uint8).reshape(1, 8, 32)  # [.., D=8, T/4=32]: every byte round-trips
-    assert torch.equal(ref.pack_token_quads(ref.unpack_token_quads(allbytes)), allbytes)
+    packed = ref.pack_token_quads(codes, row)
+    blocks = -(-tokens // row)
+    assert packed.shape == (2, 3, blocks * 16, row // 4)
+    assert torch.equal(ref.unpack_token_quads(packed, tokens, 16), codes)
+    assert torch.equal(ref.rows_to_token_quads(ref.pack_int2(codes), row), packed)
+    # row block i is the one-block packing of tokens [row·i, row·i + row)
+    for i in range(blocks):
+        want = ref.pack_token_quads(codes[..., row * i : row * (i + 1), :], row)
+        assert torch.equal(packed[..., 16 * i : 16 * (i + 1), :], want)
+    allbytes = torch.arange(256, dtype=torch.uint8).reshape(1, 8, 32)  # [.., D=8, R/4=32]: every byte round-trips
+    assert torch.equal(ref.pack_token_quads(ref.unpack_token_quads(allbytes), 128), allbytes)
+
+
+def test_token_quads_refuse_bad_rows() -> None:
+    with pytest.raises(ValueError, match="row_tokens"):
+        ref.pack_token_quads(torch.zeros(8, 4, dtype=torch.uint8), 6)
+    with pytest.raises(ValueError, match="whole blocks of head_dim 5"):
+        ref.unpack_token_quads(torch.zeros(16, 4, dtype=torch.uint8), head_dim=5)
+    assert ref.token_quad_row(16) == 16 and ref.token_quad_row(64) == 64 and ref.token_quad_row(256) == 64
 
 
 def test_token_quads_bit_order_earliest_token_lowest() -> None:
     codes = torch.zeros(6, 2, dtype=torch.uint8)  # [T, D]
     codes[0, 0], codes[1, 0], codes[3, 0] = 1, 2, 3  # tokens 0, 1, 3 of channel 0 -> bits 0-1, 2-3, 6-7
     codes[4, 1], codes[5, 1] = 3, 1  # tokens 4, 5 of channel 1 -> byte (1, 1), bits 0-1 and 2-3; tail pads 0
-    assert ref.pack_token_quads(codes).tolist() == [[1 | (2 << 2) | (3 << 6), 0], [0, 3 | (1 << 2)]]
+    assert ref.pack_token_quads(codes, 8).tolist() == [[1 | (2 << 2) | (3 << 6), 0], [0, 3 | (1 << 2)]]
+    assert ref.pack_token_quads(codes)[:, :2].tolist() == [[1 | (2 << 2) | (3 << 6), 0], [0, 3 | (1 << 2)]]
+    assert ref.pack_token_quads(codes).shape == (2, 16)  # a 64-token row, zero-padded
 
 
 @pytest.mark.parametrize("d,g", SHAPES, ids=SHAPE_IDS)

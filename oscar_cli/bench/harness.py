@@ -227,7 +227,7 @@ def build_int2_case(
     shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, seed: int
 ) -> dict[str, Any]:
     """Random paged INT2 cache (shuffled pages), BF16 tiers and rotations for one decode step."""
-    from oscar_kernels.reference import QuantizedRows
+    from oscar_kernels.reference import QuantizedRows, token_quad_row
 
     torch.manual_seed(seed)
     act = torch.bfloat16 if cfg.dtype == "bf16" else torch.float16
@@ -238,7 +238,8 @@ def build_int2_case(
     h, d = shape.h_kv, shape.d
 
     def rows(values: bool = False) -> QuantizedRows:
-        cshape = (pages, h, d, page_size // 4) if values else (pages, h, page_size, d // 4)  # token quads for V
+        row = token_quad_row(page_size)  # token quads for V: rows of min(P, 64) tokens
+        cshape = (pages, h, page_size // row * d, row // 4) if values else (pages, h, page_size, d // 4)
         codes = torch.randint(0, 256, cshape, dtype=torch.uint8, device=device)
         scale = (torch.rand(pages, h, page_size, 1, device=device) * 0.1 + 0.01).to(torch.bfloat16)
         zero = (torch.randn(pages, h, page_size, 1, device=device) * 0.2).to(torch.bfloat16)

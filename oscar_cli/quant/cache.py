@@ -224,21 +224,23 @@ class Int2Layer(AppendLayer):
         return quantize_rows(rows, None, mean, clip, meth.group_size, meth.meta_dtype)
 
     def value_quads(self) -> torch.Tensor:
-        """The packed value history in token quads ``uint8 [B, H_kv, D, ⌈T/4⌉]`` (what the decode kernel reads).
+        """The packed value history in token quads ``uint8 [B, H_kv, ⌈T/64⌉·D, 16]`` (rows of 64 tokens; what the
+        decode kernel reads).
 
         The serving layout of values (``oscar_kernels.reference.pack_token_quads``), kept next to the row layout
-        this cache stores and converted incrementally: only the quads touched since the last call are rebuilt.
+        this cache stores and converted incrementally: only the 64-token rows touched since the last call are rebuilt.
         """
-        from oscar_kernels.reference import rows_to_token_quads
+        from oscar_kernels.reference import TOKEN_QUAD_ROW, rows_to_token_quads
 
         packed = self.hist_v[0]
         n = packed.shape[-2]
         if self._v_quads is None or n < self._v_quads_len:
             self._v_quads, self._v_quads_len = rows_to_token_quads(packed), n
         elif n > self._v_quads_len:
-            keep = self._v_quads_len // 4  # whole quads already final
-            tail = rows_to_token_quads(packed[..., 4 * keep :, :])
-            self._v_quads = torch.cat([self._v_quads[..., :keep], tail], -1)
+            keep = self._v_quads_len // TOKEN_QUAD_ROW  # whole rows already final
+            tail = rows_to_token_quads(packed[..., TOKEN_QUAD_ROW * keep :, :])
+            d = 4 * int(packed.shape[-1])
+            self._v_quads = torch.cat([self._v_quads[..., : keep * d, :], tail], -2)
             self._v_quads_len = n
         return self._v_quads
 
