@@ -482,6 +482,28 @@ def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
 
 
 @triton.jit
+def _small_page_v_tile(n0, end, b, h, vc_ptr, stride_vp, stride_vh, bt_ptr, stride_btb, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """The ``[D, BLOCK_N/4]`` V token-quad tile of tokens ``[n0, n0 + BLOCK_N)`` over pages smaller than the tile:
+    loaded as ``[D, pages, P/4]`` (one block-table entry per page, ``P/4`` contiguous bytes per row: 4- or 8-byte
+    vectors the loop pipeliner copies asynchronously; per-quad addresses would be byte loads waited for in the
+    loop), then viewed as ``[D, BLOCK_N/4]``."""
+    PPT: tl.constexpr = BLOCK_N // PAGE
+    QPP: tl.constexpr = PAGE // 4
+    pg = tl.arange(0, PPT)
+    first = n0 + pg * PAGE
+    page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE + pg, mask=first < end, other=0).to(tl.int64)
+    vptr = (vc_ptr + (page * stride_vp + h * stride_vh)[None, :, None] + (tl.arange(0, D) * QPP)[:, None, None]
+            + tl.arange(0, QPP)[None, None, :])
+    if MASKED:
+        ok = (first[:, None] + 4 * tl.arange(0, QPP)[None, :]) < end
+        vt = tl.load(vptr, mask=ok[None, :, :], other=0)
+    else:
+        vt = tl.load(vptr)
+    return tl.reshape(vt, [D, BLOCK_N // 4])
+
+
+@triton.jit
 def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
@@ -503,11 +525,15 @@ def _int2_tile(
     ok1 = n0 + quad + 1 < end
     ok2 = n0 + quad + 2 < end
     ok3 = n0 + quad + 3 < end
-    vptr = vc_ptr + vbase[None, :] + dims[:, None] * VROW  # [D, NQ] token-quad bytes (constexpr row stride)
-    if MASKED:
-        vt = tl.load(vptr, mask=ok0[None, :], other=0)
+    if PAGED and PAGE < BLOCK_N:
+        vt = _small_page_v_tile(n0, end, b, h, vc_ptr, stride_vp, stride_vh, bt_ptr, stride_btb, D, BLOCK_N, PAGE,
+                                MASKED)
     else:
-        vt = tl.load(vptr)
+        vptr = vc_ptr + vbase[None, :] + dims[:, None] * VROW  # [D, NQ] token-quad bytes (constexpr row stride)
+        if MASKED:
+            vt = tl.load(vptr, mask=ok0[None, :], other=0)
+        else:
+            vt = tl.load(vptr)
     if MODE == 1:  # diagnostic: load every byte the full kernel loads (K rows of all 4 residues, V, 4 metadata)
         kcols = tl.arange(0, D // 4)[None, :]
         for j in tl.static_range(4):

@@ -169,6 +169,17 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("page", "block_n"), [(16, 32), (16, 64), (32, 64)])
+def test_decode_pages_smaller_than_the_tile(page: int, block_n: int) -> None:
+    """A tile over several pages: V loaded page by page as ``[D, pages, P/4]``, ragged ends inside a page."""
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(page + block_n, 2, 8, 2, 64, [97, 40], [2, 3], [5, 4], page, torch.float16, dev,
+                  meta=torch.float16)
+    cfg = replace(WHOLE_BYTE, block_n=max(block_n, 64) if CUDA else block_n)
+    assert_budget(run_op(c, num_splits=2, config=cfg, out=_poisoned(c)), c)
+
+
+@pytest.mark.unit
 def test_decode_hoisted_q_operands_change_nothing() -> None:
     """``hoist_q`` only moves the q operands' layout conversion before the loop (through dots on a K tile whose
     loads are all masked off): in the interpreter the output is bitwise the in-order kernel's; compiled for a GPU,
