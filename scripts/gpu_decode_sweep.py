@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [flashinfer] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [flashinfer] [layout] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter, CELLS
 the (batch, context) cells, e.g. CELLS=1x4096,16x131072, VARIANTS the variants stage's configs.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
@@ -146,6 +146,79 @@ def variants() -> None:
     save()
 
 
+def joint_case(case: dict, mode: str) -> dict:
+    """The same cache values in another memory layout (the kernels read them through the views' strides):
+    ``meta``: the four metadata arrays of a (page, KV head) adjacent, one 4·P-element block; ``all``: K codes, V codes
+    and the four metadata rows of a (page, KV head) in one contiguous block (P·D/4 + D·P/4 + 8·P bytes)."""
+    from oscar_kernels.reference import QuantizedRows
+
+    kq, vq = case["k_cache"], case["v_cache"]
+    pages, h, p, dq = kq.packed.shape
+    metas = (kq.scale, kq.zero, vq.scale, vq.zero)
+    if mode == "meta":
+        buf = torch.empty(pages, h, 4, p, dtype=kq.scale.dtype, device=kq.scale.device)
+        new = [buf[:, :, i, :, None] for i in range(4)]
+        kc, vc = kq.packed, vq.packed
+    else:
+        kb, vb = p * dq, dq * p  # one 64-token page: V rows of 16 bytes
+        blk = kb + vb + 8 * p
+        raw = torch.empty(pages * h * blk, dtype=torch.uint8, device=kq.packed.device)
+        kc = raw.as_strided((pages, h, p, dq), (h * blk, blk, dq, 1), 0)
+        vc = raw.as_strided((pages, h, dq * 4, p // 4), (h * blk, blk, p // 4, 1), kb)
+        kc.copy_(kq.packed)
+        vc.copy_(vq.packed)
+        mb = raw.view(torch.bfloat16)
+        new = [mb.as_strided((pages, h, p, 1), (h * blk // 2, blk // 2, 1, 1), (kb + vb) // 2 + i * p) for i in range(4)]
+    for dst, src in zip(new, metas, strict=True):
+        dst.copy_(src)
+    out = dict(case)
+    out["k_cache"] = QuantizedRows(kc, new[0], new[1])
+    out["v_cache"] = QuantizedRows(vc, new[2], new[3])
+    return out
+
+
+def _case(i: int, b: int, c: int, bc: H.BenchConfig) -> dict:
+    return H.build_int2_case(SHAPE, b, c, bc, DEV, bc.seed + i)
+
+
+def layout() -> None:
+    """Memory layout of the paged cache, same kernel (env LAYOUTS, default every one): separate tensors with pages of
+    16/32/64/128/256 tokens (``page16`` ...), the metadata of a 64-token page adjacent (``meta``), everything of a
+    (page, KV head) in one block (``all``), the non-paged layout (``nonpaged``). Joint layouts must give bitwise
+    the outputs of the separate tensors; measurements interleaved and repeated (v10a: before the 64-token token-quad
+    rows, v10b: after)."""
+    R["layout"] = []
+    names = os.environ.get("LAYOUTS", "page64,meta,all,page16,page32,page128,page256,nonpaged").split(",")
+    for b, c in cells_with_bf16():
+        cfg = ops.default_config(b)
+        for rep in range(2):
+            for name in names:
+                page = int(name[4:]) if name.startswith("page") else 64
+                bc = H.BenchConfig(shape=SHAPE, rep_ms=40, page_size=page, paged=name != "nonpaged")
+                hist = max(c - bc.sink - bc.recent, 0)
+                ps, n_pp = H.page_geometry(bc, hist)
+                s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n)
+                nbytes = H.int2_bytes(SHAPE, b, c, bc.sink, bc.recent, bc.page_size)
+                cases = H.rotating(partial(_case, b=b, c=c, bc=bc), nbytes, L2)
+                if name in ("meta", "all"):
+                    ref_ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
+                    ref = H.int2_plan(cases[0], s, cfg, ref_ws, torch.empty_like(cases[0]["q"]), True).run().clone()
+                    cases = [joint_case(x, name) for x in cases]
+                ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
+                out = torch.empty_like(cases[0]["q"])
+                plans = [H.int2_plan(x, s, cfg, ws, out, bc.paged) for x in cases]
+                same = None
+                if name in ("meta", "all"):
+                    same = bool(torch.equal(plans[0].run(), ref))
+                g = H.graph_over(plans, lambda p: p.run(), 40)
+                row = {"batch": b, "ctx": c, "layout": name, "rep": rep, "splits": s, "sets": len(cases),
+                       "graph_us": g, "bitwise_equal": same}
+                R["layout"].append(row)
+                print("LAYOUT", row, flush=True)
+                del plans, cases, ws
+                torch.cuda.empty_cache()
+        save()
+
 CELLS = [(1, 131072), (16, 131072), (1, 32768), (1, 4096), (16, 32768)]
 if os.environ.get("CELLS"):  # e.g. CELLS=1x4096,1x32768
     CELLS = [(int(b), int(c)) for b, c in (x.split("x") for x in os.environ["CELLS"].split(","))]
@@ -264,5 +337,5 @@ if __name__ == "__main__":
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
         {"tests": tests, "sweep": sweep, "hist": hist, "whole": whole, "variants": variants, "bench": bench, "breakdown": breakdown, "splits": splits,
-         "diag": diag, "flashinfer": flashinfer}[st]()
+         "diag": diag, "flashinfer": flashinfer, "layout": layout}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)

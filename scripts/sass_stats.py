@@ -4,7 +4,7 @@ Triton's bundled ptxas and nvdisasm turn the stage-1 kernel into SASS; the loops
 branches and counted per opcode. Divided by the codes a loop iteration consumes, this is the "warp-instructions
 per code" figure of docs/KERNELS.md. Usage:
     python scripts/sass_stats.py [--warps 1] [--block-n 64] [--gp 8] [--stages 2] [--block-nb 16] [--maxnreg 0]
-        [--dtype bf16|fp16] [--magic 4|5] [--hist-stages N] [--hoist-q] [--prefetch] [--sass out.sass]
+        [--dtype bf16|fp16] [--magic 4|5] [--hist-stages N] [--hoist-q] [--prefetch] [--page 64] [--sass out.sass]
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.
 
 def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0,
                    act: str = "bf16", magic: int = 5, hist_stages: int = 0,
-                   hoist_q: bool = False, prefetch: bool = False) -> object:
+                   hoist_q: bool = False, prefetch: bool = False, page: int = 64) -> object:
     fn = int2_decode._decode_stage1_kernel
     const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, MAGIC=magic, MODE=0,
-                 ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=64,
+                 ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=page,
+                 VROW=min(page, 64) // 4,
                  TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
                  HOIST_Q=hoist_q, PREFETCH=prefetch)
     sig = {n: "constexpr" if n in const else PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
@@ -90,13 +91,14 @@ def main() -> None:
     p.add_argument("--hoist-q", action="store_true", help="q operands converted before the loop (DecodeConfig.hoist_q)")
     p.add_argument("--prefetch", action="store_true", help="L2 prefetch before the wait (DecodeConfig.prefetch)")
     p.add_argument("--block-nb", type=int, default=16)
+    p.add_argument("--page", type=int, default=64, help="tokens per page (paged layout)")
     p.add_argument("--maxnreg", type=int, default=0)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--magic", type=int, default=5, help="unpack variant (4 PTX 128+c, 5 PTX subnormal fields)")
     p.add_argument("--sass", type=Path)
     a = p.parse_args()
     k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.magic, a.hist_stages, a.hoist_q,
-                       a.prefetch)
+                       a.prefetch, a.page)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)
     if a.sass:
@@ -110,7 +112,7 @@ def main() -> None:
         alu = sum(hist.get(op, 0) for op in ALU)
         print(f"{kind} loop: {n} instructions/warp/iteration"
               + (f" = {n * a.warps / codes:.4f} warp-instructions per code" if kind == "INT2" else "")
-              + f", {alu} on the integer pipe", dict(hist.most_common(12)))
+              + f", {alu} on the integer pipe", dict(hist.most_common(16)))
 
 
 if __name__ == "__main__":

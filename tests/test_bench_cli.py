@@ -184,6 +184,13 @@ def test_kernel_options_reject_bad_items(text: str, match: str) -> None:
         parse_kernel_options(text)
 
 
+@pytest.mark.parametrize("page", ["8", "96", "0"])
+def test_bench_bad_page_size_is_a_usage_error(page: str) -> None:
+    r = CliRunner().invoke(app, ["bench", "--page-size", page])
+    assert r.exit_code == 2
+    assert "--page-size must be a multiple of 16" in r.output
+
+
 def test_bench_bad_kernel_option_is_a_usage_error() -> None:
     r = CliRunner().invoke(app, ["bench", "--kernel", "nope=1"])
     assert r.exit_code == 2
@@ -191,14 +198,19 @@ def test_bench_bad_kernel_option_is_a_usage_error() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; the GPU runs it in scripts/")
-def test_int2_plans_build_runnable_plans_with_kernel_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plans every INT2 bench measurement is built on: rotating cases, the --kernel overrides, a run."""
+@pytest.mark.parametrize(("paged", "page"), [(True, 64), (True, 128), (False, 64)], ids=["pages64", "pages128",
+                                                                                       "contiguous"])
+def test_int2_plans_build_runnable_plans_with_kernel_overrides(monkeypatch: pytest.MonkeyPatch, paged: bool,
+                                                               page: int) -> None:
+    """The plans every INT2 bench measurement is built on: rotating cases, the --kernel overrides, the page layout
+    (token-quad rows of 64 tokens above 64-token pages and without pages), a run."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from oscar_cli.bench import harness as H
     from oscar_cli.bench.shapes import NAMED_SHAPES
 
     shape = NAMED_SHAPES["smollm2-135m"]
-    cfg = H.BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)))
+    cfg = H.BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)), paged=paged,
+                        page_size=page)
     plans, cases, s = H.int2_plans(shape, 1, 512, cfg, torch.device("cpu"), 1 << 20)
     assert len(plans) == len(cases) >= 2  # enough copies to exceed 4x the (pretend) L2
     assert (plans[0].config.block_n, plans[0].config.merge_block_p, s) == (16, 16, plans[0].num_splits)

@@ -21,6 +21,7 @@ EXAMPLES = """
   oscar bench --shape 32,8,128 --ctx 8k,64k --plot bench.png
   oscar --json bench > bench.json                       # GPU name, versions, git sha and every number
   oscar bench --ctx 128k --kernel magic=5,hist_stages=2  # the v7 kernel (four fields, one buffer), same harness
+  oscar bench --batch 16 --page-size 16                  # vLLM-sized pages (INT2 and FlashInfer alike)
 """
 
 
@@ -65,7 +66,10 @@ def bench(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG plot of time vs context here.")] = None,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Also time CUDA-graph replays.")] = True,
     paged: Annotated[bool, typer.Option("--paged/--contiguous",
-                                        help="INT2 cache layout: shuffled pages of 64 tokens, or [B, H_kv, T, D/4].")] = True,
+                                        help="INT2 cache layout: shuffled pages of --page-size tokens, or one "
+                                             "[B, H_kv, T, D/4] block per sequence.")] = True,
+    page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page (INT2 and FlashInfer): a multiple of "
+                                                               "16, of 64 above 64.")] = 64,
     kernel: Annotated[str | None, typer.Option(
         "--kernel", help="Decode-kernel knobs KEY=VALUE,... (DecodeConfig fields, e.g. magic=4,maxnreg=none,pdl=false); "
                          "the rest stay default_config(batch).")] = None,
@@ -84,12 +88,14 @@ def bench(
         knobs = parse_kernel_options(kernel)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--kernel") from exc
+    if page_size < 16 or page_size % 16 or (page_size > 64 and page_size % 64):
+        raise typer.BadParameter(f"--page-size must be a multiple of 16 (of 64 above 64), got {page_size}")
     if dtype not in ("bf16", "fp16"):
         raise typer.BadParameter(f"--dtype must be bf16 or fp16, got {dtype!r}")
     from oscar_cli.bench import harness
 
     config = harness.BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
-                                 graphs=graphs, paged=paged, kernel=knobs)
+                                 graphs=graphs, paged=paged, page_size=page_size, kernel=knobs)
     with _output.progress() as p:
         task = p.add_task("bench", total=len(batches) * len(ctxs))
 
