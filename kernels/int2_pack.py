@@ -6,8 +6,8 @@ threshold, ``div_rn`` for every division) so that codes, scale, zero and packed 
 the reference fed the same float32 rotated rows.
 
 Paged cache layouts (what the decode kernel reads): keys ``codes uint8 [num_pages, H_kv, P, D/4]`` (quarter
-packing, ``TQ=False``); values ``codes uint8 [num_pages, H_kv, D, P/4]`` (token quads, ``TQ=True``: a token
-writes 2 bits of ``D`` bytes that it shares with the 3 other tokens of its quad, so it clears and sets its bits
+packing, ``TQ=False``); values ``codes uint8 [num_pages, H_kv, P/R·D, R/4]`` (token quads in rows of
+``R = min(P, 64)`` tokens, ``TQ=True``: a token writes 2 bits of ``D`` bytes that it shares with the 3 other tokens of its quad, so it clears and sets its bits
 with ``atomic_and`` / ``atomic_or`` on the 32-bit words: rows of one quad may be written by different programs
 or launches, in any order). ``scale`` and ``zero`` ``md [num_pages, H_kv, P, D/G]`` for both.
 A token's slot is ``page * P + offset``; a negative slot is skipped (padding rows, CUDA-graph safe).

@@ -12,7 +12,8 @@ Public API (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET
   :func:`default_num_splits`.
 
 Paged layout: keys ``codes uint8 [num_pages, H_kv, P, D/4]`` (quarter-packed rows), values
-``codes uint8 [num_pages, H_kv, D, P/4]`` (token quads), ``scale``/``zero`` ``md [num_pages, H_kv, P, D/G]``,
+``codes uint8 [num_pages, H_kv, P/R·D, R/4]`` (token quads in rows of ``R = min(P, 64)`` tokens),
+``scale``/``zero`` ``md [num_pages, H_kv, P, D/G]``,
 ``block_table int32 [B, max_pages]``; token ``t`` of sequence ``b`` lives in page ``block_table[b, t // P]``
 at offset ``t % P``. Every launch is CUDA-graph safe: lengths are device tensors, the split count is fixed
 by static shapes, nothing syncs with the host (except the opt-in ``OSCAR_KERNEL_DEBUG=1`` range check).
