@@ -485,21 +485,22 @@ def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
 def _small_page_v_tile(n0, end, b, h, vc_ptr, stride_vp, stride_vh, bt_ptr, stride_btb, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
     """The ``[D, BLOCK_N/4]`` V token-quad tile of tokens ``[n0, n0 + BLOCK_N)`` over pages smaller than the tile:
-    loaded as ``[D, pages, P/4]`` (one block-table entry per page, ``P/4`` contiguous bytes per row: 4- or 8-byte
-    vectors the loop pipeliner copies asynchronously; per-quad addresses would be byte loads waited for in the
-    loop), then viewed as ``[D, BLOCK_N/4]``."""
+    one block-table entry per page, each page's contiguous ``[D, P/4]`` block loaded as rows of 16 bytes (16-byte
+    asynchronous copies; per-quad addresses were byte loads waited for in the loop, ``[D, pages, P/4]`` 4- or 8-byte
+    copies), then rearranged to ``[D, pages·P/4]`` in registers."""
     PPT: tl.constexpr = BLOCK_N // PAGE
     QPP: tl.constexpr = PAGE // 4
+    RW: tl.constexpr = D * QPP // 16  # a page's [D, P/4] block as rows of 16 bytes
     pg = tl.arange(0, PPT)
     first = n0 + pg * PAGE
     page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE + pg, mask=first < end, other=0).to(tl.int64)
-    vptr = (vc_ptr + (page * stride_vp + h * stride_vh)[None, :, None] + (tl.arange(0, D) * QPP)[:, None, None]
-            + tl.arange(0, QPP)[None, None, :])
+    vptr = (vc_ptr + (page * stride_vp + h * stride_vh)[:, None, None] + (tl.arange(0, RW) * 16)[None, :, None]
+            + tl.arange(0, 16)[None, None, :])
     if MASKED:
-        ok = (first[:, None] + 4 * tl.arange(0, QPP)[None, :]) < end
-        vt = tl.load(vptr, mask=ok[None, :, :], other=0)
+        vt = tl.load(vptr, mask=(first < end)[:, None, None], other=0)
     else:
         vt = tl.load(vptr)
+    vt = tl.permute(tl.reshape(vt, [PPT, D, QPP]), (1, 0, 2))
     return tl.reshape(vt, [D, BLOCK_N // 4])
 
 
