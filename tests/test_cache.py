@@ -106,7 +106,8 @@ def test_demotion_in_blocks_of_8_recent_between_w_and_w_plus_7() -> None:
 
 
 def test_value_quads_follow_the_history_incrementally() -> None:
-    """The kernel's value layout (token quads) tracks hist_v through odd prefill lengths, demotions and reorders."""
+    """The kernel's value layout (token quads in rows of 64 tokens) tracks hist_v through odd prefill lengths,
+    demotions, a row boundary and reorders."""
     from oscar_kernels.reference import rows_to_token_quads
 
     meth = oscar_method([LayerTransform()], sink=8, recent=16)
@@ -114,9 +115,10 @@ def test_value_quads_follow_the_history_incrementally() -> None:
     k = torch.randn(2, H, 120, D, generator=torch.Generator().manual_seed(4))
     layer.update(k[..., :47, :], k[..., :47, :])  # 23 history rows: the last quad is partial
     assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0]))
-    for i in range(47, 80):
+    for i in range(47, 120):  # the history crosses a 64-token row of the value layout
         layer.update(k[..., i : i + 1, :], k[..., i : i + 1, :])
         assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0])), f"after token {i}"
+    assert layer.tier_sizes()[1] > 64
     layer.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0]))
 
