@@ -278,6 +278,16 @@ def test_decode_bad_inputs_name_the_tensor() -> None:
         run_op(dict(c, block_table=c["block_table"].long()))
     with pytest.raises(ValueError, match=r"sink_k: expected"):
         run_op(dict(c, sink_k=c["sink_k"][:, :, :, :32]))
+    # values in the pre-v10 layout of a 128-token page ([D, P/4] instead of two 64-token rows [2·D, 16])
+    c = make_case(5, 1, 4, 1, 64, [200], [1], [1], 128, torch.float16, "cpu", meta=torch.float16)
+    old = ref.QuantizedRows(torch.zeros(c["v_cache"].packed.shape[0], 1, 64, 32, dtype=torch.uint8),
+                            c["v_cache"].scale, c["v_cache"].zero)
+    with pytest.raises(ValueError, match=r"v_cache.packed: expected uint8 \[\d+, 1, 128, 16\] \(token quads\)"):
+        run_op(dict(c, v_cache=old))
+    # pages above 64 tokens must be whole 64-token rows
+    k80 = ops.new_paged_cache(2, 1, 80, 64, None, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="pages above 64 tokens must be multiples of 64"):
+        run_op(dict(c, k_cache=k80, v_cache=k80, block_table=torch.zeros(1, 3, dtype=torch.int32)))
 
 
 # ---- GPU grid --------------------------------------------------------------------------------------
