@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -71,7 +73,6 @@ def test_bench_keeps_the_default_config_it_does_not_override(batch: int) -> None
 def test_kernels_digest_names_the_kernel_sources() -> None:
     """The bench record carries a content hash of the kernel sources (a copied tree has no reliable git sha)."""
     import hashlib
-    from pathlib import Path
 
     import oscar_kernels
     from oscar_cli.bench import harness as H
@@ -101,6 +102,66 @@ def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str]) 
     import re
 
     assert re.search(r"\b1%\s*│\s*6%", out), out  # eager share, then the graph share
+
+
+def _cell(batch: int, ctx: int, graph: bool = True) -> object:
+    from oscar_cli.bench import harness as H
+
+    return H.CellResult(batch=batch, ctx=ctx, splits=30, int2_us=100.0 + ctx / 1e3, int2_graph_us=10.0 + ctx / 1e4
+                        if graph else None, int2_bytes=1, int2_gbps=1.0, pct_copy=1.0,
+                        bf16_us={"cudnn": 50.0 + ctx / 1e3, "flashinfer": None},
+                        bf16_graph_us={"cudnn": 12.0 + ctx / 1e4 if graph else None, "flashinfer": 11.0 + ctx / 1e4
+                                       if graph else None},
+                        best_bf16="cudnn", best_bf16_us=50.0 + ctx / 1e3, speedup=0.5, speedup_graph=None)
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph-times", "eager-only"])
+def test_bench_plot_shows_graph_times_and_the_page_size(tmp_path: Path, graph: bool) -> None:
+    """The plot shows what the table and docs report: CUDA-graph times (eager only when no graph time was
+    measured), INT2 and the fastest BF16 backend per batch, the page size in the title; written atomically."""
+    from oscar_cli.bench import harness as H
+
+    cells = [_cell(b, c, graph) for b in (16, 1) for c in (32768, 4096)]
+    res = H.BenchResult(config={"shape": {"name": "qwen3-8b"}, "page_size": 16, "paged": True},
+                        environment={"gpu": "H200"}, copy_gbps=1.0, cells=cells, quantize={})  # type: ignore[arg-type]
+    timing, series = H.plot_series(res)
+    assert timing == ("CUDA graph" if graph else "eager")
+    assert [s[0] for s in series] == ["INT2 B=1", "best BF16 B=1", "INT2 B=16", "best BF16 B=16"]
+    assert series[0][1] == [4096, 32768]
+    if graph:
+        assert series[0][2] == pytest.approx([10.4096, 13.2768]) and series[1][2] == pytest.approx([11.4096, 14.2768])
+    else:
+        assert series[0][2] == pytest.approx([104.096, 132.768]) and series[1][2] == pytest.approx([54.096, 82.768])
+    out = H.save_plot(res, tmp_path / "bench.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == ["bench.png"]
+
+
+def test_bench_replot_draws_a_saved_record_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--replot``: a saved ``--json`` record back to a PNG (no measuring, no CUDA); bad records are one-line errors."""
+    import json
+    from dataclasses import asdict
+
+    from oscar_cli.bench import harness as H
+
+    res = H.BenchResult(config={"shape": {"name": "qwen3-8b"}, "page_size": 64, "paged": True},
+                        environment={"gpu": "H200"}, copy_gbps=1.0, cells=[_cell(1, 4096), _cell(1, 32768)],  # type: ignore[list-item]
+                        quantize={})
+    record = tmp_path / "bench.json"
+    record.write_text(json.dumps(asdict(res) | {"plot": None}))
+    assert H.result_from_json(json.loads(record.read_text())) == res
+    r = CliRunner().invoke(app, ["bench", "--replot", str(record), "--plot", str(tmp_path / "b.png")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    r = CliRunner().invoke(app, ["bench", "--replot", str(record)])
+    assert r.exit_code == 2 and "--replot needs --plot" in r.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"cells": []}')
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--replot", str(bad), "--plot", str(tmp_path / "c.png")])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert "is not an `oscar --json bench` record (KeyError: 'config')" in err and len(err.strip().splitlines()) == 2
+    assert not (tmp_path / "c.png").exists()
 
 
 def test_bench_table_shows_the_faster_flashinfer_kernel(capsys: pytest.CaptureFixture[str],

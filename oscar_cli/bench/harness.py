@@ -510,26 +510,55 @@ def _has_flashinfer() -> bool:
     return True
 
 
+def result_from_json(record: dict[str, Any]) -> BenchResult:
+    """A :class:`BenchResult` back from ``oscar --json bench`` output (``KeyError``/``TypeError`` on other JSON)."""
+    return BenchResult(config=record["config"], environment=record["environment"], copy_gbps=record["copy_gbps"],
+                       cells=[CellResult(**c) for c in record["cells"]], quantize=record["quantize"],
+                       notes=list(record.get("notes", [])))
+
+
+def plot_series(result: BenchResult) -> tuple[str, list[tuple[str, list[int], list[float]]]]:
+    """(timing, [(label, contexts, µs)]) of :func:`save_plot`: per batch size INT2 and the best BF16 backend, from the
+    CUDA-graph times when every cell has them (what serving runs and what the docs report; eager times of small
+    cells are Python-launch-bound), else from the eager times."""
+    graph = all(c.int2_graph_us is not None and any(v is not None for v in c.bf16_graph_us.values())
+                for c in result.cells)
+    series = []
+    for batch in sorted({c.batch for c in result.cells}):
+        cs = sorted((c for c in result.cells if c.batch == batch), key=lambda c: c.ctx)
+        xs = [c.ctx for c in cs]
+        if graph:
+            int2 = [float(c.int2_graph_us or 0.0) for c in cs]
+            bf16 = [min(v for v in c.bf16_graph_us.values() if v is not None) for c in cs]
+        else:
+            int2, bf16 = [c.int2_us for c in cs], [c.best_bf16_us for c in cs]
+        series += [(f"INT2 B={batch}", xs, int2), (f"best BF16 B={batch}", xs, bf16)]
+    return ("CUDA graph" if graph else "eager"), series
+
+
 def save_plot(result: BenchResult, path: Path) -> Path:
-    """PNG: decode time vs context, INT2 vs best BF16, one line pair per batch size (log scale)."""
+    """PNG: decode time vs context, INT2 vs best BF16, one line pair per batch size (log scale; CUDA-graph times
+    when measured, see :func:`plot_series`), written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    timing, series = plot_series(result)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for batch in sorted({c.batch for c in result.cells}):
-        cs = sorted((c for c in result.cells if c.batch == batch), key=lambda c: c.ctx)
-        xs = [c.ctx for c in cs]
-        line = ax.plot(xs, [c.int2_us for c in cs], marker="o", label=f"INT2 B={batch}")[0]
-        ax.plot(
-            xs, [c.best_bf16_us for c in cs], marker="s", ls="--", color=line.get_color(), label=f"best BF16 B={batch}"
-        )
+    color = None
+    for label, xs, ys in series:
+        if label.startswith("INT2"):
+            color = ax.plot(xs, ys, marker="o", label=label)[0].get_color()
+        else:
+            ax.plot(xs, ys, marker="s", ls="--", color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("decode attention, one layer (µs, median)")
-    ax.set_title(f"{result.config['shape']['name']} on {result.environment['gpu']}")
+    ax.set_ylabel(f"decode attention, one layer (µs, median, {timing})")
+    cfg = result.config
+    pages = f"pages of {cfg.get('page_size')} tokens" if cfg.get("paged", True) else "non-paged"
+    ax.set_title(f"{cfg['shape']['name']} on {result.environment['gpu']}, {pages}")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     path = Path(path)

@@ -22,6 +22,7 @@ EXAMPLES = """
   oscar --json bench > bench.json                       # GPU name, versions, git sha and every number
   oscar bench --ctx 128k --kernel magic=5,hist_stages=2  # the v7 kernel (four fields, one buffer), same harness
   oscar bench --batch 16 --page-size 16                  # vLLM-sized pages (INT2 and FlashInfer alike)
+  oscar bench --replot bench.json --plot bench.png      # plot a saved --json record again (no GPU needed)
 """
 
 
@@ -57,6 +58,28 @@ def _render(res: Any) -> None:
         _output.stdout.print(f"note: {n}")
 
 
+def _replot(record: Path, plot: Path | None) -> None:
+    """``--replot``: the plot of a saved JSON record (atomic write), nothing measured."""
+    import json
+
+    from oscar_cli.bench import harness
+
+    if plot is None:
+        raise typer.BadParameter("--replot needs --plot PATH (where to write the PNG)", param_hint="--replot")
+    try:
+        res = harness.result_from_json(json.loads(record.read_text()))
+    except OSError as exc:
+        raise OscarError(f"cannot read the bench record {record}: {exc.strerror}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OscarError(f"{record} is not an `oscar --json bench` record ({type(exc).__name__}: {exc})",
+                         hint="pass the JSON that `oscar --json bench` printed") from exc
+    try:
+        harness.save_plot(res, plot)
+    except OSError as exc:
+        raise OscarError(f"cannot write the plot to {plot}: {exc.strerror}") from exc
+    _output.info(f"plot of {record} ({len(res.cells)} cells) written to {plot}")
+
+
 def bench(
     shape: Annotated[str, typer.Option("--shape", help="qwen3-8b | llama-3.1-8b | smollm2-135m | H_Q,H_KV,D")] = "qwen3-8b",
     batch: Annotated[str, typer.Option("--batch", help="Batch sizes, comma-separated.")] = "1,16",
@@ -70,6 +93,8 @@ def bench(
                                              "[B, H_kv, T, D/4] block per sequence.")] = True,
     page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page (INT2 and FlashInfer): a multiple of "
                                                                "16, of 64 above 64.")] = 64,
+    replot: Annotated[Path | None, typer.Option(
+        "--replot", help="Plot a saved `oscar --json bench` record to --plot instead of measuring (no GPU).")] = None,
     kernel: Annotated[str | None, typer.Option(
         "--kernel", help="Decode-kernel knobs KEY=VALUE,... (DecodeConfig fields, e.g. magic=4,maxnreg=none,pdl=false); "
                          "the rest stay default_config(batch).")] = None,
@@ -77,6 +102,10 @@ def bench(
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
     from oscar_cli.bench.kernel_options import parse_kernel_options
     from oscar_cli.bench.shapes import parse_int_list, parse_shape
+
+    if replot is not None:
+        _replot(replot, plot)
+        return
 
     try:
         cfg_shape = parse_shape(shape)
