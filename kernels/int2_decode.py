@@ -526,7 +526,7 @@ def _int2_tile(
     ok1 = n0 + quad + 1 < end
     ok2 = n0 + quad + 2 < end
     ok3 = n0 + quad + 3 < end
-    if PAGED and PAGE < BLOCK_N:
+    if PAGED and PAGE < BLOCK_N and BLOCK_N % PAGE == 0:  # other small pages (e.g. 48): per-quad addresses below
         vt = _small_page_v_tile(n0, end, b, h, vc_ptr, stride_vp, stride_vh, bt_ptr, stride_btb, D, BLOCK_N, PAGE,
                                 MASKED)
     else:

@@ -169,9 +169,10 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("page", "block_n"), [(16, 32), (16, 64), (32, 64)])
+@pytest.mark.parametrize(("page", "block_n"), [(16, 32), (16, 64), (32, 64), (48, 64)])
 def test_decode_pages_smaller_than_the_tile(page: int, block_n: int) -> None:
-    """A tile over several pages: V loaded page by page as ``[D, pages, P/4]``, ragged ends inside a page."""
+    """A tile over several pages: V loaded page by page (16-byte rows of each page's block), ragged ends inside a
+    page; pages that do not divide the tile (48) take per-quad addresses."""
     dev = "cuda" if CUDA else "cpu"
     c = make_case(page + block_n, 2, 8, 2, 64, [97, 40], [2, 3], [5, 4], page, torch.float16, dev,
                   meta=torch.float16)
