@@ -169,7 +169,7 @@ def test_decode_interpreter(case: tuple, unpack: str) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("page", "block_n"), [(16, 32), (16, 64), (32, 64), (48, 64)])
+@pytest.mark.parametrize(("page", "block_n"), [(16, 32), (16, 64), (32, 64), (48, 64), (64, 128)])
 def test_decode_pages_smaller_than_the_tile(page: int, block_n: int) -> None:
     """A tile over several pages: V loaded page by page (16-byte rows of each page's block), ragged ends inside a
     page; pages that do not divide the tile (48) take per-quad addresses."""
