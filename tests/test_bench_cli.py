@@ -70,6 +70,28 @@ def test_bench_keeps_the_default_config_it_does_not_override(batch: int) -> None
     assert (got.num_stages, got.magic, got.maxnreg, got.block_nb) == (3, 0, base.maxnreg, base.block_nb)
 
 
+def test_git_state_reports_sha_and_whether_tracked_files_differ() -> None:
+    """The record's git fields: HEAD and a dirty flag from ``git status`` of this checkout (a copied tree whose
+    ``.git`` is stale shows up as dirty); no git at all gives (None, None)."""
+    import shutil
+    import subprocess
+
+    from oscar_cli.bench import harness as H
+
+    sha, dirty = H.git_state()
+    here = Path(H.__file__).resolve().parent
+    if shutil.which("git") is None:
+        assert (sha, dirty) == (None, None)
+        return
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here)
+    if head.returncode != 0:  # installed outside any checkout
+        assert (sha, dirty) == (None, None)
+        return
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                            cwd=here).stdout
+    assert sha == head.stdout.strip() and dirty == bool(status.strip())
+
+
 def test_kernels_digest_names_the_kernel_sources() -> None:
     """The bench record carries a content hash of the kernel sources (a copied tree has no reliable git sha)."""
     import hashlib

@@ -100,19 +100,7 @@ def environment() -> dict[str, Any]:
     import triton
 
     props = torch.cuda.get_device_properties(0)
-    try:
-        sha = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-                cwd=Path(__file__).resolve().parent,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        sha = None
+    sha, dirty = git_state()
     return {
         "gpu": props.name,
         "sms": props.multi_processor_count,
@@ -121,8 +109,26 @@ def environment() -> dict[str, Any]:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "git_sha": sha,
+        "git_dirty": dirty,  # tracked files differ from git_sha (e.g. a copied tree with a stale .git): trust the digest
         "kernels_sha256": _kernels_digest(),
     }
+
+
+def git_state() -> tuple[str | None, bool | None]:
+    """(HEAD sha, whether tracked files differ from it) of the checkout holding this package; (None, None) outside
+    git."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=here)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return p.stdout if p.returncode == 0 else None
+
+    sha = (git("rev-parse", "HEAD") or "").strip() or None
+    status = git("status", "--porcelain", "--untracked-files=no") if sha else None
+    return sha, (None if status is None else bool(status.strip()))
 
 
 def _kernels_digest() -> str | None:
