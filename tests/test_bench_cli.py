@@ -106,15 +106,18 @@ def test_kernels_digest_names_the_kernel_sources() -> None:
     assert got == h.hexdigest() and len(got) == 64
 
 
-def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str]) -> None:
-    """The table reports % of copy bandwidth from the CUDA-graph time next to the eager one."""
+def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table reports % of copy bandwidth from the CUDA-graph time next to the eager one, and GB/s from the graph
+    time."""
+    from oscar_cli import _output
     from oscar_cli.bench import harness as H
     from oscar_cli.commands.bench import _render
 
+    monkeypatch.setattr(_output.stdout, "width", 250)  # every column unabridged
     cell = H.CellResult(batch=1, ctx=4096, splits=59, int2_us=118.0, int2_graph_us=13.2, int2_bytes=3_633_900,
                         int2_gbps=30.8, pct_copy=0.7, bf16_us={"cudnn": 16.5, "flash": 24.0},
                         bf16_graph_us={"cudnn": 12.2, "flash": 19.4}, best_bf16="cudnn", best_bf16_us=16.5,
-                        speedup=0.14, speedup_graph=0.92, pct_copy_graph=6.5)
+                        speedup=0.14, speedup_graph=0.92, pct_copy_graph=6.5, int2_gbps_graph=275.3)
     res = H.BenchResult(config={"shape": {"name": "qwen3-8b", "h_kv": 8}}, environment={"gpu": "H200"},
                         copy_gbps=4250.0, cells=[cell],
                         quantize={"tokens": 16, "us": 1.0, "rows_per_s": 1e6, "gbps": 1.0, "values_us": 2.0},
@@ -124,6 +127,7 @@ def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str]) 
     import re
 
     assert re.search(r"\b1%\s*│\s*6%", out), out  # eager share, then the graph share
+    assert re.search(r"│\s*275\s*│\s*1%", out), out  # bandwidth from the graph time (30.8 GB/s eager: launch-bound)
 
 
 def _cell(batch: int, ctx: int, graph: bool = True) -> object:

@@ -68,6 +68,7 @@ class CellResult:
     speedup: float
     speedup_graph: float | None
     pct_copy_graph: float | None = None  # from the CUDA-graph time (what a serving engine runs)
+    int2_gbps_graph: float | None = None  # likewise
 
 
 @dataclass(frozen=True)
@@ -488,6 +489,7 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
                     speedup=avail[best] / i_us,
                     speedup_graph=(min(best_g) / i_g) if (best_g and i_g) else None,
                     pct_copy_graph=(100 * nbytes / (i_g * 1e-6) / 1e9 / copy) if i_g else None,
+                    int2_gbps_graph=(nbytes / (i_g * 1e-6) / 1e9) if i_g else None,
                 )
             )
             torch.cuda.empty_cache()
