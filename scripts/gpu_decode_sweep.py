@@ -177,10 +177,6 @@ def joint_case(case: dict, mode: str) -> dict:
     return out
 
 
-def _case(i: int, b: int, c: int, bc: H.BenchConfig) -> dict:
-    return H.build_int2_case(SHAPE, b, c, bc, DEV, bc.seed + i)
-
-
 def layout() -> None:
     """Memory layout of the paged cache, same kernel (env LAYOUTS, default every one): separate tensors with pages of
     16/32/64/128/256 tokens (``page16`` ...), the metadata of a 64-token page adjacent (``meta``), everything of a
@@ -195,27 +191,20 @@ def layout() -> None:
             for name in names:
                 page = int(name[4:]) if name.startswith("page") else 64
                 bc = H.BenchConfig(shape=SHAPE, rep_ms=40, page_size=page, paged=name != "nonpaged")
-                hist = max(c - bc.sink - bc.recent, 0)
-                ps, n_pp = H.page_geometry(bc, hist)
-                s = ops.default_num_splits(b, SHAPE.h_kv, ps * n_pp, cfg.block_n)
-                nbytes = H.int2_bytes(SHAPE, b, c, bc.sink, bc.recent, bc.page_size)
-                cases = H.rotating(partial(_case, b=b, c=c, bc=bc), nbytes, L2)
-                if name in ("meta", "all"):
-                    ref_ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
-                    ref = H.int2_plan(cases[0], s, cfg, ref_ws, torch.empty_like(cases[0]["q"]), True).run().clone()
-                    cases = [joint_case(x, name) for x in cases]
-                ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
-                out = torch.empty_like(cases[0]["q"])
-                plans = [H.int2_plan(x, s, cfg, ws, out, bc.paged) for x in cases]
+                plans, cases, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
                 same = None
-                if name in ("meta", "all"):
+                if name in ("meta", "all"):  # the same values re-laid out; the separate tensors' output is the oracle
+                    ref = plans[0].run().clone()
+                    cases = [joint_case(x, name) for x in cases]
+                    ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
+                    plans = [H.int2_plan(x, s, cfg, ws, plans[0].out, True) for x in cases]
                     same = bool(torch.equal(plans[0].run(), ref))
                 g = H.graph_over(plans, lambda p: p.run(), 40)
                 row = {"batch": b, "ctx": c, "layout": name, "rep": rep, "splits": s, "sets": len(cases),
                        "graph_us": g, "bitwise_equal": same}
                 R["layout"].append(row)
                 print("LAYOUT", row, flush=True)
-                del plans, cases, ws
+                del plans, cases
                 torch.cuda.empty_cache()
         save()
 
