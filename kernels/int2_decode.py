@@ -28,7 +28,7 @@ dim: unpacking residue ``j`` yields consecutive quads, the reduction axis of ``C
 tokens (non-paged: ``[B, H_kv, ⌈T/64⌉·D, 16]``), so that a 64-token tile is ``D`` rows of 16 contiguous bytes. With the row layout
 for values, the V operand had to be transposed byte by byte through shared memory (docs/KERNELS.md, v2–v5).
 
-Unpack (``MAGIC``): **5 (default on CUDA) = fp16 subnormal fields**: two ``prmt`` zero-extend 4 code bytes to
+Unpack (``MAGIC``): **5 (default on CUDA in v7) = fp16 subnormal fields**: two ``prmt`` zero-extend 4 code bytes to
 4 uint16 lanes (once per byte, shared by its 4 fields), then one ``and`` with ``0x00030003 << 2J`` per two codes
 leaves the bit pattern of the fp16 subnormal ``c·4^J·2^-24`` — exact, no offset. The ``4^J`` is cancelled in the
 other MMA operand: the K quarter ``J`` of ``q`` is pre-scaled by ``4^-J`` (and a per-program power of two that

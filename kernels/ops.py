@@ -349,7 +349,7 @@ class DecodePlan:
         if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
             raise _bad("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
         h_kv, page = int(kc.shape[1]), int(kc.shape[2])
-        _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged)
+        vrow = _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged) // 4
         _check("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
         if not paged and (block_table.shape[1] != 1 or kc.shape[0] != b):
             raise ValueError("paged=False needs k_cache [B, H_kv, T, D/4] and a [B, 1] block table (page b = row b)")
@@ -403,7 +403,7 @@ class DecodePlan:
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
                  MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 VROW=(token_quad_row(page) if paged else TOKEN_QUAD_ROW) // 4,
+                 VROW=vrow,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -425,10 +425,10 @@ class DecodePlan:
 
 
 def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tensor, h_kv: int, page: int,
-                 dev: torch.device, paged: bool = True) -> None:
+                 dev: torch.device, paged: bool = True) -> int:
     """Keys: quarter-packed rows ``[pages, H_kv, P, D/4]``; values: token quads ``[pages, H_kv, P/R·D, R/4]`` with
     ``R = min(P, 64)`` tokens per row (paged; pages above 64 tokens are multiples of 64), ``[B, H_kv, ⌈T/64⌉·D, 16]``
-    (non-paged)."""
+    (non-paged). Returns ``R``."""
     d = 4 * int(kc.shape[-1])
     if paged and page > TOKEN_QUAD_ROW and page % TOKEN_QUAD_ROW:
         raise ValueError(f"k_cache.packed: pages above {TOKEN_QUAD_ROW} tokens must be multiples of "
@@ -447,6 +447,7 @@ def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tenso
             _check(f"{nm}.{part}", t, f"[pages, {h_kv}, {page}, 1] (G = D)", (kc.shape[0], h_kv, page, 1), _META, dev)
             if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
                 raise _bad(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
+    return row
 
 
 def decode_attention(
