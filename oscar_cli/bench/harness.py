@@ -70,6 +70,11 @@ class CellResult:
     pct_copy_graph: float | None = None  # from the CUDA-graph time (what a serving engine runs)
     int2_gbps_graph: float | None = None  # likewise
 
+    @property
+    def best_bf16_graph_us(self) -> float | None:
+        """The fastest BF16 backend's CUDA-graph time (None where none was timed in a graph)."""
+        return min((v for v in self.bf16_graph_us.values() if v is not None), default=None)
+
 
 @dataclass(frozen=True)
 class BenchResult:
@@ -529,15 +534,14 @@ def plot_series(result: BenchResult) -> tuple[str, list[tuple[str, list[int], li
     """(timing, [(label, contexts, µs)]) of :func:`save_plot`: per batch size INT2 and the best BF16 backend, from the
     CUDA-graph times when every cell has them (what serving runs and what the docs report; eager times of small
     cells are Python-launch-bound), else from the eager times."""
-    graph = all(c.int2_graph_us is not None and any(v is not None for v in c.bf16_graph_us.values())
-                for c in result.cells)
+    graph = all(c.int2_graph_us is not None and c.best_bf16_graph_us is not None for c in result.cells)
     series = []
     for batch in sorted({c.batch for c in result.cells}):
         cs = sorted((c for c in result.cells if c.batch == batch), key=lambda c: c.ctx)
         xs = [c.ctx for c in cs]
         if graph:
             int2 = [float(c.int2_graph_us or 0.0) for c in cs]
-            bf16 = [min(v for v in c.bf16_graph_us.values() if v is not None) for c in cs]
+            bf16 = [float(c.best_bf16_graph_us or 0.0) for c in cs]
         else:
             int2, bf16 = [c.int2_us for c in cs], [c.best_bf16_us for c in cs]
         series += [(f"INT2 B={batch}", xs, int2), (f"best BF16 B={batch}", xs, bf16)]

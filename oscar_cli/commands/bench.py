@@ -43,11 +43,10 @@ def _render(res: Any) -> None:
                 "flash µs", "FlashInfer µs", "best BF16 graph", "speed-up", "speed-up graph"):
         t.add_column(col, justify="right")
     for c in res.cells:
-        best_g = min((v for v in c.bf16_graph_us.values() if v is not None), default=None)
         t.add_row(str(c.batch), format_ctx(c.ctx), str(c.splits), _us(c.int2_us), _us(c.int2_graph_us),
                   "n/a" if c.int2_gbps_graph is None else f"{c.int2_gbps_graph:,.0f}", f"{c.pct_copy:.0f}%",
                   "n/a" if c.pct_copy_graph is None else f"{c.pct_copy_graph:.0f}%", _us(c.bf16_us.get("cudnn")),
-                  _us(c.bf16_us.get("flash")), _us(_best(c.bf16_us, "flashinfer")), _us(best_g), f"{c.speedup:.2f}x",
+                  _us(c.bf16_us.get("flash")), _us(_best(c.bf16_us, "flashinfer")), _us(c.best_bf16_graph_us), f"{c.speedup:.2f}x",
                   "n/a" if c.speedup_graph is None else f"{c.speedup_graph:.2f}x")
     _output.stdout.print(t)
     q = res.quantize
