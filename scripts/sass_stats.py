@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from oscar_kernels import int2_decode, ops
+from oscar_kernels.reference import token_quad_row
 
 BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
 PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
@@ -39,7 +40,7 @@ def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int
     fn = int2_decode._decode_stage1_kernel
     const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, MAGIC=magic, MODE=0,
                  ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=page,
-                 VROW=min(page, 64) // 4,
+                 VROW=token_quad_row(page) // 4,
                  TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
                  HOIST_Q=hoist_q, PREFETCH=prefetch)
     sig = {n: "constexpr" if n in const else PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
