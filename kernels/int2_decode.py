@@ -457,8 +457,9 @@ def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
     + head), ``mb_j`` (metadata page + head), ``vbase`` (V token-quad byte of each quad in dim row 0, ``[NQ]``; dim
     ``d`` adds ``d·VROW``) and ``koff`` (row of each quad's first token in its page, ``[NQ]``); ``quad = 4 *
     arange(NQ)``. Paged with tiles inside a page: one block-table entry per tile; paged otherwise: one per quad
-    (quads never straddle pages, ``P % 4 == 0``; such pages are one token-quad row); non-paged: one "page" of T rows
-    per sequence, token-quad rows of 64 tokens."""
+    (quads never straddle pages, ``P % 4 == 0``; such pages are one token-quad row; the loop itself takes one per page
+    where pages divide the tile, :func:`_int2_tile`); non-paged: one "page" of T rows per sequence, token-quad rows
+    of 64 tokens."""
     if PAGED and PAGE % BLOCK_N == 0:  # a tile never straddles a page (tiles start at multiples of BLOCK_N)
         page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE).to(tl.int64)
         kb_j = page * stride_kp + h * stride_kh
@@ -482,25 +483,29 @@ def _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
 
 
 @triton.jit
-def _small_page_v_tile(n0, end, b, h, vc_ptr, stride_vp, stride_vh, bt_ptr, stride_btb, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
-    """The ``[D, BLOCK_N/4]`` V token-quad tile of tokens ``[n0, n0 + BLOCK_N)`` over pages smaller than the tile:
-    one block-table entry per page, each page's contiguous ``[D, P/4]`` block loaded as rows of 16 bytes (16-byte
-    asynchronous copies; per-quad addresses were byte loads waited for in the loop, ``[D, pages, P/4]`` 4- or 8-byte
-    copies), then rearranged to ``[D, pages·P/4]`` in registers."""
+def _small_page_v_tile(page, h, vc_ptr, stride_vp, stride_vh, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PAGE: tl.constexpr, valid, MASKED: tl.constexpr):
+    """The ``[D, BLOCK_N/4]`` V token-quad tile over pages smaller than the tile (``page``: the tile's
+    ``[BLOCK_N/P]`` block-table entries, ``valid``: which of them hold tokens): each page's contiguous ``[D, P/4]``
+    block loaded as rows of 16 bytes (16-byte asynchronous copies; per-quad addresses were byte loads waited for in
+    the loop, ``[D, pages, P/4]`` 4- or 8-byte copies), then rearranged to ``[D, pages·P/4]`` in registers; pages of
+    64 tokens (under tiles of 128) need no rearranging: ``[D, pages, 16]``."""
     PPT: tl.constexpr = BLOCK_N // PAGE
     QPP: tl.constexpr = PAGE // 4
-    RW: tl.constexpr = D * QPP // 16  # a page's [D, P/4] block as rows of 16 bytes
-    pg = tl.arange(0, PPT)
-    first = n0 + pg * PAGE
-    page = tl.load(bt_ptr + b * stride_btb + n0 // PAGE + pg, mask=first < end, other=0).to(tl.int64)
-    vptr = (vc_ptr + (page * stride_vp + h * stride_vh)[:, None, None] + (tl.arange(0, RW) * 16)[None, :, None]
-            + tl.arange(0, 16)[None, None, :])
+    base = page * stride_vp + h * stride_vh
+    if QPP >= 16:  # pages of 64 tokens: every dim row of a page is 16 bytes already, loaded as [D, pages, 16]
+        vptr = vc_ptr + base[None, :, None] + (tl.arange(0, D) * QPP)[:, None, None] + tl.arange(0, QPP)[None, None, :]
+        ok = valid[None, :, None]
+    else:  # a page's [D, P/4] block as rows of 16 bytes, rearranged below
+        RW: tl.constexpr = D * QPP // 16
+        vptr = vc_ptr + base[:, None, None] + (tl.arange(0, RW) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+        ok = valid[:, None, None]
     if MASKED:
-        vt = tl.load(vptr, mask=(first < end)[:, None, None], other=0)
+        vt = tl.load(vptr, mask=ok, other=0)
     else:
         vt = tl.load(vptr)
-    vt = tl.permute(tl.reshape(vt, [PPT, D, QPP]), (1, 0, 2))
+    if QPP < 16:
+        vt = tl.permute(tl.reshape(vt, [PPT, D, QPP]), (1, 0, 2))
     return tl.reshape(vt, [D, BLOCK_N // 4])
 
 
@@ -520,16 +525,25 @@ def _int2_tile(
     NQ: tl.constexpr = BLOCK_N // 4
     quad = 4 * tl.arange(0, NQ)  # first token of each quad, relative to the tile
     dims = tl.arange(0, D)
-    kb_j, mb_j, vbase, koff = _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh, stride_mp,
-                                          stride_mh, bt_ptr, stride_btb, D, BLOCK_N, PAGED, PAGE, VROW)
     ok0 = n0 + quad < end  # used only when MASKED
     ok1 = n0 + quad + 1 < end
     ok2 = n0 + quad + 2 < end
     ok3 = n0 + quad + 3 < end
     if PAGED and PAGE < BLOCK_N and BLOCK_N % PAGE == 0:  # other small pages (e.g. 48): per-quad addresses below
-        vt = _small_page_v_tile(n0, end, b, h, vc_ptr, stride_vp, stride_vh, bt_ptr, stride_btb, D, BLOCK_N, PAGE,
-                                MASKED)
+        # one block-table entry per page, shared by K, metadata and V (a per-quad [NQ] entry load, pipelined, was
+        # copied to a misaligned shared-memory address at D = 64, pages of 64, tiles of 128 on the H200, Triton 3.6)
+        PPT: tl.constexpr = BLOCK_N // PAGE
+        pg = tl.arange(0, PPT)
+        has = n0 + pg * PAGE < end  # pages holding tokens of the split
+        pages = tl.load(bt_ptr + b * stride_btb + n0 // PAGE + pg, mask=has, other=0).to(tl.int64)
+        qpage = tl.reshape(tl.broadcast_to(pages[:, None], [PPT, PAGE // 4]), [NQ])
+        kb_j = qpage * stride_kp + h * stride_kh
+        mb_j = qpage * stride_mp + h * stride_mh
+        koff = quad % PAGE  # n0 is a multiple of the tile, so of the page
+        vt = _small_page_v_tile(pages, h, vc_ptr, stride_vp, stride_vh, D, BLOCK_N, PAGE, has, MASKED)
     else:
+        kb_j, mb_j, vbase, koff = _tile_addrs(n0, end, b, h, quad, stride_kp, stride_kh, stride_vp, stride_vh,
+                                              stride_mp, stride_mh, bt_ptr, stride_btb, D, BLOCK_N, PAGED, PAGE, VROW)
         vptr = vc_ptr + vbase[None, :] + dims[:, None] * VROW  # [D, NQ] token-quad bytes (constexpr row stride)
         if MASKED:
             vt = tl.load(vptr, mask=ok0[None, :], other=0)
