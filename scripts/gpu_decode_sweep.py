@@ -2,7 +2,7 @@
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [flashinfer] [layout] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sanitize] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [flashinfer] [layout] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter, CELLS
 the (batch, context) cells, e.g. CELLS=1x4096,16x131072, VARIANTS the variants stage's configs.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
@@ -50,6 +50,25 @@ def tests() -> None:
     (OUT / "tests.log").write_text(p.stdout + p.stderr)
     R["tests"] = {"rc": p.returncode, "seconds": time.time() - t, "tail": (p.stdout + p.stderr)[-2000:]}
     print("TESTS rc", p.returncode, f"{time.time() - t:.0f}s", (p.stdout + p.stderr)[-800:], flush=True)
+    save()
+
+
+def sanitize() -> None:
+    """compute-sanitizer's memcheck over GPU tests in one process (env SANITIZE_FILES, SANITIZE_K): out-of-bounds and
+    misaligned accesses by name and source line, which a plain run reports only as a poisoned CUDA context (v11)."""
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "20",
+           sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "--no-header", "-p", "no:cacheprovider",
+           *os.environ.get("SANITIZE_FILES", "tests/test_kernels_decode.py").split(),
+           "-k", os.environ.get("SANITIZE_K", "smaller_than_the_tile or large_pages")]
+    t = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("SANITIZE_TIMEOUT", "300")))
+        log, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as exc:  # text=True: the partial output is str (or None)
+        log, rc = f"timed out after {exc.timeout} s\n{exc.stdout!s}{exc.stderr!s}", None
+    (OUT / "sanitize.log").write_text(log)
+    R["sanitize"] = {"rc": rc, "seconds": time.time() - t, "tail": log[-2000:]}
+    print("SANITIZE rc", rc, f"{time.time() - t:.0f}s", log[-800:], flush=True)
     save()
 
 
@@ -325,6 +344,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
-        {"tests": tests, "sweep": sweep, "hist": hist, "whole": whole, "variants": variants, "bench": bench, "breakdown": breakdown, "splits": splits,
+        {"tests": tests, "sanitize": sanitize, "sweep": sweep, "hist": hist, "whole": whole, "variants": variants, "bench": bench, "breakdown": breakdown, "splits": splits,
          "diag": diag, "flashinfer": flashinfer, "layout": layout}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)
