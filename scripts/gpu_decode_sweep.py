@@ -3,7 +3,9 @@
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
     PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sanitize] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [flashinfer] [layout] [bench]
-(env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter, CELLS
+(env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter (default: every
+test; the decode grid's lengths are ids len1 ... len4097, so "not len4097" skips one length — before v11 the default
+"not 97" skipped both 97 and 4097), TEST_TIMEOUT its limit in seconds, CELLS
 the (batch, context) cells, e.g. CELLS=1x4096,16x131072, VARIANTS the variants stage's configs.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
@@ -44,12 +46,16 @@ def save() -> None:
 def tests() -> None:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "-n", "8", "--no-header", "-p", "no:cacheprovider",
            *os.environ.get("TEST_FILES", "tests/test_kernels_pack.py tests/test_kernels_decode.py").split(),
-           "-k", os.environ.get("TEST_K", "not 97")]
+           "-k", os.environ.get("TEST_K", "")]
     t = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("TEST_TIMEOUT", "200")))
-    (OUT / "tests.log").write_text(p.stdout + p.stderr)
-    R["tests"] = {"rc": p.returncode, "seconds": time.time() - t, "tail": (p.stdout + p.stderr)[-2000:]}
-    print("TESTS rc", p.returncode, f"{time.time() - t:.0f}s", (p.stdout + p.stderr)[-800:], flush=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("TEST_TIMEOUT", "200")))
+        log, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as exc:  # keep what ran (text=True: the partial output is str or None)
+        log, rc = f"timed out after {exc.timeout} s\n{exc.stdout!s}{exc.stderr!s}", None
+    (OUT / "tests.log").write_text(log)
+    R["tests"] = {"rc": rc, "seconds": time.time() - t, "tail": log[-2000:]}
+    print("TESTS rc", rc, f"{time.time() - t:.0f}s", log[-800:], flush=True)
     save()
 
 

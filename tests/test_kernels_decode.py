@@ -302,7 +302,7 @@ GPU_LENS = [1, 31, 97, 4095, 4097]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("heads", GPU_HEADS, ids=[f"{a}q{b}kv" for a, b in GPU_HEADS])
-@pytest.mark.parametrize("length", GPU_LENS)
+@pytest.mark.parametrize("length", GPU_LENS, ids=[f"len{n}" for n in GPU_LENS])  # "-k len97" is only 97
 def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: torch.dtype) -> None:
     b = {1: 3, 31: 17, 97: 1, 4095: 3, 4097: 1}[length]
     hist = [max(length - 320, 0) if i == 0 else (length * (i + 1)) % (length + 1) for i in range(b)]
