@@ -43,39 +43,38 @@ def save() -> None:
     (OUT / "sweep.json").write_text(json.dumps(R, indent=1, default=str))
 
 
-def tests() -> None:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "-n", "8", "--no-header", "-p", "no:cacheprovider",
-           *os.environ.get("TEST_FILES", "tests/test_kernels_pack.py tests/test_kernels_decode.py").split(),
-           "-k", os.environ.get("TEST_K", "")]
+def _run_logged(name: str, cmd: list[str], timeout_s: int) -> None:
+    """Run ``cmd``, write its output to ``$OUT/<name>.log`` and ``R[name]`` (rc None on a timeout: what ran is kept)."""
     t = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("TEST_TIMEOUT", "200")))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         log, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as exc:  # keep what ran (text=True: the partial output is str or None)
-        log, rc = f"timed out after {exc.timeout} s\n{exc.stdout!s}{exc.stderr!s}", None
-    (OUT / "tests.log").write_text(log)
-    R["tests"] = {"rc": rc, "seconds": time.time() - t, "tail": log[-2000:]}
-    print("TESTS rc", rc, f"{time.time() - t:.0f}s", log[-800:], flush=True)
+    except subprocess.TimeoutExpired as exc:  # the partial output comes as bytes (or None) even with text=True
+        part = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr)]
+        log, rc = f"timed out after {exc.timeout} s\n{part[0]}{part[1]}", None
+    (OUT / f"{name}.log").write_text(log)
+    R[name] = {"rc": rc, "seconds": time.time() - t, "tail": log[-2000:]}
+    print(name.upper(), "rc", rc, f"{time.time() - t:.0f}s", log[-800:], flush=True)
     save()
+
+
+def tests() -> None:
+    _run_logged("tests", [sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "-n", "8", "--no-header",
+                          "-p", "no:cacheprovider",
+                          *os.environ.get("TEST_FILES", "tests/test_kernels_pack.py tests/test_kernels_decode.py").split(),
+                          "-k", os.environ.get("TEST_K", "")],
+                int(os.environ.get("TEST_TIMEOUT", "200")))
 
 
 def sanitize() -> None:
     """compute-sanitizer's memcheck over GPU tests in one process (env SANITIZE_FILES, SANITIZE_K): out-of-bounds and
     misaligned accesses by name and source line, which a plain run reports only as a poisoned CUDA context (v11)."""
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "20",
-           sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "--no-header", "-p", "no:cacheprovider",
-           *os.environ.get("SANITIZE_FILES", "tests/test_kernels_decode.py").split(),
-           "-k", os.environ.get("SANITIZE_K", "smaller_than_the_tile or large_pages")]
-    t = time.time()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("SANITIZE_TIMEOUT", "300")))
-        log, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as exc:  # text=True: the partial output is str (or None)
-        log, rc = f"timed out after {exc.timeout} s\n{exc.stdout!s}{exc.stderr!s}", None
-    (OUT / "sanitize.log").write_text(log)
-    R["sanitize"] = {"rc": rc, "seconds": time.time() - t, "tail": log[-2000:]}
-    print("SANITIZE rc", rc, f"{time.time() - t:.0f}s", log[-800:], flush=True)
-    save()
+    _run_logged("sanitize", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "20",
+                             sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "--no-header",
+                             "-p", "no:cacheprovider",
+                             *os.environ.get("SANITIZE_FILES", "tests/test_kernels_decode.py").split(),
+                             "-k", os.environ.get("SANITIZE_K", "smaller_than_the_tile or large_pages")],
+                int(os.environ.get("SANITIZE_TIMEOUT", "300")))
 
 
 def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = None) -> None:
