@@ -308,19 +308,22 @@ def _launch(p: ops.DecodePlan, part: str) -> None:
 
 
 def breakdown() -> None:
-    """Graph time of each of the three decode kernels alone, and of all three (fixed costs at small batch)."""
+    """Graph time of each of the three decode kernels alone, and of all three (fixed costs at small batch); env
+    BREAKDOWN_SPLITS (e.g. "128,256") repeats each cell at those split counts instead of the default one."""
     R["breakdown"] = []
     bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    split_list = [int(x) for x in os.environ.get("BREAKDOWN_SPLITS", "").split(",") if x] or [None]
     for b, c in CELLS:
         cfg = ops.default_config(b)
-        plans, _, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
-        row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
-        for part in ("rotate", "stage1", "merge"):
-            row[part] = H.graph_over(plans, partial(_launch, part=part), 40)
-        row["all"] = H.graph_over(plans, lambda p: p.run(), 40)
-        R["breakdown"].append(row)
-        print("BREAKDOWN", row, flush=True)
-        del plans
+        for sp in split_list:
+            plans, _, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg, splits=sp)
+            row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
+            for part in ("rotate", "stage1", "merge"):
+                row[part] = H.graph_over(plans, partial(_launch, part=part), 40)
+            row["all"] = H.graph_over(plans, lambda p: p.run(), 40)
+            R["breakdown"].append(row)
+            print("BREAKDOWN", row, flush=True)
+            del plans
     save()
 
 
