@@ -15,6 +15,10 @@
 #         command: RULER_BUDGET=225 bash scripts/gpu_ruler_sweep.sh run
 # (eval-kl contexts must leave room for the 64 scored tokens: 8K + 64 is beyond SmolLM2's 8192 positions.)
 # Results land in $OUT: kl.json, ruler.json, samples.jsonl, heatmap.png and their logs.
+# Comparing artifacts (docs/RESULTS.md, "Calibration sequence length"): call 1 `stage ART1 ART2 ...` (carry
+# `artifacts` instead of one artifact; SKIP_TESTS=1 skips the cache's GPU tests), call 2 `compare`: one eval-ruler
+# per artifact (RULER_CTX, default 4k,8k; methods oscar, plus COMPARE_BF16=1 adds bf16 to the first artifact's
+# run; RULER_BUDGET seconds each), results in $OUT/cmp-NAME.{json,log,samples.jsonl}.
 # To resume a partial sweep (docs/RESULTS.md), also carry .gpu-ruler/samples.jsonl in call 2
 # (gunzip -c docs/results/ruler-smollm2-135m-h200.samples.jsonl.gz > .gpu-ruler/samples.jsonl) and add
 # SKIP_KL=1; the artifact path /tmp/gpu-ruler/artifact is part of the oscar rows' resume key.
@@ -38,9 +42,34 @@ stage)
     cp -r .gpu-ruler/corpus "$STAGE/corpus"
     cp .gpu-ruler/austen_persuasion.txt "$STAGE/"
     cp -r "$art" "$STAGE/artifact"
+    rm -rf "$STAGE/compare" && mkdir -p "$STAGE/compare"
+    for more in "${@:3}"; do cp -r "$more" "$STAGE/compare/$(basename "$more")"; done
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-    python3 -m pytest tests/test_cache.py -m gpu -q -p no:cacheprovider
+    [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest tests/test_cache.py -m gpu -q -p no:cacheprovider
+    ;;
+compare)
+    cat "$STAGE/gguf.part00" .gpu-ruler/p2/gguf.part01 > "$GGUF"
+    echo "$GGUF_SHA  $GGUF" | sha256sum -c -
+    first=1
+    for art in "$STAGE"/compare/* "$STAGE/artifact"; do
+        [ -d "$art" ] || continue
+        name=$(basename "$art")
+        methods=oscar
+        if [ -n "${COMPARE_BF16:-}" ] && [ $first = 1 ]; then methods=bf16,oscar; fi
+        first=0
+        t1=$(date +%s)
+        oscar --json eval-ruler "$GGUF" --artifact "$art" --haystack-dir "$STAGE/corpus" \
+            --ctx "${RULER_CTX:-4k,8k}" --samples "${RULER_SAMPLES:-50}" --methods "$methods" \
+            --tasks "${RULER_TASKS:-all}" --out "$STAGE/cmp-$name" --time-budget "${RULER_BUDGET:-150}" \
+            > "$OUT/cmp-$name.json" 2> "$OUT/cmp-$name.log" || { tail -20 "$OUT/cmp-$name.log"; exit 1; }
+        cp "$STAGE/cmp-$name/samples.jsonl" "$OUT/cmp-$name.samples.jsonl"
+        python3 - "$OUT/cmp-$name.json" "$name" "$(( $(date +%s) - t1 ))" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(sys.argv[2], f"{sys.argv[3]} s", "complete:", r["complete"], "evaluated:", r["evaluated"], "mean:", r["mean"])
+EOF
+    done
     ;;
 run)
     cat "$STAGE/gguf.part00" .gpu-ruler/p2/gguf.part01 > "$GGUF"
@@ -71,7 +100,7 @@ for m, per in r["mean"].items():
 EOF
     ;;
 *)
-    echo "usage: $0 stage ARTIFACT | run" >&2
+    echo "usage: $0 stage ARTIFACT [ARTIFACT ...] | run | compare" >&2
     exit 2
     ;;
 esac
