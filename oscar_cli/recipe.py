@@ -80,8 +80,8 @@ class ClipConfig:
     mode: str = "search"
     k_ratio: float = 0.96
     v_ratio: float = 0.92
-    k_grid: tuple[float, ...] = (0.0, 0.8, 0.85, 0.9, 0.92, 0.94, 0.96)
-    v_grid: tuple[float, ...] = (0.0, 0.8, 0.84, 0.88, 0.9, 0.92, 0.94)
+    k_grid: tuple[float, ...] = (0.0, 0.9, 0.92, 0.94, 0.96, 0.98)  # floors: docs/RESULTS.md, "Clip grid"
+    v_grid: tuple[float, ...] = (0.0, 0.88, 0.9, 0.92, 0.94, 0.96)
     holdout_tokens: int = 1024
     holdout_queries: int = 256
 
