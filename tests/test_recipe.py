@@ -95,3 +95,12 @@ def test_not_yaml_mapping(tmp_path: Path) -> None:
     f.write_text("- a\n- b\n")
     with pytest.raises(RecipeError, match="mapping"):
         load_recipe(f)
+
+
+def test_default_clip_grids_keep_the_floor_that_ruler_needs() -> None:
+    """Offered ratios of 0.8-0.85, the search's average-error objective takes them on deep layers and RULER NIAH
+    halves on the same rotations (docs/RESULTS.md, "Clip grid"): a grid below the floor needs new RULER evidence."""
+    clip = Recipe().clip
+    assert min(r for r in clip.k_grid if r > 0) >= 0.9
+    assert min(r for r in clip.v_grid if r > 0) >= 0.88
+    assert 0.0 in clip.k_grid and 0.0 in clip.v_grid  # "no clipping" stays a candidate
