@@ -15,7 +15,7 @@
 #         command: RULER_BUDGET=225 bash scripts/gpu_ruler_sweep.sh run
 # (eval-kl contexts must leave room for the 64 scored tokens: 8K + 64 is beyond SmolLM2's 8192 positions.)
 # Results land in $OUT: kl.json, ruler.json, samples.jsonl, heatmap.png and their logs.
-# Comparing artifacts (docs/RESULTS.md, "Calibration sequence length"): call 1 `stage ART1 ART2 ...` (carry
+# Comparing artifacts (docs/RESULTS.md, "Clip grid and clip mode on RULER"): call 1 `stage ART1 ART2 ...` (carry
 # `artifacts` instead of one artifact; SKIP_TESTS=1 skips the cache's GPU tests), call 2 `compare`: one eval-ruler
 # per artifact (RULER_CTX, default 4k,8k; methods oscar, plus COMPARE_BF16=1 adds bf16 to the first artifact's
 # run; RULER_BUDGET seconds each), results in $OUT/cmp-NAME.{json,log,samples.jsonl}.
@@ -31,6 +31,10 @@ export PYTHONPATH=/tmp/site:$PWD OSCAR_CACHE_DIR=$STAGE/cache HF_HUB_OFFLINE=1 T
 OUT=${OUT:-$STAGE/out}
 mkdir -p "$STAGE" "$OUT"
 oscar() { python3 -c "from oscar_cli.main import main; main()" "$@"; }
+join_gguf() {  # call 2: part 1 staged by call 1, part 2 carried now; checked against the wheel's GGUF
+    cat "$STAGE/gguf.part00" .gpu-ruler/p2/gguf.part01 > "$GGUF"
+    echo "$GGUF_SHA  $GGUF" | sha256sum -c -
+}
 
 case "${1:-}" in
 stage)
@@ -49,8 +53,7 @@ stage)
     [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest tests/test_cache.py -m gpu -q -p no:cacheprovider
     ;;
 compare)
-    cat "$STAGE/gguf.part00" .gpu-ruler/p2/gguf.part01 > "$GGUF"
-    echo "$GGUF_SHA  $GGUF" | sha256sum -c -
+    join_gguf
     first=1
     for art in "$STAGE"/compare/* "$STAGE/artifact"; do
         [ -d "$art" ] || continue
@@ -72,8 +75,7 @@ EOF
     done
     ;;
 run)
-    cat "$STAGE/gguf.part00" .gpu-ruler/p2/gguf.part01 > "$GGUF"
-    echo "$GGUF_SHA  $GGUF" | sha256sum -c -
+    join_gguf
     methods=${RULER_METHODS:-bf16,naive-int2,quarot-int2,kivi-2,oscar}
     t0=$(date +%s)
     [ -n "${SKIP_KL:-}" ] || oscar --json eval-kl "$GGUF" --text "$STAGE/austen_persuasion.txt" --artifact "$STAGE/artifact" \
