@@ -103,7 +103,7 @@ def _dtype_callback(value: str | None) -> str | None:
     return value
 
 
-# The model reference (positional). Accepted forms are listed in oscar_cli.models.ACCEPTED_FORMS.
+# The model reference (positional). Accepted forms are listed in oscar_cli.model.ACCEPTED_FORMS.
 ModelArg = Annotated[
     str,
     typer.Argument(

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from oscar_cli.recipe import load_recipe, recipe_for_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="model reference (oscar_cli.models.load_model)")
+    ap.add_argument("--model", default="smollm2-135m", help="model reference (oscar_cli.model.load_model)")
     ap.add_argument("--random-arch", choices=sorted(RANDOM_ARCHS), help="random weights of this architecture")
     ap.add_argument("--recipe", default=None, help="recipe name or file (default: per-model recipe)")
     ap.add_argument("--tokens", default="16k")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         reference, resolved = f"random:{args.random_arch}", "sha256:" + "0" * 64
         slug = args.random_arch
     else:
-        from oscar_cli.models import load_model
+        from oscar_cli.model import load_model
 
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
         model, tokenizer = loaded.model, loaded.tokenizer

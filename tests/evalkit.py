@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tiny_models import tiny_llama
 
-from oscar_cli.models import LoadedModel, ModelIdentity
+from oscar_cli.model import LoadedModel, ModelIdentity
 
 
 class CharTokenizer:

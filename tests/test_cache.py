@@ -250,7 +250,7 @@ def test_method_names_and_errors() -> None:
 def _write_tiny_artifact(path, cfg, seed: int = 11):
     from oscar_cli.artifact import Manifest, write_artifact
     from oscar_cli.artifact.io import LayerRotation
-    from oscar_cli.models import architecture_fingerprint
+    from oscar_cli.model import architecture_fingerprint
 
     layers = []
     for i in range(cfg.num_hidden_layers):

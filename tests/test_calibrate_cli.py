@@ -200,7 +200,7 @@ def test_pack() -> None:
 
 @pytest.mark.unit
 def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import oscar_cli.models as models
+    import oscar_cli.model as models
     from oscar_cli.main import app
 
     model = tiny_model("qwen3", 4, 2, 16, 2)
@@ -230,7 +230,7 @@ def test_embedded_model_small_budget(tmp_path: Path) -> None:
     """The one test on the embedded model: 2K tokens of the repo's docs through the real command."""
     pytest.importorskip("gguf")
     from oscar_cli.main import app
-    from oscar_cli.models import architecture_fingerprint, load_config
+    from oscar_cli.model import architecture_fingerprint, load_config
 
     docs = Path(__file__).resolve().parent.parent / "docs"
     out = tmp_path / "smollm2"

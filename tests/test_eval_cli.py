@@ -10,7 +10,7 @@ import pytest
 from evalkit import as_loader, prose, tiny_loaded
 from typer.testing import CliRunner
 
-import oscar_cli.models as models_mod
+import oscar_cli.model as models_mod
 from oscar_cli.errors import EvalError
 from oscar_cli.eval.ruler import apply_rope_scaling
 from oscar_cli.main import app

@@ -10,7 +10,7 @@ import torch
 from evalkit import as_loader, prose, tiny_loaded
 from typer.testing import CliRunner
 
-import oscar_cli.models as models_mod
+import oscar_cli.model as models_mod
 from oscar_cli.errors import EvalError
 from oscar_cli.eval.kl import KLConfig, compare, cut_windows, run_kl
 from oscar_cli.main import app

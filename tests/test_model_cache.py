@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from oscar_cli import model_cache
+from oscar_cli.model import cache as model_cache
 
 SRC = hashlib.sha256(b"source").hexdigest()
 

@@ -9,7 +9,7 @@ from fakehub import FakeHub
 from fakehub.fixtures import WRITE_TOKEN, fake_hub, hf_isolated  # noqa: F401 (fixtures)
 from tiny_models import write_tiny_llama
 
-from oscar_cli import models
+from oscar_cli import model as models
 from oscar_cli.errors import HubError, ModelResolutionError
 
 

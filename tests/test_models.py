@@ -1,4 +1,4 @@
-"""Model resolution, identities, loading and architecture fingerprints (oscar_cli.models).
+"""Model resolution, identities, loading and architecture fingerprints (oscar_cli.model).
 
 Unit tests build tiny random Llama models on disk and fake HF-cache snapshots; the slow tests load the
 embedded SmolLM2-135M (converted once into the default oscar cache, shared with the demo).
@@ -17,8 +17,10 @@ import pytest
 import torch
 from tiny_models import write_tiny_llama
 
-from oscar_cli import model_cache, models
+from oscar_cli import model as models
 from oscar_cli.errors import MissingDependencyError, ModelResolutionError, OscarError, UnsupportedModelError
+from oscar_cli.model import cache as model_cache
+from oscar_cli.model import load as model_load
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -302,8 +304,8 @@ def test_gguf_load_converts_once_and_rebuilds_a_cache_that_will_not_load(
             raise RuntimeError("header too large")
         return torch.nn.Linear(1, 1), "tok"
 
-    monkeypatch.setattr(models, "convert_gguf", fake_convert)
-    monkeypatch.setattr(models, "load_directory", fake_load)
+    monkeypatch.setattr(model_load, "convert_gguf", fake_convert)
+    monkeypatch.setattr(model_load, "load_directory", fake_load)
     assert models.load_model(str(g)).source == "converted"
     assert models.load_model(str(g)).source == "converted"  # failed cache load -> rebuilt -> loaded
     assert models.load_model(str(g)).source == "cache"

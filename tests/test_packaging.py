@@ -66,7 +66,7 @@ def test_wheel_contents(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names}
     assert "kernels" not in tops and "recipes" not in tops and "tests" not in tops
     assert {"oscar_cli", "oscar_kernels"} <= tops
-    for required in ("oscar_kernels/reference.py", "oscar_cli/py.typed", "oscar_cli/models.py", "oscar_cli/main.py"):
+    for required in ("oscar_kernels/reference.py", "oscar_cli/py.typed", "oscar_cli/model/load.py", "oscar_cli/main.py"):
         assert required in names, required
     shipped_recipes = {n for n in names if n.startswith("oscar_cli/recipes/") and n.endswith(".yaml")}
     assert {f"oscar_cli/recipes/{p.name}" for p in (ROOT / "recipes").glob("*.yaml")} == shipped_recipes

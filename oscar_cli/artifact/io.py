@@ -355,7 +355,7 @@ def open_artifact(ref: str | Path, *, expect_architecture: Mapping[str, Any] | A
         path = Path(ref)
     fingerprint = expect_architecture
     if fingerprint is not None and not isinstance(fingerprint, Mapping):
-        from oscar_cli.models import architecture_fingerprint
+        from oscar_cli.model import architecture_fingerprint
 
         fingerprint = architecture_fingerprint(fingerprint)
     return load_artifact(path, expect_architecture=fingerprint)

@@ -50,7 +50,7 @@ class Manifest:
         format_version: integer, bumped on any breaking change (this oscar reads 1).
         oscar_version: version of oscar that wrote the artifact.
         model: ``{"reference": <what the user typed>, "resolved": "repo@sha" | "sha256:<hex>"}``.
-        architecture: fingerprint (``oscar_cli.models.architecture_fingerprint``): model_type, num_layers,
+        architecture: fingerprint (``oscar_cli.model.architecture_fingerprint``): model_type, num_layers,
             num_attention_heads, num_key_value_heads, head_dim, rope_type, rope_theta, max_position_embeddings.
         method: ``oscar`` | ``hadamard`` | ``identity``.
         grouping: ``layer`` (rotations ``[1, D, D]``) or ``head`` (``[H_kv, D, D]``).

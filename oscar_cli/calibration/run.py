@@ -85,7 +85,7 @@ def _noop(phase: str, done: int, total: int) -> None:
 
 
 def _head_dim(config: Any) -> tuple[int, int, int, int]:
-    from oscar_cli.models import architecture_fingerprint
+    from oscar_cli.model import architecture_fingerprint
 
     fp = architecture_fingerprint(config)
     return fp["num_layers"], fp["num_attention_heads"], fp["num_key_value_heads"], fp["head_dim"]
@@ -120,7 +120,7 @@ def plan_budget(recipe: Recipe, head_dim: int) -> tuple[int, int]:
 
 def check_model(config: Any, recipe: Recipe) -> None:
     """Supported architecture and a head_dim the recipe's rotation can handle (before any work)."""
-    from oscar_cli.models import check_supported
+    from oscar_cli.model import check_supported
 
     check_supported(config)
     _, _, _, d = _head_dim(config)
@@ -306,7 +306,7 @@ def calibrate_model(
         summaries.append(
             LayerSummary(i, _spread(s["k_eigenvalues"]), _spread(s["v_eigenvalues"]), ch.k_ratio, ch.v_ratio, ch.error)
         )
-    from oscar_cli.models import architecture_fingerprint
+    from oscar_cli.model import architecture_fingerprint
 
     manifest = Manifest(
         oscar_version=__version__,
@@ -382,8 +382,8 @@ def calibrate(
     overwrite: bool = False,
     report: Progress | None = None,
 ) -> CalibrationResult:
-    """Load ``model_ref`` (:func:`oscar_cli.models.load_model`) and :func:`calibrate_model` it."""
-    from oscar_cli.models import load_config, load_model
+    """Load ``model_ref`` (:func:`oscar_cli.model.load_model`) and :func:`calibrate_model` it."""
+    from oscar_cli.model import load_config, load_model
 
     _, config = load_config(model_ref, revision=revision)
     check_model(config, recipe)  # fail fast, before loading weights

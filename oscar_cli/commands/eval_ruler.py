@@ -135,7 +135,7 @@ def eval_ruler(
     """Run RULER's NIAH tasks through each KV-cache method and score them (string_match_all)."""
     from oscar_cli.eval.niah import parse_tasks
     from oscar_cli.eval.ruler import RulerConfig, run_ruler
-    from oscar_cli.models import resolve_model
+    from oscar_cli.model import resolve_model
     from oscar_cli.quant.methods import parse_methods, parse_windows
 
     lengths = parse_ctx_list(ctx)

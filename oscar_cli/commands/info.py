@@ -108,7 +108,7 @@ def info(
     ] = True,
 ) -> None:
     """Resolve and load a model; print its identity, architecture and the INT2 bits-per-element table."""
-    from oscar_cli.model_report import model_report
+    from oscar_cli.model.report import model_report
 
     ctxs = parse_ctx_list(ctx) if ctx else None
     what = "loading" if load else "reading the config of"

@@ -109,7 +109,7 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
         raise EvalError(f"--text {path}: no such file", hint="give a plain-text file of held-out prose")
     t0 = time.perf_counter()
     if loaded is None:
-        from oscar_cli.models import load_model
+        from oscar_cli.model import load_model
 
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     model, tok = loaded.model, loaded.tokenizer

@@ -307,7 +307,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
 
     Args:
         cfg: the run's configuration.
-        loaded: an already loaded model (:class:`oscar_cli.models.LoadedModel`); loaded from ``cfg.model``
+        loaded: an already loaded model (:class:`oscar_cli.model.LoadedModel`); loaded from ``cfg.model``
             when None.
     """
     from oscar_cli._output import progress
@@ -320,7 +320,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         raise EvalError("no context lengths given (--ctx 1k,2k,...)")
     t0 = time.perf_counter()
     if loaded is None:
-        from oscar_cli.models import load_model
+        from oscar_cli.model import load_model
 
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     model = loaded.model

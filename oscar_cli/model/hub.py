@@ -98,7 +98,7 @@ def resolve_hub(repo_id: str, revision: str | None, *, forms_hint: str, weights:
         RevisionNotFoundError,
     )
 
-    from oscar_cli.model_loading import hf_progress
+    from oscar_cli.model.loaders import hf_progress
 
     shown = f"{repo_id}@{revision}" if revision else repo_id
     patterns = DOWNLOAD_PATTERNS if weights else CONFIG_PATTERNS

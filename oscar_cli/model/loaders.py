@@ -1,4 +1,4 @@
-"""transformers calls behind :func:`oscar_cli.models.load_model`: directory loads and GGUF conversion.
+"""transformers calls behind :func:`oscar_cli.model.load_model`: directory loads and GGUF conversion.
 
 Failures a user can cause (missing ``gguf``/``accelerate``, an architecture transformers cannot build, a
 directory without weights) become one-line :class:`~oscar_cli.errors.OscarError` subclasses.

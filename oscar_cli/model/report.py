@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from oscar_cli.models import (
+from oscar_cli.model import (
     DEFAULT_MODEL,
     architecture_fingerprint,
     load_config,

@@ -1,0 +1,31 @@
+"""Models: references -> files on this machine -> a loaded transformers model with its identity and geometry.
+
+- :mod:`.resolve` — model references (alias, Hub repo, directory, GGUF) -> :class:`ModelIdentity`
+- :mod:`.hub` — Hub snapshot resolution (cache first, offline-aware)
+- :mod:`.loaders` — transformers loads, GGUF -> safetensors conversion
+- :mod:`.cache` — ``$OSCAR_CACHE_DIR``: sha256 index and converted-GGUF entries
+- :mod:`.load` — :func:`load_model` / :func:`load_config`, device and dtype defaults
+- :mod:`.geometry` — the architecture fingerprint and the support check
+- :mod:`.report` — ``oscar info``'s report
+"""
+
+from oscar_cli.model.geometry import architecture_fingerprint, check_supported, unsupported_reasons
+from oscar_cli.model.load import LoadedModel, load_config, load_model, resolve_device, resolve_dtype
+from oscar_cli.model.resolve import ACCEPTED_FORMS, ALIASES, DEFAULT_MODEL, EMBEDDED_FILE, ModelIdentity, resolve_model
+
+__all__ = [
+    "ACCEPTED_FORMS",
+    "ALIASES",
+    "DEFAULT_MODEL",
+    "EMBEDDED_FILE",
+    "LoadedModel",
+    "ModelIdentity",
+    "architecture_fingerprint",
+    "check_supported",
+    "load_config",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model",
+    "unsupported_reasons",
+]
