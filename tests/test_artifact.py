@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from oscar_cli.artifact import (
-    LayerRotation,
     Manifest,
     open_artifact,
     update_manifest,
@@ -19,6 +18,7 @@ from oscar_cli.artifact import (
 )
 from oscar_cli.artifact.manifest import model_slug, render_model_card
 from oscar_cli.errors import ArtifactError, ArtifactVersionError
+from oscar_cli.transform import LayerTransform
 
 pytestmark = pytest.mark.unit
 
@@ -27,15 +27,15 @@ ARCH = {"model_type": "llama", "num_layers": L, "num_attention_heads": HQ, "num_
         "head_dim": D, "rope_type": "default", "rope_theta": 10000.0, "max_position_embeddings": 512}
 
 
-def _layers(n: int = 1, seed: int = 0) -> list[LayerRotation]:
+def _layers(n: int = 1, seed: int = 0) -> list[LayerTransform]:
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(L):
+    for _ in range(L):
         rk = torch.linalg.qr(torch.randn(n, D, D, generator=g, dtype=torch.float64))[0].float()
         rv = torch.linalg.qr(torch.randn(n, D, D, generator=g, dtype=torch.float64))[0].float()
-        out.append(LayerRotation(i, rk, rv, torch.randn(HKV, D, generator=g), torch.randn(HKV, D, generator=g),
-                                 torch.rand(n, D, generator=g).sort().values, torch.rand(n, D).sort().values,
-                                 0.96, 0.92))
+        out.append(LayerTransform(rk, rv, torch.randn(HKV, D, generator=g), torch.randn(HKV, D, generator=g),
+                                  torch.rand(n, D, generator=g).sort().values, torch.rand(n, D).sort().values,
+                                  0.96, 0.92))
     return out
 
 

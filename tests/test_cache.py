@@ -249,15 +249,14 @@ def test_method_names_and_errors() -> None:
 
 def _write_tiny_artifact(path, cfg, seed: int = 11):
     from oscar_cli.artifact import Manifest, write_artifact
-    from oscar_cli.artifact.io import LayerRotation
     from oscar_cli.model import architecture_fingerprint
 
     layers = []
     for i in range(cfg.num_hidden_layers):
         t = random_transform(seed + i)
         layers.append(
-            LayerRotation(
-                i, t.k_rotation, t.v_rotation, t.k_mean, t.v_mean, torch.zeros(1, D), torch.zeros(1, D), 0.9, 0.9
+            LayerTransform(
+                t.k_rotation, t.v_rotation, t.k_mean, t.v_mean, torch.zeros(1, D), torch.zeros(1, D), 0.9, 0.9
             )
         )
     manifest = Manifest(

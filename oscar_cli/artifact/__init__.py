@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from oscar_cli.artifact.io import (
     Artifact,
-    LayerRotation,
     load_artifact,
     open_artifact,
     sha256_file,
@@ -26,7 +25,6 @@ from oscar_cli.artifact.manifest import FORMAT_VERSION, Manifest, model_slug, re
 __all__ = [
     "FORMAT_VERSION",
     "Artifact",
-    "LayerRotation",
     "Manifest",
     "load_artifact",
     "model_slug",

@@ -41,42 +41,10 @@ from oscar_cli.artifact.manifest import (
     architecture_mismatches,
 )
 from oscar_cli.errors import ArtifactError
+from oscar_cli.transform import TRANSFORM_FIELDS, LayerTransform
 
-TENSOR_FIELDS = ("k_rotation", "v_rotation", "k_mean", "v_mean", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")
+TENSOR_FIELDS = TRANSFORM_FIELDS  # every field of a layer is stored
 ORTHOGONALITY_TOLERANCE_ON_LOAD = 1e-5
-
-
-@dataclass(frozen=True)
-class LayerRotation:
-    """One layer's calibrated transform (float32 CPU tensors).
-
-    Attributes:
-        k_rotation, v_rotation: ``[N, D, D]``; ``N = 1`` (per layer) or ``H_kv`` (per KV head).
-        k_mean, v_mean: ``[H_kv, D]`` (or ``[1, D]`` shared by all heads) in the rotated space (subtract after rotating; add ``v_mean`` back to
-            the attention output before rotating back with ``v_rotationᵀ``).
-        k_eigenvalues, v_eigenvalues: ``[N, D]`` ascending eigenvalues of the targets (informational).
-        k_clip, v_clip: clip ratios (``0`` = no clipping).
-    """
-
-    index: int
-    k_rotation: torch.Tensor
-    v_rotation: torch.Tensor
-    k_mean: torch.Tensor
-    v_mean: torch.Tensor
-    k_eigenvalues: torch.Tensor
-    v_eigenvalues: torch.Tensor
-    k_clip: float
-    v_clip: float
-
-    def rotation_per_head(self, which: str, num_kv_heads: int) -> torch.Tensor:
-        """``[H_kv, D, D]`` rotations for ``which`` ∈ {"k", "v"} (a per-layer rotation is expanded)."""
-        r = self.k_rotation if which == "k" else self.v_rotation
-        return r.expand(num_kv_heads, -1, -1) if r.shape[0] == 1 else r
-
-    def mean_per_head(self, which: str, num_kv_heads: int) -> torch.Tensor:
-        """``[H_kv, D]`` rotated-space means for ``which`` ∈ {"k", "v"} (a shared ``[1, D]`` is expanded)."""
-        m = self.k_mean if which == "k" else self.v_mean
-        return m.expand(num_kv_heads, -1) if m.shape[0] == 1 else m
 
 
 @dataclass(frozen=True)
@@ -85,7 +53,7 @@ class Artifact:
 
     path: Path
     manifest: Manifest
-    layers: tuple[LayerRotation, ...]
+    layers: tuple[LayerTransform, ...]
     recipe: dict[str, Any]
 
     @property
@@ -137,14 +105,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def layer_tensors(layers: list[LayerRotation] | tuple[LayerRotation, ...]) -> dict[str, torch.Tensor]:
-    """Flatten layers into the safetensors key space (``layers.{i}.<field>``), float32 contiguous CPU."""
+def layer_tensors(layers: list[LayerTransform] | tuple[LayerTransform, ...]) -> dict[str, torch.Tensor]:
+    """Flatten layers (layer ``i`` = position ``i``) into the safetensors key space (``layers.{i}.<field>``), float32 contiguous CPU."""
     out: dict[str, torch.Tensor] = {}
-    for layer in layers:
+    for i, layer in enumerate(layers):
         for name in TENSOR_FIELDS:
             value = getattr(layer, name)
+            if value is None:
+                raise ArtifactError(f"layer {i} has no {name}: an artifact stores every field of every layer")
             t = torch.tensor([value], dtype=torch.float32) if isinstance(value, float) else value
-            out[f"layers.{layer.index}.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
+            out[f"layers.{i}.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
     return out
 
 
@@ -174,7 +144,7 @@ def _pid_alive(pid: int) -> bool:
 def write_artifact(
     out: Path | str,
     manifest: Manifest,
-    layers: list[LayerRotation] | tuple[LayerRotation, ...],
+    layers: list[LayerTransform] | tuple[LayerTransform, ...],
     recipe_yaml: str,
     readme: str,
     *,
@@ -331,8 +301,8 @@ def load_artifact(path: Path | str, *, expect_architecture: Mapping[str, Any] | 
             err = float((r.transpose(-1, -2) @ r - torch.eye(m.head_dim, dtype=torch.float64)).abs().max())
             if err > ORTHOGONALITY_TOLERANCE_ON_LOAD:
                 raise ArtifactError(f"artifact {path}: layers.{i}.{which} is not orthogonal (error {err:.1e})")
-        layers.append(LayerRotation(
-            index=i, k_rotation=t["k_rotation"], v_rotation=t["v_rotation"], k_mean=t["k_mean"],
+        layers.append(LayerTransform(
+            k_rotation=t["k_rotation"], v_rotation=t["v_rotation"], k_mean=t["k_mean"],
             v_mean=t["v_mean"], k_eigenvalues=t["k_eigenvalues"], v_eigenvalues=t["v_eigenvalues"],
             k_clip=round(float(t["k_clip"][0]), 6), v_clip=round(float(t["v_clip"][0]), 6),
         ))

@@ -52,25 +52,30 @@ class LayerClipProblem:
 
     Args:
         q: ``[B, H_q, Tq, D]`` queries at the last ``Tq`` positions; k, v: ``[B, H_kv, T, D]``.
-        k_rotation, v_rotation: ``[N, D, D]`` (``N`` = 1 or ``H_kv``); k_mean, v_mean: ``[H_kv, D]`` rotated space.
+        k_rotation, v_rotation: ``[N, D, D]`` (``N`` = 1 or ``H_kv``; None = identity); k_mean, v_mean:
+            ``[H_kv, D]`` or ``[1, D]`` in the rotated space (None = no centring).
     """
 
     def __init__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rotation: torch.Tensor, v_rotation: torch.Tensor,
-        k_mean: torch.Tensor, v_mean: torch.Tensor, scaling: float, sink: int, recent: int,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_rotation: torch.Tensor | None, v_rotation: torch.Tensor | None,
+        k_mean: torch.Tensor | None, v_mean: torch.Tensor | None, scaling: float, sink: int, recent: int,
         group_size: int | None, meta_dtype: str,
     ) -> None:
         b, hq, tq, d = q.shape
         h_kv, t = k.shape[1], k.shape[2]
         g = hq // h_kv
         dev = q.device
-        rk = k_rotation.to(dev, torch.float32).expand(h_kv, d, d)
-        rv = v_rotation.to(dev, torch.float32).expand(h_kv, d, d)
+        eye = torch.eye(d, device=dev).unsqueeze(0)
+        rk = (eye if k_rotation is None else k_rotation.to(dev, torch.float32)).expand(h_kv, d, d)
+        rv = (eye if v_rotation is None else v_rotation.to(dev, torch.float32)).expand(h_kv, d, d)
+        mk = torch.zeros(1, d, device=dev) if k_mean is None else k_mean.to(dev, torch.float32)
+        mv = torch.zeros(1, d, device=dev) if v_mean is None else v_mean.to(dev, torch.float32)
         qg = q.float().reshape(b, h_kv, g * tq, d)  # query head j -> KV head j // g; rows (j % g, position)
         self.q = torch.einsum("bhtd,hde->bhte", qg, rk)
-        self.k = torch.einsum("bhtd,hde->bhte", k.float(), rk) - k_mean.to(dev, torch.float32)[:, None]
-        self.v = torch.einsum("bhtd,hde->bhte", v.float(), rv) - v_mean.to(dev, torch.float32)[:, None]
-        self.mu_v = v_mean.to(dev, torch.float32)[None, :, None]  # [1, H_kv, 1, D]
+        self.k = torch.einsum("bhtd,hde->bhte", k.float(), rk) - mk[:, None]
+        self.v = torch.einsum("bhtd,hde->bhte", v.float(), rv) - mv[:, None]
+        self.mu_v = mv.expand(h_kv, d)[None, :, None]  # [1, H_kv, 1, D]
         self.scaling = scaling
         self.group_size, self.meta = group_size, META_DTYPES[meta_dtype]
         self.int2 = int2_pair_mask(t, tq, sink, recent, dev).repeat(g, 1)  # [g·Tq, T]

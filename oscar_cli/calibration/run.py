@@ -20,14 +20,14 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from oscar_cli import __version__
-from oscar_cli.artifact import LayerRotation, Manifest, model_slug, render_model_card, write_artifact
+from oscar_cli.artifact import Manifest, model_slug, render_model_card, write_artifact
 from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
 from oscar_cli.calibration.clipping import ClipChoice, LayerClipProblem, evaluate_clip, search_clip
 from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
@@ -35,6 +35,7 @@ from oscar_cli.calibration.data import CalibrationData, prepare_data
 from oscar_cli.calibration.rotation import build_rotations, is_power_of_two, orthogonality_error
 from oscar_cli.errors import CalibrationError
 from oscar_cli.recipe import Recipe
+from oscar_cli.transform import LayerTransform
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ def _capture(
     return stats, store
 
 
-def _solve(stats: list[LayerStatistics], recipe: Recipe, report: Progress) -> list[dict[str, Any]]:
+def _solve(stats: list[LayerStatistics], recipe: Recipe, report: Progress) -> list[LayerTransform]:
+    """Per layer: rotations from the targets and rotated means (clip ratios are set later by :func:`_clip`)."""
     out = []
     for i, st in enumerate(stats):
         t = st.finalize()
@@ -184,20 +186,20 @@ def _solve(stats: list[LayerStatistics], recipe: Recipe, report: Progress) -> li
         km = torch.einsum("hd,hde->he", t.k_mean, rk.double().expand(h, -1, -1)).float()
         vm = torch.einsum("hd,hde->he", t.v_mean, rv.double().expand(h, -1, -1)).float()
         out.append(
-            {
-                "k_rotation": rk,
-                "v_rotation": rv,
-                "k_eigenvalues": lk,
-                "v_eigenvalues": lv,
-                "k_mean": km if recipe.rotation.center_keys else torch.zeros_like(km),
-                "v_mean": vm if recipe.rotation.center_values else torch.zeros_like(vm),
-            }
+            LayerTransform(
+                k_rotation=rk,
+                v_rotation=rv,
+                k_mean=km if recipe.rotation.center_keys else torch.zeros_like(km),
+                v_mean=vm if recipe.rotation.center_values else torch.zeros_like(vm),
+                k_eigenvalues=lk,
+                v_eigenvalues=lv,
+            )
         )
         report("solve", i + 1, len(stats))
     return out
 
 
-def _clip(solved: list[dict[str, Any]], store: HoldoutStore, recipe: Recipe, report: Progress) -> list[ClipChoice]:
+def _clip(solved: list[LayerTransform], store: HoldoutStore, recipe: Recipe, report: Progress) -> list[ClipChoice]:
     c, q = recipe.clip, recipe.quant
     choices = []
     for i, s in enumerate(solved):
@@ -206,10 +208,10 @@ def _clip(solved: list[dict[str, Any]], store: HoldoutStore, recipe: Recipe, rep
                 qq,
                 k,
                 v,
-                s["k_rotation"],
-                s["v_rotation"],
-                s["k_mean"],
-                s["v_mean"],
+                s.k_rotation,
+                s.v_rotation,
+                s.k_mean,
+                s.v_mean,
                 store.scaling,
                 q.sink,
                 q.recent,
@@ -290,21 +292,9 @@ def calibrate_model(
     t0 = time.perf_counter()
     layers, summaries = [], []
     for i, (s, ch) in enumerate(zip(solved, choices, strict=True)):
-        layers.append(
-            LayerRotation(
-                i,
-                s["k_rotation"],
-                s["v_rotation"],
-                s["k_mean"],
-                s["v_mean"],
-                s["k_eigenvalues"],
-                s["v_eigenvalues"],
-                ch.k_ratio,
-                ch.v_ratio,
-            )
-        )
+        layers.append(replace(s, k_clip=ch.k_ratio, v_clip=ch.v_ratio))
         summaries.append(
-            LayerSummary(i, _spread(s["k_eigenvalues"]), _spread(s["v_eigenvalues"]), ch.k_ratio, ch.v_ratio, ch.error)
+            LayerSummary(i, _spread(s.k_eigenvalues), _spread(s.v_eigenvalues), ch.k_ratio, ch.v_ratio, ch.error)
         )
     from oscar_cli.model import architecture_fingerprint
 
@@ -330,7 +320,7 @@ def calibrate_model(
             "statistics_tokens": n_stats * recipe.data.seq_len,
             "holdout_tokens": n_hold * recipe.data.seq_len,
             "orthogonality_error": max(
-                max(orthogonality_error(x.k_rotation), orthogonality_error(x.v_rotation)) for x in layers
+                orthogonality_error(r) for x in layers for r in (x.k_rotation, x.v_rotation) if r is not None
             ),
             "clip": {
                 "mode": recipe.clip.mode,
@@ -348,7 +338,9 @@ def calibrate_model(
     return CalibrationResult(path, manifest, summaries, timings, data.identity, data.tokens_per_second)
 
 
-def _spread(lam: torch.Tensor) -> float:
+def _spread(lam: torch.Tensor | None) -> float:
+    if lam is None:  # a data-free transform: no target, nothing to report
+        return 1.0
     lam = lam.double().clamp_min(0)
     return float(lam.max() / lam.mean().clamp_min(1e-30))
 

@@ -15,7 +15,7 @@ described as symmetric; the asymmetric one is the stronger of the two, so report
 anything, optimistic. ``quarot-int2`` uses the deterministic natural-order Sylvester Hadamard (no random
 signs, no clip), the data-free baseline OSCAR compares against.
 
-A method is a frozen :class:`QuantMethod`; per-layer transforms are :class:`LayerTransform`. The ``oscar``
+A method is a frozen :class:`QuantMethod`; per-layer transforms are :class:`oscar_cli.transform.LayerTransform`. The ``oscar``
 method comes from an artifact (``oscar_cli.artifact.open_artifact``) or from an in-memory list of
 ``LayerTransform`` (tests, or before an artifact exists).
 """
@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from oscar_cli.errors import ArtifactError, EvalError
+from oscar_cli.transform import LayerTransform
 
 MethodKind = Literal["dense", "int2", "kivi"]
 
@@ -38,25 +39,6 @@ DEFAULT_RECENT = 256
 DEMOTION_BLOCK = 8
 KIVI_GROUP = 128
 KIVI_RESIDUAL = 128
-
-
-@dataclass(frozen=True)
-class LayerTransform:
-    """One decoder layer's transforms (float32, rotated space).
-
-    Attributes:
-        k_rotation: ``[N, D, D]`` orthogonal, ``N = 1`` (shared) or ``H_kv``; None = identity.
-        v_rotation: same for values; None = identity.
-        k_mean, v_mean: ``[N, D]`` in the rotated space; None = no centering.
-        k_clip, v_clip: clip ratios (``<= 0``: off).
-    """
-
-    k_rotation: torch.Tensor | None = None
-    v_rotation: torch.Tensor | None = None
-    k_mean: torch.Tensor | None = None
-    v_mean: torch.Tensor | None = None
-    k_clip: float = 0.0
-    v_clip: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -195,20 +177,9 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     n_layers = int(config.num_hidden_layers)
     if len(art.layers) != n_layers:
         raise ArtifactError(f"artifact {ref} has {len(art.layers)} layers, the model {n_layers}")
-    layers = [
-        LayerTransform(
-            k_rotation=lay.k_rotation.float(),
-            v_rotation=lay.v_rotation.float(),
-            k_mean=lay.k_mean.float(),
-            v_mean=lay.v_mean.float(),
-            k_clip=float(lay.k_clip),
-            v_clip=float(lay.v_clip),
-        )
-        for lay in art.layers
-    ]
     quant = dict(art.manifest.quant)
     return oscar_method(
-        layers,
+        art.layers,
         sink=int(quant.get("sink", DEFAULT_SINK)),
         recent=int(quant.get("recent", DEFAULT_RECENT)),
         group_size=quant.get("group_size"),
@@ -278,7 +249,3 @@ def parse_methods(text: str | list[str]) -> list[str]:
         raise EvalError(f"unknown method {bad[0]!r}; valid methods: {', '.join(METHOD_NAMES)}")
     return list(dict.fromkeys(names))
 
-
-def with_windows(method: QuantMethod, sink: int, recent: int) -> QuantMethod:
-    """A copy of ``method`` with other window sizes (tests, ablations)."""
-    return replace(method, sink=sink, recent=recent)

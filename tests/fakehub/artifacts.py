@@ -11,21 +11,22 @@ from pathlib import Path
 
 import torch
 
-from oscar_cli.artifact import LayerRotation, Manifest, write_artifact
+from oscar_cli.artifact import Manifest, write_artifact
+from oscar_cli.transform import LayerTransform
 
 D, LAYERS, H_KV = 16, 2, 2
 
 
-def _layers(variant: int) -> list[LayerRotation]:
+def _layers(variant: int) -> list[LayerTransform]:
     g = torch.Generator().manual_seed(1000 + variant)
     out = []
-    for i in range(LAYERS):
+    for _ in range(LAYERS):
         rot = {}
         for kv in ("k", "v"):
             q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
             rot[kv] = q.float().unsqueeze(0).contiguous()  # [N=1, D, D], orthogonal
-        out.append(LayerRotation(
-            index=i, k_rotation=rot["k"], v_rotation=rot["v"],
+        out.append(LayerTransform(
+            k_rotation=rot["k"], v_rotation=rot["v"],
             k_mean=torch.zeros(H_KV, D), v_mean=torch.zeros(H_KV, D),  # [H_kv, D]
             k_eigenvalues=torch.sort(torch.rand(1, D, generator=g)).values,  # [N, D] ascending
             v_eigenvalues=torch.sort(torch.rand(1, D, generator=g)).values,

@@ -1,0 +1,58 @@
+"""One decoder layer's KV transform: what calibration solves, the artifact stores and the cache applies.
+
+Every field is optional so the same type describes the data-free methods too: no rotation = identity, no mean
+= no centring, a clip ratio ``<= 0`` = no clipping. Calibration fills every field; an artifact stores every
+field (:mod:`oscar_cli.artifact.io`); the cache (:mod:`oscar_cli.quant.cache`) reads rotations, means and clips.
+
+Example::
+
+    t = LayerTransform(k_rotation=r_k, v_rotation=r_v, k_mean=mu_k, v_mean=mu_v, k_clip=0.96, v_clip=0.92)
+    t.rotation_per_head("k", num_kv_heads)   # [H_kv, D, D] (a per-layer [1, D, D] is expanded)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TRANSFORM_FIELDS = ("k_rotation", "v_rotation", "k_mean", "v_mean", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")
+
+
+@dataclass(frozen=True)
+class LayerTransform:
+    """One layer's rotations, rotated-space means and clip ratios (float32 tensors).
+
+    Attributes:
+        k_rotation, v_rotation: orthogonal ``[N, D, D]``, ``N = 1`` (per layer) or ``H_kv`` (per KV head),
+            applied as ``x @ R``; None = identity.
+        k_mean, v_mean: ``[H_kv, D]`` (or ``[1, D]`` shared by all heads) in the rotated space: subtracted after
+            rotating; ``v_mean`` is added back to the attention output before rotating back with ``v_rotationᵀ``.
+            None = no centring.
+        k_eigenvalues, v_eigenvalues: ``[N, D]`` ascending eigenvalues of the calibration targets
+            (informational; None for data-free transforms).
+        k_clip, v_clip: clip ratios (``<= 0``: no clipping).
+    """
+
+    k_rotation: torch.Tensor | None = None
+    v_rotation: torch.Tensor | None = None
+    k_mean: torch.Tensor | None = None
+    v_mean: torch.Tensor | None = None
+    k_eigenvalues: torch.Tensor | None = None
+    v_eigenvalues: torch.Tensor | None = None
+    k_clip: float = 0.0
+    v_clip: float = 0.0
+
+    def rotation_per_head(self, which: str, num_kv_heads: int) -> torch.Tensor | None:
+        """``[H_kv, D, D]`` rotations for ``which`` ∈ {"k", "v"} (a per-layer rotation is expanded; None: identity)."""
+        r = self.k_rotation if which == "k" else self.v_rotation
+        if r is None:
+            return None
+        return r.expand(num_kv_heads, -1, -1) if r.shape[0] == 1 else r
+
+    def mean_per_head(self, which: str, num_kv_heads: int) -> torch.Tensor | None:
+        """``[H_kv, D]`` rotated-space means for ``which`` ∈ {"k", "v"} (a shared ``[1, D]`` is expanded)."""
+        m = self.k_mean if which == "k" else self.v_mean
+        if m is None:
+            return None
+        return m.expand(num_kv_heads, -1) if m.shape[0] == 1 else m
