@@ -107,8 +107,8 @@ def _dtype_callback(value: str | None) -> str | None:
 ModelArg = Annotated[
     str,
     typer.Argument(
-        help="Model: the alias smollm2-135m (embedded), a Hub repo ORG/NAME[@REV], a local model directory, "
-        "or a .gguf file.",
+        help="Model: an alias (smollm2-135m: embedded; qwen2.5-coder-1.5b: from its part packages), a Hub repo "
+        "ORG/NAME[@REV], a local model directory, or a .gguf file.",
         show_default=True,
     ),
 ]

