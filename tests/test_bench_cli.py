@@ -51,23 +51,25 @@ def test_bench_without_cuda_exits_1_with_no_numbers(capsys: pytest.CaptureFixtur
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_harness_run_raises_kernel_unavailable() -> None:
     from oscar_cli.bench import harness
+    from oscar_cli.bench.config import BenchConfig
 
     with pytest.raises(KernelUnavailableError):
-        harness.run(harness.BenchConfig(shape=parse_shape("qwen3-8b")))
+        harness.run(BenchConfig(shape=parse_shape("qwen3-8b")))
 
 
 @pytest.mark.parametrize("batch", [1, 16])
 def test_bench_keeps_the_default_config_it_does_not_override(batch: int) -> None:
     """Only the fields a bench config sets change; the measured defaults (e.g. the register cap) stay."""
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.cases import decode_config_for
+    from oscar_cli.bench.config import BenchConfig
     from oscar_cli.bench.shapes import NAMED_SHAPES
     from oscar_kernels import ops
 
     base = ops.default_config(batch)
-    assert H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"]), batch) == base
-    got = H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], kernel=(("num_stages", 3), ("magic", 0))),
+    assert decode_config_for(BenchConfig(shape=NAMED_SHAPES["qwen3-8b"]), batch) == base
+    got = decode_config_for(BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], kernel=(("num_stages", 3), ("hist_stages", 2))),
                               batch)
-    assert (got.num_stages, got.magic, got.maxnreg, got.block_nb) == (3, 0, base.maxnreg, base.block_nb)
+    assert (got.num_stages, got.hist_stages, got.maxnreg, got.block_nb) == (3, 2, base.maxnreg, base.block_nb)
 
 
 def test_git_state_reports_sha_and_whether_tracked_files_differ() -> None:
@@ -76,10 +78,11 @@ def test_git_state_reports_sha_and_whether_tracked_files_differ() -> None:
     import shutil
     import subprocess
 
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench import environment
+    from oscar_cli.bench.environment import git_state
 
-    sha, dirty = H.git_state()
-    here = Path(H.__file__).resolve().parent
+    sha, dirty = git_state()
+    here = Path(environment.__file__).resolve().parent
     if shutil.which("git") is None:
         assert (sha, dirty) == (None, None)
         return
@@ -97,12 +100,12 @@ def test_kernels_digest_names_the_kernel_sources() -> None:
     import hashlib
 
     import oscar_kernels
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.environment import kernels_digest
 
     h = hashlib.sha256()
     for f in sorted(Path(oscar_kernels.__file__).resolve().parent.glob("*.py")):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    got = H._kernels_digest()
+    got = kernels_digest()
     assert got == h.hexdigest() and len(got) == 64
 
 
@@ -110,15 +113,15 @@ def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str], 
     """The table reports % of copy bandwidth from the CUDA-graph time next to the eager one, and GB/s from the graph
     time."""
     from oscar_cli import _output
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.report import BenchResult, CellResult
     from oscar_cli.commands.bench import _render
 
     monkeypatch.setattr(_output.stdout, "width", 250)  # every column unabridged
-    cell = H.CellResult(batch=1, ctx=4096, splits=59, int2_us=118.0, int2_graph_us=13.2, int2_bytes=3_633_900,
+    cell = CellResult(batch=1, ctx=4096, splits=59, int2_us=118.0, int2_graph_us=13.2, int2_bytes=3_633_900,
                         int2_gbps=30.8, pct_copy=0.7, bf16_us={"cudnn": 16.5, "flash": 24.0},
                         bf16_graph_us={"cudnn": 12.2, "flash": 19.4}, best_bf16="cudnn", best_bf16_us=16.5,
                         speedup=0.14, speedup_graph=0.92, pct_copy_graph=6.5, int2_gbps_graph=275.3)
-    res = H.BenchResult(config={"shape": {"name": "qwen3-8b", "h_kv": 8}}, environment={"gpu": "H200"},
+    res = BenchResult(config={"shape": {"name": "qwen3-8b", "h_kv": 8}}, environment={"gpu": "H200"},
                         copy_gbps=4250.0, cells=[cell],
                         quantize={"tokens": 16, "us": 1.0, "rows_per_s": 1e6, "gbps": 1.0, "values_us": 2.0},
                         notes=[])
@@ -131,9 +134,9 @@ def test_bench_table_shows_graph_copy_share(capsys: pytest.CaptureFixture[str], 
 
 
 def _cell(batch: int, ctx: int, graph: bool = True) -> object:
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.report import CellResult
 
-    return H.CellResult(batch=batch, ctx=ctx, splits=30, int2_us=100.0 + ctx / 1e3, int2_graph_us=10.0 + ctx / 1e4
+    return CellResult(batch=batch, ctx=ctx, splits=30, int2_us=100.0 + ctx / 1e3, int2_graph_us=10.0 + ctx / 1e4
                         if graph else None, int2_bytes=1, int2_gbps=1.0, pct_copy=1.0,
                         bf16_us={"cudnn": 50.0 + ctx / 1e3, "flashinfer": None},
                         bf16_graph_us={"cudnn": 12.0 + ctx / 1e4 if graph else None, "flashinfer": 11.0 + ctx / 1e4
@@ -145,12 +148,12 @@ def _cell(batch: int, ctx: int, graph: bool = True) -> object:
 def test_bench_plot_shows_graph_times_and_the_page_size(tmp_path: Path, graph: bool) -> None:
     """The plot shows what the table and docs report: CUDA-graph times (eager only when no graph time was
     measured), INT2 and the fastest BF16 backend per batch, the page size in the title; written atomically."""
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.report import BenchResult, plot_series, save_plot
 
     cells = [_cell(b, c, graph) for b in (16, 1) for c in (32768, 4096)]
-    res = H.BenchResult(config={"shape": {"name": "qwen3-8b"}, "page_size": 16, "paged": True},
+    res = BenchResult(config={"shape": {"name": "qwen3-8b"}, "page_size": 16, "paged": True},
                         environment={"gpu": "H200"}, copy_gbps=1.0, cells=cells, quantize={})  # type: ignore[arg-type]
-    timing, series = H.plot_series(res)
+    timing, series = plot_series(res)
     assert timing == ("CUDA graph" if graph else "eager")
     assert [s[0] for s in series] == ["INT2 B=1", "best BF16 B=1", "INT2 B=16", "best BF16 B=16"]
     assert series[0][1] == [4096, 32768]
@@ -158,7 +161,7 @@ def test_bench_plot_shows_graph_times_and_the_page_size(tmp_path: Path, graph: b
         assert series[0][2] == pytest.approx([10.4096, 13.2768]) and series[1][2] == pytest.approx([11.4096, 14.2768])
     else:
         assert series[0][2] == pytest.approx([104.096, 132.768]) and series[1][2] == pytest.approx([54.096, 82.768])
-    out = H.save_plot(res, tmp_path / "bench.png")
+    out = save_plot(res, tmp_path / "bench.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == ["bench.png"]
 
 
@@ -167,14 +170,14 @@ def test_bench_replot_draws_a_saved_record_without_a_gpu(tmp_path: Path, capsys:
     import json
     from dataclasses import asdict
 
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.report import BenchResult, result_from_json
 
-    res = H.BenchResult(config={"shape": {"name": "qwen3-8b"}, "page_size": 64, "paged": True},
+    res = BenchResult(config={"shape": {"name": "qwen3-8b"}, "page_size": 64, "paged": True},
                         environment={"gpu": "H200"}, copy_gbps=1.0, cells=[_cell(1, 4096), _cell(1, 32768)],  # type: ignore[list-item]
                         quantize={})
     record = tmp_path / "bench.json"
     record.write_text(json.dumps(asdict(res) | {"plot": None}))
-    assert H.result_from_json(json.loads(record.read_text())) == res
+    assert result_from_json(json.loads(record.read_text())) == res
     r = CliRunner().invoke(app, ["bench", "--replot", str(record), "--plot", str(tmp_path / "b.png")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
@@ -194,16 +197,16 @@ def test_bench_table_shows_the_faster_flashinfer_kernel(capsys: pytest.CaptureFi
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """With FlashInfer measured, its column shows the faster of its tensor-core and CUDA-core kernels."""
     from oscar_cli import _output
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.report import BenchResult, CellResult
     from oscar_cli.commands.bench import _render
 
-    cell = H.CellResult(batch=1, ctx=4096, splits=30, int2_us=35.6, int2_graph_us=11.8, int2_bytes=3_633_900,
+    cell = CellResult(batch=1, ctx=4096, splits=30, int2_us=35.6, int2_graph_us=11.8, int2_bytes=3_633_900,
                         int2_gbps=102.0, pct_copy=2.4, bf16_us={"cudnn": 51.8, "flash": 24.4, "flashinfer_tc": 19.2,
                                                                  "flashinfer": 18.2},
                         bf16_graph_us={"cudnn": 12.2, "flash": 19.2, "flashinfer_tc": 14.7, "flashinfer": 29.7},
                         best_bf16="flashinfer", best_bf16_us=18.2, speedup=0.51, speedup_graph=1.03,
                         pct_copy_graph=7.2)
-    res = H.BenchResult(config={"shape": {"name": "qwen3-8b", "h_kv": 8}}, environment={"gpu": "H200"},
+    res = BenchResult(config={"shape": {"name": "qwen3-8b", "h_kv": 8}}, environment={"gpu": "H200"},
                         copy_gbps=4274.0, cells=[cell],
                         quantize={"tokens": 16, "us": 1.0, "rows_per_s": 1e6, "gbps": 1.0, "values_us": 2.0},
                         notes=[])
@@ -223,7 +226,9 @@ def test_flashinfer_failure_is_recorded_as_not_run(monkeypatch: pytest.MonkeyPat
     import sys
     import types
 
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench import backends
+    from oscar_cli.bench.backends import bench_flashinfer
+    from oscar_cli.bench.config import BenchConfig
     from oscar_cli.bench.shapes import NAMED_SHAPES
 
     class Wrapper:
@@ -231,38 +236,39 @@ def test_flashinfer_failure_is_recorded_as_not_run(monkeypatch: pytest.MonkeyPat
             raise RuntimeError("no kernel image for this GPU")
 
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper))
-    cfg = H.BenchConfig(shape=NAMED_SHAPES["smollm2-135m"], rep_ms=1)
-    with caplog.at_level(logging.INFO, logger=H.log.name):
-        got = H.bench_flashinfer(cfg.shape, 1, 256, cfg, torch.device("cpu"), 1 << 20, tensor_cores=True)
+    cfg = BenchConfig(shape=NAMED_SHAPES["smollm2-135m"], rep_ms=1)
+    with caplog.at_level(logging.INFO, logger=backends.log.name):
+        got = bench_flashinfer(cfg.shape, 1, 256, cfg, torch.device("cpu"), 1 << 20, tensor_cores=True)
     assert got == (None, None)
     assert "FlashInfer (tensor cores) did not run: no kernel image" in caplog.text
 
 
 def test_kernel_options_parse_and_apply() -> None:
     """``--kernel`` sets any DecodeConfig field; the others keep default_config(batch)."""
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.cases import decode_config_for
+    from oscar_cli.bench.config import BenchConfig
     from oscar_cli.bench.kernel_options import parse_kernel_options
     from oscar_cli.bench.shapes import NAMED_SHAPES
     from oscar_kernels import ops
 
-    knobs = parse_kernel_options(" magic=4, maxnreg=none ,pdl=false,merge_cols=128")
-    assert knobs == (("magic", 4), ("maxnreg", None), ("pdl", False), ("merge_cols", 128))
+    knobs = parse_kernel_options(" hist_stages=4, maxnreg=none ,pdl=false,merge_cols=128")
+    assert knobs == (("hist_stages", 4), ("maxnreg", None), ("pdl", False), ("merge_cols", 128))
     assert parse_kernel_options(None) == () and parse_kernel_options("") == ()
-    got = H.decode_config_for(H.BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], kernel=knobs), 16)
+    got = decode_config_for(BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], kernel=knobs), 16)
     base = ops.default_config(16)
-    assert (got.magic, got.maxnreg, got.pdl, got.merge_cols) == (4, None, False, 128)
+    assert (got.hist_stages, got.maxnreg, got.pdl, got.merge_cols) == (4, None, False, 128)
     assert (got.block_n, got.num_warps, got.merge_block_p) == (base.block_n, base.num_warps, base.merge_block_p)
 
 
 @pytest.mark.parametrize(("text", "match"), [
-    ("nope=1", "unknown kernel option 'nope'; known: .*magic"),
-    ("magic", "expected KEY=VALUE"),
-    ("magic=", "expected KEY=VALUE"),
+    ("nope=1", "unknown kernel option 'nope'; known: .*hist_stages"),
+    ("hist_stages", "expected KEY=VALUE"),
+    ("hist_stages=", "expected KEY=VALUE"),
     ("pdl=maybe", "pdl takes true or false"),
-    ("magic=four", "magic takes an integer"),
-    ("magic=none", "magic cannot be none"),
-    ("magic=4,magic=5", "magic given twice"),
-    ("mode=1", "unknown kernel option 'mode'"),  # diagnostic kernels are not attention: not from the CLI
+    ("hist_stages=four", "hist_stages takes an integer"),
+    ("hist_stages=none", "hist_stages cannot be none"),
+    ("hist_stages=4,hist_stages=5", "hist_stages given twice"),
+    ("mode=1", "unknown kernel option 'mode'"),
 ])
 def test_kernel_options_reject_bad_items(text: str, match: str) -> None:
     from oscar_cli.bench.kernel_options import parse_kernel_options
@@ -292,13 +298,14 @@ def test_int2_plans_build_runnable_plans_with_kernel_overrides(monkeypatch: pyte
     """The plans every INT2 bench measurement is built on: rotating cases, the --kernel overrides, the page layout
     (token-quad rows of 64 tokens above 64-token pages and without pages), a run."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from oscar_cli.bench import harness as H
+    from oscar_cli.bench.cases import int2_plans
+    from oscar_cli.bench.config import BenchConfig
     from oscar_cli.bench.shapes import NAMED_SHAPES
 
     shape = NAMED_SHAPES["smollm2-135m"]
-    cfg = H.BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)), paged=paged,
+    cfg = BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)), paged=paged,
                         page_size=page)
-    plans, cases, s = H.int2_plans(shape, 1, 512, cfg, torch.device("cpu"), 1 << 20)
+    plans, cases, s = int2_plans(shape, 1, 512, cfg, torch.device("cpu"), 1 << 20)
     assert len(plans) == len(cases) >= 2  # enough copies to exceed 4x the (pretend) L2
     assert (plans[0].config.block_n, plans[0].config.merge_block_p, s) == (16, 16, plans[0].num_splits)
     out = plans[0].run()

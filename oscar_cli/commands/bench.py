@@ -20,7 +20,7 @@ EXAMPLES = """
   oscar bench --shape llama-3.1-8b --batch 1,4,16,64   # another model's attention shape
   oscar bench --shape 32,8,128 --ctx 8k,64k --plot bench.png
   oscar --json bench > bench.json                       # GPU name, versions, git sha and every number
-  oscar bench --ctx 128k --kernel magic=5,hist_stages=2  # the v7 kernel (four fields, one buffer), same harness
+  oscar bench --ctx 128k --kernel hist_stages=2         # a single-buffered INT2 loop, same harness
   oscar bench --batch 16 --page-size 16                  # vLLM-sized pages (INT2 and FlashInfer alike)
   oscar bench --replot bench.json --plot bench.png      # plot a saved --json record again (no GPU needed)
 """
@@ -61,19 +61,19 @@ def _replot(record: Path, plot: Path | None) -> None:
     """``--replot``: the plot of a saved JSON record (atomic write), nothing measured."""
     import json
 
-    from oscar_cli.bench import harness
+    from oscar_cli.bench import report
 
     if plot is None:
         raise typer.BadParameter("--replot needs --plot PATH (where to write the PNG)", param_hint="--replot")
     try:
-        res = harness.result_from_json(json.loads(record.read_text()))
+        res = report.result_from_json(json.loads(record.read_text()))
     except OSError as exc:
         raise OscarError(f"cannot read the bench record {record}: {exc.strerror}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise OscarError(f"{record} is not an `oscar --json bench` record ({type(exc).__name__}: {exc})",
                          hint="pass the JSON that `oscar --json bench` printed") from exc
     try:
-        harness.save_plot(res, plot)
+        report.save_plot(res, plot)
     except OSError as exc:
         raise OscarError(f"cannot write the plot to {plot}: {exc.strerror}") from exc
     _output.info(f"plot of {record} ({len(res.cells)} cells) written to {plot}")
@@ -95,7 +95,7 @@ def bench(
     replot: Annotated[Path | None, typer.Option(
         "--replot", help="Plot a saved `oscar --json bench` record to --plot instead of measuring (no GPU).")] = None,
     kernel: Annotated[str | None, typer.Option(
-        "--kernel", help="Decode-kernel knobs KEY=VALUE,... (DecodeConfig fields, e.g. magic=4,maxnreg=none,pdl=false); "
+        "--kernel", help="Decode-kernel knobs KEY=VALUE,... (DecodeConfig fields, e.g. hist_stages=2,maxnreg=none,pdl=false); "
                          "the rest stay default_config(batch).")] = None,
 ) -> None:
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
@@ -120,9 +120,10 @@ def bench(
         raise typer.BadParameter(f"--page-size must be a multiple of 16 (of 64 above 64), got {page_size}")
     if dtype not in ("bf16", "fp16"):
         raise typer.BadParameter(f"--dtype must be bf16 or fp16, got {dtype!r}")
-    from oscar_cli.bench import harness
+    from oscar_cli.bench import harness, report
+    from oscar_cli.bench.config import BenchConfig
 
-    config = harness.BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
+    config = BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
                                  graphs=graphs, paged=paged, page_size=page_size, kernel=knobs)
     with _output.progress() as p:
         task = p.add_task("bench", total=len(batches) * len(ctxs))
@@ -140,7 +141,7 @@ def bench(
                              "values") from exc
     if plot is not None:
         try:
-            harness.save_plot(res, plot)
+            report.save_plot(res, plot)
         except OSError as exc:
             raise OscarError(f"cannot write the plot to {plot}: {exc.strerror}") from exc
     if _output.SETTINGS.json:

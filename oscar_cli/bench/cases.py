@@ -1,0 +1,132 @@
+"""The inputs ``oscar bench`` measures: random INT2 decode cases (shuffled pages, BF16 sink and recent tiers,
+rotations), their launch plans, and the bytes one decode step must move (INT2 and BF16)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from oscar_cli.bench.config import BenchConfig
+from oscar_cli.bench.shapes import AttnShape
+from oscar_cli.bench.timing import rotating
+
+
+def int2_bytes(shape: AttnShape, batch: int, ctx: int, sink: int, recent: int, page: int, meta_bytes: int = 2) -> int:
+    """Bytes one INT2 decode step must move (G = D): history codes + scale + zero, BF16 tiers, q, out,
+    R_K, R_V, mu_V and the block table."""
+    hp = min(ctx, sink + recent)
+    hist = ctx - hp
+    per_tok = 2 * shape.h_kv * (shape.d // 4 + 2 * meta_bytes)
+    tiers = 2 * hp * shape.h_kv * shape.d * 2
+    qo = 2 * shape.h_q * shape.d * 2
+    table = math.ceil(hist / page) * 4
+    return batch * (hist * per_tok + tiers + qo + table) + 2 * shape.d * shape.d * 4 + shape.d * 4
+
+
+def bf16_bytes(shape: AttnShape, batch: int, ctx: int) -> int:
+    """Bytes one BF16 decode step must move: K and V of every token, q and the output."""
+    return batch * (2 * ctx * shape.h_kv * shape.d * 2 + 2 * shape.h_q * shape.d * 2)
+
+
+def orthogonal(d: int, device: torch.device) -> torch.Tensor:
+    """A random ``[d, d]`` float32 rotation."""
+    return torch.linalg.qr(torch.randn(d, d, device=device, dtype=torch.float32))[0].contiguous()
+
+
+def page_geometry(cfg: BenchConfig, hist: int) -> tuple[int, int]:
+    """(page size, pages per sequence): ``cfg.page_size`` pages, or one page of the whole history."""
+    if cfg.paged:
+        return cfg.page_size, max(1, math.ceil(hist / cfg.page_size))
+    return max(64, math.ceil(hist / 64) * 64), 1
+
+
+def build_int2_case(
+    shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, seed: int
+) -> dict[str, Any]:
+    """Random paged INT2 cache (shuffled pages), BF16 tiers and rotations for one decode step."""
+    from oscar_kernels.reference import QuantizedRows, token_quad_row
+
+    torch.manual_seed(seed)
+    act = cfg.activation_dtype
+    hp = min(ctx, cfg.sink + cfg.recent)
+    hist = ctx - hp
+    page_size, n_pp = page_geometry(cfg, hist)
+    pages = batch * n_pp
+    h, d = shape.h_kv, shape.d
+
+    def rows(values: bool = False) -> QuantizedRows:
+        row = token_quad_row(page_size)  # token quads for V: rows of min(P, 64) tokens
+        cshape = (pages, h, page_size // row * d, row // 4) if values else (pages, h, page_size, d // 4)
+        codes = torch.randint(0, 256, cshape, dtype=torch.uint8, device=device)
+        scale = (torch.rand(pages, h, page_size, 1, device=device) * 0.1 + 0.01).to(torch.bfloat16)
+        zero = (torch.randn(pages, h, page_size, 1, device=device) * 0.2).to(torch.bfloat16)
+        return QuantizedRows(codes, scale, zero)
+
+    def tier(n: int) -> torch.Tensor:
+        return torch.randn(batch, h, max(n, 1), d, device=device).to(act)
+
+    s_len, r_len = min(ctx, cfg.sink), hp - min(ctx, cfg.sink)
+    return {
+        "q": torch.randn(batch, shape.h_q, d, device=device).to(act),
+        "k_cache": rows(),
+        "v_cache": rows(values=True),
+        "block_table": torch.randperm(pages, device=device, dtype=torch.int32).reshape(batch, n_pp),
+        "hist_len": torch.full((batch,), hist, dtype=torch.int32, device=device),
+        "sink_k": tier(s_len),
+        "sink_v": tier(s_len),
+        "sink_len": torch.full((batch,), s_len, dtype=torch.int32, device=device),
+        "recent_k": tier(r_len),
+        "recent_v": tier(r_len),
+        "recent_len": torch.full((batch,), r_len, dtype=torch.int32, device=device),
+        "rotation_k": orthogonal(d, device),
+        "rotation_v": orthogonal(d, device),
+        "mean_v": torch.randn(d, device=device) * 0.1,
+    }
+
+
+def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor,
+              paged: bool = True) -> Any:
+    """A validated :class:`oscar_kernels.ops.DecodePlan` over one case (launch with ``.run()``)."""
+    from oscar_kernels import ops
+
+    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+            "recent_k", "recent_v", "recent_len")
+    return ops.DecodePlan(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
+                          rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
+                          config=config, workspace=workspace, out=out, paged=paged)
+
+
+def decode_config_for(cfg: BenchConfig, batch: int) -> Any:
+    """``oscar_kernels.ops.default_config(batch)`` with the fields the bench config overrides (all others kept)."""
+    from oscar_kernels import ops
+
+    return replace(ops.default_config(batch), **dict(cfg.kernel))
+
+
+def int2_plans(
+    shape: AttnShape,
+    batch: int,
+    ctx: int,
+    cfg: BenchConfig,
+    device: torch.device,
+    l2: int,
+    decode_config: Any = None,
+    splits: int | None = None,
+) -> tuple[list[Any], list[dict[str, Any]], int]:
+    """(launch plans, their cases, split count) of one INT2 decode step over enough rotating caches to exceed
+    the L2 (cold-cache timing); the plans share one workspace and output. Benchmarks and GPU scripts build
+    their measurements on these."""
+    from oscar_kernels import ops
+
+    dc = decode_config or decode_config_for(cfg, batch)
+    hist = max(ctx - cfg.sink - cfg.recent, 0)
+    ps, n_pp = page_geometry(cfg, hist)
+    s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
+    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
+    cases = rotating(lambda i: build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i), nbytes, l2)
+    ws = ops.make_workspace(batch, shape.h_q, shape.d, s, device)
+    out = torch.empty(batch, shape.h_q, shape.d, dtype=cases[0]["q"].dtype, device=device)
+    return [int2_plan(c, s, dc, ws, out, cfg.paged) for c in cases], cases, s

@@ -1,0 +1,36 @@
+"""What ``oscar bench`` measures: one :class:`BenchConfig` (shape, batches, contexts, cache layout, kernel knobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oscar_cli.bench.shapes import AttnShape
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. Contexts count every token (sink + history + recent)."""
+
+    shape: AttnShape
+    batches: tuple[int, ...] = (1, 16)
+    contexts: tuple[int, ...] = (4096, 32768, 131072)
+    dtype: str = "bf16"
+    page_size: int = 64
+    sink: int = 64
+    recent: int = 256
+    num_splits: int | None = None
+    # DecodeConfig fields that replace ``oscar_kernels.ops.default_config(batch)``'s (``oscar bench --kernel``)
+    kernel: tuple[tuple[str, Any], ...] = ()
+    graphs: bool = True
+    rep_ms: int = 100
+    quant_tokens: int = 16384
+    seed: int = 0
+    paged: bool = True  # False: the non-paged layout [B, H_kv, T, D/4] (no block-table lookups)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The torch dtype of q, the BF16 tiers and the output (``dtype``: ``bf16`` or ``fp16``)."""
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float16
