@@ -1,55 +1,52 @@
 """Triton decode attention over a paged INT2 history plus BF16 sink and recent tiers.
 
-Only ``@triton.jit`` code lives here; launchers, checks, allocation and grids are in :mod:`oscar_kernels.ops`.
+Only ``@triton.jit`` code lives here; launchers, checks, allocation and grids are in :mod:`oscar_kernels.ops`
+(``DecodePlan``), the format and the float64 semantics in :mod:`oscar_kernels.reference`. docs/KERNELS.md has the
+measurements behind each choice.
 
-Stage 1 (``_decode_stage1_kernel``, grid ``(B * H_kv, S + TIER_PARTS)``): programs ``0..S-1`` of a (batch,
-KV head) each take one split of the INT2 history; programs ``S..S+TIER_PARTS-1`` split the BF16/fp16 sink and
-recent tiers (concatenated: sink rows then recent rows) into ``TIER_PARTS`` contiguous ranges, so the 320 BF16
-rows are not one program's sequential loop (the critical path at short contexts). Every K/V tile is loaded
-once and shared by the ``g`` query heads of the KV head. In the INT2 splits the tokens are the M dimension of
-``tl.dot`` and the query heads its N (padded to ``GP``): ``Sᵀ = C_K·qᵀ``, ``Oᵀ += C_Vᵀ·(P∘s_V)ᵀ`` (the BF16
-tiers likewise). Each program writes a partial ``(o, lse)`` (lse in the log2
-domain) to scratch; an empty split writes ``lse = -inf, o = 0`` so scratch never holds stale data.
+**Layout** (``reference.py``). Keys: quarter-packed rows ``[pages, H_kv, P, D/4]`` (a byte holds dims ``i, i + D/4,
+i + D/2, i + 3D/4`` of one token, so quarter ``J`` of a byte row is ``D/4`` consecutive dims: the reduction axis of
+``C_K·qᵀ``). Values: token quads ``[pages, H_kv, P/R·D, R/4]`` in rows of ``R = min(P, 64)`` tokens (a byte holds
+tokens ``4i .. 4i+3`` of one dim, so residue ``j`` of a byte row is consecutive quads: the reduction axis of
+``C_Vᵀ·Pᵀ``; non-paged: ``[B, H_kv, ⌈T/64⌉·D, 16]``). A 64-token tile is ``D`` rows of 16 contiguous bytes for every
+page size; neither operand is transposed through shared memory. Scale and zero (``G = D``): ``[pages, H_kv, P]``.
 
-Before stage 1, ``_rotate_q_kernel`` computes ``q @ R_K`` (``tl.dot`` on float32, tf32x3 on GPUs) with the
-softmax scale and ``log2(e)`` folded in. Stage 2 (``_merge_rotate_kernel``, grid ``(B * H_q, D / E_PROG)``):
-log-sum-exp merge of the ``S + TIER_PARTS`` partials, add ``mu_V``, rotate back with ``R_Vᵀ``, cast to the
-activation dtype. With ``PDL`` stage 1 and the merge are programmatic dependent launches: each waits for its
-producer with ``griddepcontrol.wait`` and is launched while the producer drains.
+**Grid and pipeline.** Three kernels, launched by ``DecodePlan.run``:
 
-INT2 arithmetic (per token ``n``, K scale ``s_n``, K zero/minimum ``m_n``; codes ``c``):
-``score = s_n·(q·c_n) + m_n·Σq`` and ``Σ_n p_n·v̂_n = Σ_n (p_n·s_n)·c_n + Σ_n p_n·m_n``, so the dot products run
-on raw codes and every per-token factor is applied once per token, outside the dot.
+1. ``_rotate_q_kernel`` ``(B·H_kv, D/32)``: ``q @ R_K`` (``tl.dot`` on float32, tf32x3 on GPUs) with the softmax
+   scale and ``log2(e)`` folded in.
+2. ``_decode_stage1_kernel`` ``(B·H_kv, S + TIER_PARTS)``: programs ``0..S-1`` of a (batch, KV head) each take one
+   split of the INT2 history; programs ``S..S+TIER_PARTS-1`` cut the BF16/fp16 sink and recent rows (sink rows then
+   recent rows) into ``TIER_PARTS`` ranges. Every K/V tile is loaded once and shared by the ``g`` query heads of the
+   KV head: the tokens are the M dimension of ``tl.dot`` and the query heads its N (padded to ``GP``),
+   ``Sᵀ = C_K·qᵀ`` and ``Oᵀ += C_Vᵀ·(P∘s_V)ᵀ``. A ``BLOCK_N``-token tile is four token residues ``j`` (tokens
+   ``n0 + 4i + j``); whole tiles run unmasked, the last tile of a split masked; the loop is pipelined
+   ``HIST_STAGES`` deep (Triton's pipeliner divides the depth between the block-table load and the copies it
+   addresses: 5 double-buffers the K/V/metadata copies). Each program writes a partial ``(o, lse)`` (lse in the log2
+   domain); an empty split writes ``lse = -inf, o = 0``. ``PREFETCH``: before waiting for the rotation each program
+   starts the DRAM -> L2 transfer of its first tile (or its BF16 rows).
+3. ``_merge_rotate_kernel`` ``(B·H_q, D/E_PROG)``: log-sum-exp merge of the ``S + TIER_PARTS`` partials, ``+ mu_V``,
+   ``@ R_Vᵀ``, cast to the activation dtype.
 
-Layouts (see ``reference.py``): keys are quarter-packed rows ``[pages, H_kv, P, D/4]`` (a byte holds dims
-``i, i + D/4, i + D/2, i + 3D/4`` of one token: unpacking quarter ``t`` yields consecutive dims, the reduction
-axis of ``C_K·qᵀ``); values are token quads ``[pages, H_kv, P/R·D, R/4]`` (a byte holds tokens ``4i .. 4i+3`` of one
-dim: unpacking residue ``j`` yields consecutive quads, the reduction axis of ``C_Vᵀ·Pᵀ``), in rows of ``R = min(P, 64)``
-tokens (non-paged: ``[B, H_kv, ⌈T/64⌉·D, 16]``), so that a 64-token tile is ``D`` rows of 16 contiguous bytes. With the row layout
-for values, the V operand had to be transposed byte by byte through shared memory (docs/KERNELS.md, v2–v5).
+With ``PDL`` stage 1 and the merge are programmatic dependent launches: each waits for its producer with
+``griddepcontrol.wait`` and is launched while the producer drains.
 
-Unpack (``MAGIC``): **5 (default on CUDA in v7) = fp16 subnormal fields**: two ``prmt`` zero-extend 4 code bytes to
-4 uint16 lanes (once per byte, shared by its 4 fields), then one ``and`` with ``0x00030003 << 2J`` per two codes
-leaves the bit pattern of the fp16 subnormal ``c·4^J·2^-24`` — exact, no offset. The ``4^J`` is cancelled in the
-other MMA operand: the K quarter ``J`` of ``q`` is pre-scaled by ``4^-J`` (and a per-program power of two that
-keeps ``|q| <= 2^14``), the V residue ``j`` of ``P∘s_V`` by ``4^-j`` (and a per-tile power of two ``F`` that keeps
-``p·s_V·F <= 2^14``); the dots run on fp16 for bf16 and fp16 activations alike, and ``2^24`` and the powers of
-two are undone on the fp32 results. 0.625 instead of 1 instruction per code (docs/KERNELS.md, v7); the
-metadata are then loaded as ``[BLOCK_N/4, 4]`` tiles the loop pipeliner copies asynchronously. **7 (default
-on CUDA since v8) = 5 with the whole byte as the top field**: the zero-extended byte ``c0 + 4c1 + 16c2 + 64c3``
-is already the fp16 subnormal ``Σ_J c_J·4^J·2^-24``, so fields 0..2 are masked as in 5 and the byte itself
-stands for field 3; the other operands of fields 0..2 carry ``- x_3`` (``x_J - x_3``, ``x_3``: the cross terms
-``4^J·c_J·x_3`` cancel exactly), computed in float32 and rounded to fp16 once per program (q) or per tile
-(``P∘s_V``). 3 instead of 4 ``and`` per spread register: 0.5 instead of 0.625 instructions per code, on the
-integer pipe that bounds the loop at batch 16 (docs/KERNELS.md, v8). **9 = 7 for values, integer K fields**
-(head_dim 128): int8 MMAs on ``c0, 4c1, c2, 4c3`` (``and`` masks on the raw 32-bit words, ``shr 4`` for the upper
-two: no zero-extension) against q in 16-bit fixed point (hi and lo int8 columns per head), int32 accumulators
-converted through the float 1.5·2^23 (docs/KERNELS.md, v9). 6, 8 and 10 = 5, 7 and 9 element by element (the
-CPU interpreter). 4 = inline PTX per 32-bit register of 4 code bytes (``shr``,
-``and 0x03030303``, two ``prmt`` with the constant byte 0x43: four bf16 ``128 + c`` exactly, bf16's ulp at 128
-being 1; no conversion); 3 = the same magic number per element (the CPU interpreter); 0 = shift/and/int->float
-convert. The ``128`` folds into the per-token zero term; fp16 uses 0x64 (``1024 + c``) and subtracts 1024
-exactly in the asm.
+**INT2 arithmetic** (per token ``n``, K scale ``s_n``, K zero ``m_n``, codes ``c``):
+``score = s_n·(q·c_n) + m_n·Σq`` and ``Σ_n p_n·v̂_n = Σ_n (p_n·s_n)·c_n + Σ_n p_n·m_n``: the dot products run on
+raw codes and every per-token factor is applied once per token, outside the dot.
+
+**Unpack: fp16 subnormal fields, the whole byte as the top field.** Two ``prmt`` zero-extend 4 code bytes to 4
+uint16 lanes (:func:`_spread`); an ``and`` with ``0x00030003 << 2J`` per two codes leaves the bit pattern of the
+fp16 subnormal ``c_J·4^J·2^-24`` exactly (:func:`_field`, fields ``J = 0..2``), and the zero-extended byte itself,
+``c0 + 4c1 + 16c2 + 64c3``, is the fp16 subnormal ``Σ_J c_J·4^J·2^-24`` (no instruction). So four MMAs per residue
+take fields 0, 1, 2 and the whole byte; the other operand of field ``J < 3`` is ``x_J - x_3`` and that of the byte
+``x_3`` (``Σ_{J<3} A_J·(x_J - x_3) + (Σ_J A_J)·x_3 = Σ_J A_J·x_J``), where ``x_J`` is quarter ``J`` of ``q`` times
+``4^-J`` and a per-program power of two that keeps ``|q| <= 2^14`` (keys), or residue ``j`` of ``P∘s_V`` times
+``4^-j`` and a per-tile power of two ``F`` with ``p·s_V·F <= 2^14`` (values; the accumulator is rescaled by
+``F_new/F_old`` with the softmax ``α``). The corrected operands are rounded to fp16 once per program (q) or per tile
+(``P``); the dots run on fp16 for bf16 and fp16 activations alike, and ``2^24`` and the powers of two are undone on
+the fp32 results: 0.5 integer instructions per code. ``PTX`` selects the inline-PTX unpack (CUDA); the CPU
+interpreter runs the same fields element by element (bitwise the same values).
 """
 
 from __future__ import annotations
@@ -57,127 +54,46 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-def _unpack_asm(shift: int, fp16: bool) -> str:
-    """PTX turning 4 packed code bytes (one quarter selected by ``shift``) into 4 bf16 (or fp16) values.
-
-    ``t = (w >> shift) & 0x03030303`` leaves one code per byte; ``prmt`` interleaves each code byte with the
-    constant byte 0x43 (bf16 ``0x43cc`` = 128 + c exactly) or 0x64 (fp16 ``0x64cc`` = 1024 + c), two lanes per
-    output register in element order. fp16 subtracts 1024 exactly (``sub.f16x2``) so its dot runs on ``c``;
-    bf16 keeps ``128 + c`` and folds the 128 into the per-token zero term.
-    """
-    const = "0x64646464" if fp16 else "0x43434343"
-    lines = ["{", ".reg .b32 t;"]
-    lines.append(f"shr.b32 t, $2, {shift};\nand.b32 t, t, 0x03030303;" if shift else "and.b32 t, $2, 0x03030303;")
-    lines += [f"prmt.b32 $0, t, {const}, 0x5140;", f"prmt.b32 $1, t, {const}, 0x7362;"]
-    if fp16:
-        lines += [".reg .b32 m;", "mov.b32 m, 0x64006400;", "sub.f16x2 $0, $0, m;", "sub.f16x2 $1, $1, m;"]
-    return "\n".join(lines + ["}"])
-
-
-_ASM_BF16_0 = tl.constexpr(_unpack_asm(0, False))
-_ASM_BF16_1 = tl.constexpr(_unpack_asm(2, False))
-_ASM_BF16_2 = tl.constexpr(_unpack_asm(4, False))
-_ASM_BF16_3 = tl.constexpr(_unpack_asm(6, False))
-_ASM_F16_0 = tl.constexpr(_unpack_asm(0, True))
-_ASM_F16_1 = tl.constexpr(_unpack_asm(2, True))
-_ASM_F16_2 = tl.constexpr(_unpack_asm(4, True))
-_ASM_F16_3 = tl.constexpr(_unpack_asm(6, True))
-
-# Subnormal fields (MAGIC 5/6). "Spread": 4 code bytes -> 4 uint16 (each byte zero-extended, two ``prmt``);
-# "field J": ``and`` with ``0x00030003 << 2J`` leaves code ``c`` of every uint16 lane in bits ``2J, 2J+1``: the
-# fp16 bit pattern of the subnormal ``c * 4^J * 2^-24``, exactly, two codes per instruction. The dot products
-# run on these fp16 subnormals (tensor cores keep fp16 subnormal inputs); the factor ``4^J`` is cancelled by
-# scaling the other operand of field J by ``4^-J``, ``2^-24`` after the dot.
+# "Spread": 4 code bytes -> 4 uint16 (each byte zero-extended, two ``prmt``); "field J": ``and`` with
+# ``0x00030003 << 2J`` leaves code ``c`` of every uint16 lane in bits ``2J, 2J+1``: the fp16 bit pattern of the
+# subnormal ``c * 4^J * 2^-24``, exactly, two codes per instruction (tensor cores keep fp16 subnormal inputs).
 _ASM_SPREAD = tl.constexpr("prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;")
 _ASM_FIELD_0 = tl.constexpr("and.b32 $0, $1, 0x00030003;")
 _ASM_FIELD_1 = tl.constexpr("and.b32 $0, $1, 0x000c000c;")
 _ASM_FIELD_2 = tl.constexpr("and.b32 $0, $1, 0x00300030;")
-_ASM_FIELD_3 = tl.constexpr("and.b32 $0, $1, 0x00c000c0;")
 
 
 @triton.jit
-def _unpack_quarter(raw, J: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
-    """Codes in bits ``2J, 2J+1`` of every byte of ``raw`` (uint8, any shape) as ``ACT`` values ``OFF + c``.
-
-    ``MAGIC == 4``: inline PTX per 32-bit register of 4 bytes (shift, and, two byte-permutes, see
-    :func:`_unpack_asm`; CUDA only). ``MAGIC == 3``: the magic number per element. ``MAGIC == 0``: shift, and,
-    int->float conversion (``OFF = 0``). ``OFF`` is 128 for bf16 (1024 for fp16 with ``MAGIC == 3``) and 0 for
-    fp16 with ``MAGIC == 4`` (the asm subtracts 1024 exactly).
-    """
-    if MAGIC == 4:
-        if ACT == tl.float16:
-            if J == 0:
-                out = tl.inline_asm_elementwise(_ASM_F16_0, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
-            elif J == 1:
-                out = tl.inline_asm_elementwise(_ASM_F16_1, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
-            elif J == 2:
-                out = tl.inline_asm_elementwise(_ASM_F16_2, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
-            else:
-                out = tl.inline_asm_elementwise(_ASM_F16_3, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
-        else:
-            if J == 0:
-                out = tl.inline_asm_elementwise(_ASM_BF16_0, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
-            elif J == 1:
-                out = tl.inline_asm_elementwise(_ASM_BF16_1, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
-            elif J == 2:
-                out = tl.inline_asm_elementwise(_ASM_BF16_2, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
-            else:
-                out = tl.inline_asm_elementwise(_ASM_BF16_3, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
-        return out
-    elif MAGIC == 3:
-        m16: tl.constexpr = 0x6400 if ACT == tl.float16 else 0x4300
-        return (((raw.to(tl.int16) >> (2 * J)) & 3) | m16).to(ACT, bitcast=True)
-    else:
-        return ((raw >> (2 * J)) & 3).to(ACT)
-
-
-@triton.jit
-def _spread(raw, MAGIC: tl.constexpr):
-    """Code bytes ``raw`` (uint8) zero-extended to uint16, position by position (MAGIC 5, 7: two ``prmt`` per 4
-    bytes; 6, 8: a plain conversion)."""
-    if MAGIC == 5 or MAGIC == 7:
+def _spread(raw, PTX: tl.constexpr):
+    """Code bytes ``raw`` (uint8) zero-extended to uint16, position by position (``PTX``: two ``prmt`` per 4
+    bytes; else a plain conversion)."""
+    if PTX:
         return tl.inline_asm_elementwise(_ASM_SPREAD, "=r,=r,r", [raw], dtype=tl.uint16, is_pure=True, pack=4)
     else:
         return raw.to(tl.uint16)
 
 
 @triton.jit
-def _field(wide, J: tl.constexpr, MAGIC: tl.constexpr):
-    """Field ``J`` of spread codes ``wide`` (uint16) as the fp16 subnormals ``c * 4^J * 2^-24`` (exact), one
-    ``and`` per two codes (MAGIC 5, 7) or per element (6, 8)."""
-    if MAGIC == 5 or MAGIC == 7:
+def _field(wide, J: tl.constexpr, PTX: tl.constexpr):
+    """Field ``J`` (0..2) of spread codes ``wide`` (uint16) as the fp16 subnormals ``c * 4^J * 2^-24`` (exact), one
+    ``and`` per two codes (``PTX``) or per element."""
+    if PTX:
         if J == 0:
             out = tl.inline_asm_elementwise(_ASM_FIELD_0, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
         elif J == 1:
             out = tl.inline_asm_elementwise(_ASM_FIELD_1, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
-        elif J == 2:
-            out = tl.inline_asm_elementwise(_ASM_FIELD_2, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
         else:
-            out = tl.inline_asm_elementwise(_ASM_FIELD_3, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
+            out = tl.inline_asm_elementwise(_ASM_FIELD_2, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
         return out
     else:
         return (wide & (3 << (2 * J))).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _top_field(wide, MAGIC: tl.constexpr):
-    """The top MMA operand of spread codes ``wide``: MAGIC 7/8 the whole byte ``c0 + 4c1 + 16c2 + 64c3`` as an fp16
-    subnormal (no instruction), MAGIC 5/6 field 3."""
-    if MAGIC >= 7:
-        return wide.to(tl.float16, bitcast=True)
-    else:
-        return _field(wide, 3, MAGIC)
-
-
-@triton.jit
-def _top_correction(x3, MAGIC: tl.constexpr):
-    """What the other operand of fields 0..2 subtracts: ``x3`` (the top field's operand) when the top field is the
-    whole byte (its cross terms ``4^J·c_J·x3`` cancel exactly), else nothing."""
-    if MAGIC >= 7:
-        return x3
-    else:
-        return 0.0
+def _top_field(wide):
+    """The top MMA operand of spread codes ``wide``: the whole byte ``c0 + 4c1 + 16c2 + 64c3`` as an fp16 subnormal
+    (no instruction)."""
+    return wide.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -242,86 +158,33 @@ def _store_partial_t(ot, lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh, s
     tl.store(lse_ptr + b * stride_lb + (h * GROUP + heads) * stride_lh + sp, lse, mask=ok)
 
 
-# Integer K fields (MAGIC 9/10): ``w & 0x03030303`` and ``w & 0x0c0c0c0c`` of a 32-bit register of 4 code bytes give
-# ``c0`` and ``4·c1`` of each byte as int8 MMA operands, ``w >> 4`` then the same masks ``c2`` and ``4·c3``: 5 integer
-# instructions per 16 codes, no zero-extension (an int8 MMA takes 4 consecutive bytes per register).
-_ASM_I8_LO = tl.constexpr("and.b32 $0, $2, 0x03030303;\nand.b32 $1, $2, 0x0c0c0c0c;")
-_ASM_I8_HI = tl.constexpr("{\n.reg .b32 t;\nshr.b32 t, $2, 4;\nand.b32 $0, t, 0x03030303;\nand.b32 $1, t, 0x0c0c0c0c;\n}")
-
 
 @triton.jit
-def _int8_fields(kb, MAGIC: tl.constexpr):
-    """Code bytes ``kb`` (uint8) -> int8 ``(c0, 4·c1, c2, 4·c3)`` (MAGIC 9: PTX per 4 bytes; 10: element by element)."""
-    if MAGIC == 9:
-        f0, f1 = tl.inline_asm_elementwise(_ASM_I8_LO, "=r,=r,r", [kb], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
-        f2, f3 = tl.inline_asm_elementwise(_ASM_I8_HI, "=r,=r,r", [kb], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
-    else:
-        f0 = (kb & 3).to(tl.int8)
-        f1 = (kb & 12).to(tl.int8)
-        f2 = ((kb >> 4) & 3).to(tl.int8)
-        f3 = ((kb >> 4) & 12).to(tl.int8)
-    return f0, f1, f2, f3
-
-
-@triton.jit
-def _int8_operand(x):
-    """float32 ``x`` ``[K, N]`` (``|x| <= 2^14``) rounded to integers ``y = 256·hi + lo`` (``lo`` in [-128, 127], ``hi``
-    in [-64, 64]) -> int8 ``[K, 2N]`` with ``hi`` and ``lo`` of column ``n`` in columns ``2n`` and ``2n + 1`` (MMA
-    accumulator columns come in pairs per thread: splitting them again costs no shuffle)."""
-    y = (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int32)
-    lo = ((y + 128) & 255) - 128
-    hi = (y - lo) >> 8
-    return tl.reshape(tl.join(hi, lo), [x.shape[0], 2 * x.shape[1]]).to(tl.int8)
-
-
-@triton.jit
-def _field_dots(kb, q0, q1, q2, q3, MAGIC: tl.constexpr):
-    """``C_K·qᵀ`` for the K code bytes ``kb`` ``[M, D/4]`` in the field scaling (MAGIC 5-10; float32 ``[M, GP]``):
-    one dot per field; MAGIC 7/8 use the whole byte ``c0 + 4c1 + 16c2 + 64c3`` (no instruction) as the top field,
-    with ``q0..q2`` carrying ``- q3``; MAGIC 9/10 int8 fields against int8 ``[D/4, 2·GP]`` q operands (hi, lo
-    columns; see :func:`_int2_split`)."""
-    if MAGIC >= 9:  # int8 fields against 16-bit fixed-point q (hi, lo column pairs), int32 accumulation
-        # The accumulator starts at 0x4B400000, the float 1.5·2^23: for |sum| < 2^22 (here < 2^18) its bits
-        # are then the float 1.5·2^23 + sum, and one exact subtraction converts, on the float pipe (int-to-float
-        # conversions run at a quarter of its rate on Hopper).
-        f0, f1, f2, f3 = _int8_fields(kb, MAGIC)
-        acc = tl.dot(f0, q0, tl.full([kb.shape[0], q0.shape[1]], 0x4B400000, tl.int32), out_dtype=tl.int32)
-        acc = tl.dot(f1, q1, acc, out_dtype=tl.int32)
-        acc = tl.dot(f2, q2, acc, out_dtype=tl.int32)
-        acc = tl.dot(f3, q3, acc, out_dtype=tl.int32)
-        hi, lo = tl.split(tl.reshape(acc.to(tl.float32, bitcast=True) - 12582912.0,
-                                     [acc.shape[0], acc.shape[1] // 2, 2]))
-        raw = hi * 256.0 + lo
-    else:
-        w = _spread(kb, MAGIC)
-        raw = tl.dot(_field(w, 0, MAGIC), q0)
-        raw = tl.dot(_field(w, 1, MAGIC), q1, raw)
-        raw = tl.dot(_field(w, 2, MAGIC), q2, raw)
-        raw = tl.dot(_top_field(w, MAGIC), q3, raw)
+def _field_dots(kb, q0, q1, q2, q3, PTX: tl.constexpr):
+    """``C_K·qᵀ`` for the K code bytes ``kb`` ``[M, D/4]`` in the field scaling (float32 ``[M, GP]``): one dot per
+    field, the whole byte ``c0 + 4c1 + 16c2 + 64c3`` as the top field, ``q0..q2`` carrying ``- q3``."""
+    w = _spread(kb, PTX)
+    raw = tl.dot(_field(w, 0, PTX), q0)
+    raw = tl.dot(_field(w, 1, PTX), q1, raw)
+    raw = tl.dot(_field(w, 2, PTX), q2, raw)
+    raw = tl.dot(_top_field(w), q3, raw)
     return raw
 
 
 @triton.jit
 def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, valid,
-                    D: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr):
+                    D: tl.constexpr, PTX: tl.constexpr, MASKED: tl.constexpr):
     """Scoresᵀ ``[NQ, GP]`` (log2 domain) of one token residue: K rows at ``kbase + koff`` (``[NQ]`` each), K
     scales ``ks`` and zeros ``kz`` (float32 ``[NQ]``).
 
-    MAGIC 5/6: ``q0..q3`` are fp16 quarters pre-scaled by ``4^-J`` and a power of two; ``kmul`` undoes that
-    power of two and the fields' ``2^-24``."""
+    ``q0..q3`` are the fp16 field operands (see :func:`_int2_split`); ``kmul`` undoes their power of two and the
+    fields' ``2^-24``."""
     kptr = kc_ptr + (kbase + koff * (D // 4))[:, None] + tl.arange(0, D // 4)[None, :]
     if MASKED:
         kb = tl.load(kptr, mask=valid[:, None], other=0)
     else:
         kb = tl.load(kptr)
-    if MAGIC >= 5:
-        s = _field_dots(kb, q0, q1, q2, q3, MAGIC) * (ks * kmul)[:, None] + kz[:, None] * qsum[None, :]
-    else:
-        raw = tl.dot(_unpack_quarter(kb, 0, MAGIC, ACT), q0)
-        raw = tl.dot(_unpack_quarter(kb, 1, MAGIC, ACT), q1, raw)
-        raw = tl.dot(_unpack_quarter(kb, 2, MAGIC, ACT), q2, raw)
-        raw = tl.dot(_unpack_quarter(kb, 3, MAGIC, ACT), q3, raw)
-        s = raw * ks[:, None] + (kz - OFF * ks)[:, None] * qsum[None, :]
+    s = _field_dots(kb, q0, q1, q2, q3, PTX) * (ks * kmul)[:, None] + kz[:, None] * qsum[None, :]
     if MASKED:
         s = tl.where(valid[:, None], s, float("-inf"))
     return s
@@ -330,8 +193,8 @@ def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, val
 @triton.jit
 def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
     """One metadata array (scale or zero) of a tile as its four token residues (float32 ``[NQ]`` each), loaded
-    as one ``[NQ, 4]`` tile of consecutive tokens (wide enough for the loop pipeliner's asynchronous copies; the
-    per-residue ``[NQ]`` loads of MAGIC 0-4 are 2-byte loads whose latency every tile waits for)."""
+    as one ``[NQ, 4]`` tile of consecutive tokens (wide enough for the loop pipeliner's asynchronous copies, where
+    per-residue ``[NQ]`` loads would be 2-byte loads whose latency every tile waits for)."""
     NQ: tl.constexpr = quad.shape[0]
     offs = (mbase + koff)[:, None] + tl.arange(0, 4)[None, :]
     if MASKED:
@@ -343,25 +206,6 @@ def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
     r1, r3 = tl.split(odd)
     return r0, r1, r2, r3
 
-
-@triton.jit
-def _residue_meta(s_ptr, z_ptr, mbase, koff, valid, MASKED: tl.constexpr):
-    """Scale and zero (float32 ``[NQ]``) of one token residue (MAGIC 0-4: one 2-byte load per element)."""
-    if MASKED:
-        sc = tl.load(s_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
-        ze = tl.load(z_ptr + mbase + koff, mask=valid, other=0.0).to(tl.float32)
-    else:
-        sc = tl.load(s_ptr + mbase + koff).to(tl.float32)
-        ze = tl.load(z_ptr + mbase + koff).to(tl.float32)
-    return sc, ze
-
-
-@triton.jit
-def _residue_values(p, vs, vz, ACT: tl.constexpr, OFF: tl.constexpr):
-    """``(p∘s_v)`` as the ``[NQ, GP]`` MMA operand, and the per-token zero terms ``p·m_v − OFF·(p∘s_v)``
-    (``[NQ, GP]``; the caller reduces the four residues' terms over tokens at once). MAGIC 0-4."""
-    pv = (p * vs[:, None]).to(ACT)
-    return pv, p * vz[:, None] - OFF * pv.to(tl.float32)
 
 
 @triton.jit
@@ -509,18 +353,20 @@ def _small_page_v_tile(page, h, vc_ptr, stride_vp, stride_vh, D: tl.constexpr, B
     return tl.reshape(vt, [D, BLOCK_N // 4])
 
 
+
+
 @triton.jit
 def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, OFF: tl.constexpr, MASKED: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    VROW: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
     ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
 
-    MAGIC 5/6: ``acc`` holds ``fv * 2^-24`` times the value sum; ``fv`` is a power of two chosen per tile so that
+    ``acc`` holds ``fv * 2^-24`` times the value sum; ``fv`` is a power of two chosen per tile so that
     the fp16 operand ``p * s_v * fv * 4^-j`` stays below ``2^14`` (``p <= 1``)."""
     NQ: tl.constexpr = BLOCK_N // 4
     quad = 4 * tl.arange(0, NQ)  # first token of each quad, relative to the tile
@@ -549,74 +395,34 @@ def _int2_tile(
             vt = tl.load(vptr, mask=ok0[None, :], other=0)
         else:
             vt = tl.load(vptr)
-    if MODE == 1:  # diagnostic: load every byte the full kernel loads (K rows of all 4 residues, V, 4 metadata)
-        kcols = tl.arange(0, D // 4)[None, :]
-        for j in tl.static_range(4):
-            kb = tl.load(kc_ptr + (kb_j + (koff + j) * (D // 4))[:, None] + kcols, mask=(n0 + quad + j < end)[:, None],
-                         other=0)
-            ks, kz = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + j, n0 + quad + j < end, True)
-            vs, vz = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + j, n0 + quad + j < end, True)
-            accm += tl.sum(tl.sum(kb.to(tl.float32), 1), 0) + tl.sum((ks + kz) + (vs + vz), 0)
-        accm += tl.sum(tl.sum(vt.to(tl.float32), 1), 0)
-        l_i += 1.0
-    else:
-        if MAGIC >= 5:  # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
-            ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
-            kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
-            vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
-            vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
-        else:  # one 2-byte load per element and residue
-            ks0, kz0 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff, ok0, MASKED)
-            ks1, kz1 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 1, ok1, MASKED)
-            ks2, kz2 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 2, ok2, MASKED)
-            ks3, kz3 = _residue_meta(ks_ptr, kz_ptr, mb_j, koff + 3, ok3, MASKED)
-            vs0, vz0 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff, ok0, MASKED)
-            vs1, vz1 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 1, ok1, MASKED)
-            vs2, vz2 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 2, ok2, MASKED)
-            vs3, vz3 = _residue_meta(vs_ptr, vz_ptr, mb_j, koff + 3, ok3, MASKED)
-        s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, MAGIC, ACT, OFF, MASKED)
-        s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, MAGIC, ACT, OFF,
-                             MASKED)
-        s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, MAGIC, ACT, OFF,
-                             MASKED)
-        s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, MAGIC, ACT, OFF,
-                             MASKED)
-        # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
-        m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
-        alpha = tl.exp2(m_i - m_new)
-        p0 = tl.exp2(s0 - m_new[None, :])
-        p1 = tl.exp2(s1 - m_new[None, :])
-        p2 = tl.exp2(s2 - m_new[None, :])
-        p3 = tl.exp2(s3 - m_new[None, :])
-        l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
-        if MAGIC >= 5:
-            f_new = _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0))
-            accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
-                                         + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
-            acc = acc * (alpha * (f_new / fv))[None, :]
-            VM: tl.constexpr = MAGIC - 2 if MAGIC >= 9 else MAGIC  # integer K fields: values as in 7/8
-            w = _spread(vt, VM)
-            u3 = p3 * (vs3 * (f_new * 0.015625))[:, None]
-            c3 = _top_correction(u3, VM)  # whole-byte top field: residues 0..2 carry "- u3"
-            acc = tl.dot(_field(w, 0, VM), (p0 * (vs0 * f_new)[:, None] - c3).to(tl.float16), acc)
-            acc = tl.dot(_field(w, 1, VM), (p1 * (vs1 * (f_new * 0.25))[:, None] - c3).to(tl.float16), acc)
-            acc = tl.dot(_field(w, 2, VM), (p2 * (vs2 * (f_new * 0.0625))[:, None] - c3).to(tl.float16), acc)
-            acc = tl.dot(_top_field(w, VM), u3.to(tl.float16), acc)
-            fv = f_new
-        else:
-            pv0, z0 = _residue_values(p0, vs0, vz0, ACT, OFF)
-            pv1, z1 = _residue_values(p1, vs1, vz1, ACT, OFF)
-            pv2, z2 = _residue_values(p2, vs2, vz2, ACT, OFF)
-            pv3, z3 = _residue_values(p3, vs3, vz3, ACT, OFF)
-            # zero terms: Σ p·m_v − OFF·Σ p·s_v (the OFF part with the rounded p·s_v the MMA consumes)
-            accm = accm * alpha + tl.sum((z0 + z1) + (z2 + z3), 0)
-            acc = acc * alpha[None, :]
-            acc = tl.dot(_unpack_quarter(vt, 0, MAGIC, ACT), pv0, acc)
-            acc = tl.dot(_unpack_quarter(vt, 1, MAGIC, ACT), pv1, acc)
-            acc = tl.dot(_unpack_quarter(vt, 2, MAGIC, ACT), pv2, acc)
-            acc = tl.dot(_unpack_quarter(vt, 3, MAGIC, ACT), pv3, acc)
-        m_i = m_new
-    return m_i, l_i, acc, accm, fv
+    # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
+    ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
+    kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
+    vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
+    vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
+    s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, PTX, MASKED)
+    s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, PTX, MASKED)
+    s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, PTX, MASKED)
+    s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, PTX, MASKED)
+    # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
+    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(s0 - m_new[None, :])
+    p1 = tl.exp2(s1 - m_new[None, :])
+    p2 = tl.exp2(s2 - m_new[None, :])
+    p3 = tl.exp2(s3 - m_new[None, :])
+    l_i = l_i * alpha + tl.sum((p0 + p1) + (p2 + p3), 0)
+    f_new = _pow2_scale(tl.max(tl.maximum(tl.maximum(vs0, vs1), tl.maximum(vs2, vs3)), 0))
+    accm = accm * alpha + tl.sum((p0 * vz0[:, None] + p1 * vz1[:, None])
+                                 + (p2 * vz2[:, None] + p3 * vz3[:, None]), 0)
+    acc = acc * (alpha * (f_new / fv))[None, :]
+    w = _spread(vt, PTX)
+    u3 = p3 * (vs3 * (f_new * 0.015625))[:, None]  # the whole byte's operand; residues 0..2 carry "- u3"
+    acc = tl.dot(_field(w, 0, PTX), (p0 * (vs0 * f_new)[:, None] - u3).to(tl.float16), acc)
+    acc = tl.dot(_field(w, 1, PTX), (p1 * (vs1 * (f_new * 0.25))[:, None] - u3).to(tl.float16), acc)
+    acc = tl.dot(_field(w, 2, PTX), (p2 * (vs2 * (f_new * 0.0625))[:, None] - u3).to(tl.float16), acc)
+    acc = tl.dot(_top_field(w), u3.to(tl.float16), acc)
+    return m_new, l_i, acc, accm, f_new
 
 
 @triton.jit
@@ -629,8 +435,8 @@ def _int2_split(
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32, lengths [B] int32
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MAGIC: tl.constexpr, MODE: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    VROW: tl.constexpr, HIST_STAGES: tl.constexpr, HOIST_Q: tl.constexpr,
+    PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, HIST_STAGES: tl.constexpr,
+    HOIST_Q: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -640,37 +446,26 @@ def _int2_split(
     unpacked register pairs two consecutive reduction-axis elements of its MMA operand (dims for K, tokens for
     V) and no operand is transposed through shared memory.
     """
-    # value that code 0 unpacks to (folded into the per-token zero term); MAGIC 4 on fp16 subtracts it exactly
-    OFF: tl.constexpr = (0.0 if (MAGIC == 0 or (MAGIC == 4 and ACT == tl.float16))
-                         else (1024.0 if ACT == tl.float16 else 128.0))
     q0 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 0, GROUP, GP, D)
     q1 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 1, GROUP, GP, D)
     q2 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 2, GROUP, GP, D)
     q3 = _load_qt(q_ptr, b, h, stride_qb, stride_qh, 3, GROUP, GP, D)
     qsum = (tl.sum(q0.to(tl.float32), 0) + tl.sum(q1.to(tl.float32), 0)
             + tl.sum(q2.to(tl.float32), 0) + tl.sum(q3.to(tl.float32), 0))
-    kmul = 1.0
-    if MAGIC >= 5:  # fp16 operands for the subnormal fields: q_J * 4^-J * qs with |q * qs| <= 2^14
-        qmax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0.to(tl.float32)), 1), 0),
-                                     tl.max(tl.max(tl.abs(q1.to(tl.float32)), 1), 0)),
-                          tl.maximum(tl.max(tl.max(tl.abs(q2.to(tl.float32)), 1), 0),
-                                     tl.max(tl.max(tl.abs(q3.to(tl.float32)), 1), 0)))
-        qs = _pow2_scale(qmax)
-    if MAGIC >= 9:  # int8 K fields (c0, 4c1, c2, 4c3): operands q0, q1/4, q2, q3/4 as 16-bit fixed point
-        kmul = 1.0 / qs
-        q0 = _int8_operand(q0.to(tl.float32) * qs)
-        q1 = _int8_operand(q1.to(tl.float32) * (qs * 0.25))
-        q2 = _int8_operand(q2.to(tl.float32) * qs)
-        q3 = _int8_operand(q3.to(tl.float32) * (qs * 0.25))
-    elif MAGIC >= 5:
-        kmul = 16777216.0 / qs
-        x3 = q3.to(tl.float32) * (qs * 0.015625)
-        c3 = _top_correction(x3, MAGIC)  # whole-byte top field: operands x_J - x_3 for J < 3
-        q0 = (q0.to(tl.float32) * qs - c3).to(tl.float16)
-        q1 = (q1.to(tl.float32) * (qs * 0.25) - c3).to(tl.float16)
-        q2 = (q2.to(tl.float32) * (qs * 0.0625) - c3).to(tl.float16)
-        q3 = x3.to(tl.float16)
-    if MAGIC >= 5 and HOIST_Q:
+    # fp16 operands for the subnormal fields: x_J = q_J * 4^-J * qs with |q * qs| <= 2^14; the whole byte as the
+    # top field takes x_3, fields 0..2 take x_J - x_3
+    qmax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0.to(tl.float32)), 1), 0),
+                                 tl.max(tl.max(tl.abs(q1.to(tl.float32)), 1), 0)),
+                      tl.maximum(tl.max(tl.max(tl.abs(q2.to(tl.float32)), 1), 0),
+                                 tl.max(tl.max(tl.abs(q3.to(tl.float32)), 1), 0)))
+    qs = _pow2_scale(qmax)
+    kmul = 16777216.0 / qs
+    x3 = q3.to(tl.float32) * (qs * 0.015625)
+    q0 = (q0.to(tl.float32) * qs - x3).to(tl.float16)
+    q1 = (q1.to(tl.float32) * (qs * 0.25) - x3).to(tl.float16)
+    q2 = (q2.to(tl.float32) * (qs * 0.0625) - x3).to(tl.float16)
+    q3 = x3.to(tl.float16)
+    if HOIST_Q:
         # Triton re-lays out the loop-invariant q operands into the MMA operand layout inside the loop, every
         # tile (16 SHFL + 16 SEL). The same dots on a K tile loaded before the loop put that conversion outside
         # it, and the compiler then reuses it in the loop. The tile's mask is never true (sp < num_splits in an
@@ -678,7 +473,7 @@ def _int2_split(
         rows = tl.arange(0, BLOCK_N // 4)
         kb0 = tl.load(kc_ptr + rows[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :],
                       mask=(rows < sp - num_splits)[:, None], other=0)
-        qsum += tl.max(_field_dots(kb0, q0, q1, q2, q3, MAGIC), 0)
+        qsum += tl.max(_field_dots(kb0, q0, q1, q2, q3, PTX), 0)
 
     length = tl.load(hist_len_ptr + b)
     start, end = _part_range(length, sp, num_splits, BLOCK_N)
@@ -686,25 +481,22 @@ def _int2_split(
     l_i = tl.zeros([GP], tl.float32)
     accm = tl.zeros([GP], tl.float32)
     acc = tl.zeros([D, GP], tl.float32)
-    fv = 1.0  # MAGIC 5/6: acc is in units of fv * 2^-24 (see _int2_tile)
+    fv = 1.0  # acc is in units of fv * 2^-24 (see _int2_tile)
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N  # whole tiles: no masks; then one masked tail
     for n0 in tl.range(start, full_end, BLOCK_N, num_stages=HIST_STAGES):
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, VROW, OFF, False)
+            bt_ptr, stride_btb, D, BLOCK_N, PTX, PAGED, PAGE, VROW, False)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, VROW, OFF, True)
+            bt_ptr, stride_btb, D, BLOCK_N, PTX, PAGED, PAGE, VROW, True)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    if MODE != 0:
-        lse = tl.where(has, accm * 0.0, float("-inf"))
-    if MAGIC >= 5:
-        acc = acc * (16777216.0 / fv)
+    acc = acc * (16777216.0 / fv)
     _store_partial_t((acc + accm[None, :]) * inv[None, :], lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh,
                      stride_os, stride_lb, stride_lh, GROUP, GP, D)
 
@@ -781,8 +573,8 @@ def _decode_stage1_kernel(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
     num_splits,  # S
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, MAGIC: tl.constexpr, MODE: tl.constexpr,
-    ACT: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, PTX: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     VROW: tl.constexpr = 16,
 ):
@@ -813,7 +605,7 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, MAGIC, MODE, ACT, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q)
+                    GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

@@ -211,28 +211,22 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile configuration of the decode kernels (see docs/KERNELS.md for the measured sweeps)."""
+    """Tile and launch configuration of the decode kernels (see docs/KERNELS.md for the measured sweeps). The unpack
+    is fixed (fp16 subnormal fields, the whole byte as the top field: ``int2_decode``'s module docstring); inline PTX
+    on CUDA, the same fields element by element in the CPU interpreter."""
 
     block_n: int = 64  # INT2 tokens per tile: a multiple of 4; on GPUs >= 64 (the V dot reduces over block_n/4)
     block_nb: int = 16  # BF16 tokens per tile (small: the BF16 branch shares the INT2 splits' register budget)
-    num_warps: int = 1  # INT2 splits: one warp needs no cross-warp softmax reductions (docs/KERNELS.md, v6)
+    num_warps: int = 1  # INT2 splits: one warp needs no cross-warp softmax reductions (docs/KERNELS.md)
     num_stages: int = 2
     # pipelining depth of the INT2 loop alone (``tl.range(num_stages=)``): Triton divides the depth between the
     # block-table load and the copies it addresses, so 2-4 leave one buffer per tile (the next tile's copies are
-    # issued after this tile's math and waited for right away); 5 double-buffers them (docs/KERNELS.md, v8)
+    # issued after this tile's math and waited for right away); 5 double-buffers them (docs/KERNELS.md)
     hist_stages: int = 5
-    # subnormal fields (magic 5-8): convert the q operands to the MMA layout once, before the INT2 loop, instead of
-    # in every iteration (local sm_90 SASS: 804 -> 755 instructions per tile at 168 registers; H200: faster at batch
-    # 16, slower at batch 1 where ptxas then keeps 168 instead of 195 registers; docs/KERNELS.md, v9)
+    # convert the q operands to the MMA layout once, before the INT2 loop, instead of in every iteration (local sm_90
+    # SASS: 804 -> 755 instructions per tile at 168 registers; H200: faster at batch 16, slower at batch 1 where ptxas
+    # then keeps 168 instead of 195 registers; docs/KERNELS.md)
     hoist_q: bool = False
-    magic: int = 7  # unpack: 0 shift/and/convert; 3 magic number per byte; 4 PTX shift/and/prmt per 4 bytes
-    # (128 + c as bf16); 5 PTX fp16 subnormal fields (2 prmt per 4 bytes, then one `and` per 2 codes; q and P
-    # rescaled by powers of two); 7 = 5 with the whole zero-extended byte as the top field (3 `and` per 4 fields,
-    # the other operand of fields 0..2 carries "- top"); 9 = 7 for values, keys as int8 fields (c0, 4c1, c2, 4c3:
-    # 5 integer instructions per 16 codes) against q in 16-bit fixed point (two int8 MMA columns per head), head_dim
-    # 128 only; 6, 8 and 10 = 5, 7 and 9 element by element. CUDA only: 4, 5, 7, 9 (the CPU interpreter runs 3 or 0
-    # for 4, 6 for 5, 8 for 7, 10 for 9). fp16 activations: not 3 (it folds 1024 into a float32 sum: too lossy)
-    mode: int = 0  # 0 full kernel; diagnostic 1: load only
     min_gp: int = 8  # query heads per KV head are padded to max(min_gp, next power of two) (the MMA's N)
     maxnreg: int | None = None  # register cap per thread for stage 1 (None: the compiler's choice)
     merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
@@ -244,11 +238,11 @@ class DecodeConfig:
 
 
 def default_config(batch: int) -> DecodeConfig:
-    """The measured H200 choice (docs/KERNELS.md, v8): one warp per split, 64-token tiles, subnormal fields with
-    the whole byte as the top field, a double-buffered INT2 loop, programmatic dependent launches; from batch 16
-    the registers are capped at 168 (3 instead of 2 one-warp programs per scheduler, no spills: 16 x 128K 401 µs
-    vs 424 µs uncapped and 418 µs at a 128 cap with spills; at batch 1 the grid is one wave either way and
-    registers buy instruction-level parallelism)."""
+    """The measured H200 choice (docs/KERNELS.md): one warp per split, 64-token tiles, a double-buffered INT2 loop,
+    programmatic dependent launches, L2 prefetch of each program's first tile; from batch 16 the q operands are
+    converted to the MMA layout before the loop (``hoist_q``) and the registers are capped at 168 (3 instead of 2
+    one-warp programs per scheduler, no spills: 16 x 128K 401 µs vs 424 µs uncapped and 418 µs at a 128 cap with
+    spills; at batch 1 the grid is one wave either way and registers buy instruction-level parallelism)."""
     return DecodeConfig(maxnreg=168, hoist_q=True) if batch >= 16 else DecodeConfig()
 
 
@@ -320,27 +314,18 @@ class DecodePlan:
     ) -> None:
         cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1)
         dev = q.device
-        if cfg.magic == 4 and dev.type != "cuda":  # inline PTX does not run in the CPU interpreter
-            cfg = replace(cfg, magic=3 if q.dtype == torch.bfloat16 else 0)  # fp16: the exact variant
-        if cfg.magic in (5, 7, 9) and dev.type != "cuda":  # the same fields, element by element
-            cfg = replace(cfg, magic=cfg.magic + 1)
         if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
             cfg = replace(cfg, pdl=False)
         if cfg.prefetch and dev.type != "cuda":  # an inline-PTX cache hint: nothing to run in the interpreter
             cfg = replace(cfg, prefetch=False)
-        if cfg.hoist_q and cfg.magic not in (5, 6, 7, 8, 9, 10):
-            raise ConfigError(f"config: hoist_q needs the subnormal fields (magic 5-10), got magic {cfg.magic}")
         if not 1 <= cfg.hist_stages <= 8:
             raise ConfigError(f"config: hist_stages must be in 1..8, got {cfg.hist_stages}")
-        if cfg.magic not in (0, 3, 4, 5, 6, 7, 8, 9, 10) or cfg.block_n % 4 or cfg.block_n < 16 or \
-                cfg.block_n & (cfg.block_n - 1) or (dev.type == "cuda" and cfg.block_n < 64):
-            raise ConfigError(f"config: magic in 0, 3-10 and block_n a power of two >= 64 (>= 16 in the interpreter), "
-                              f"got {cfg}")
+        if cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
+                (dev.type == "cuda" and cfg.block_n < 64):
+            raise ConfigError(f"config: block_n must be a power of two >= 64 (>= 16 in the interpreter), got {cfg}")
         if q.dim() != 3 or q.dtype not in _ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
             raise _bad("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
         b, h_q, d = q.shape
-        if cfg.magic in (9, 10) and d != 128:  # an int8 MMA reduces over 32 bytes: one field of D/4 dims
-            raise ConfigError(f"config: magic {cfg.magic} (integer K fields) needs head_dim 128, got {d}")
         e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)
         if e_prog not in (32, d) or cfg.merge_block_p < 2 or cfg.merge_block_p & (cfg.merge_block_p - 1):
             raise ConfigError(f"config: merge_cols must be 0, 32 or {d} and merge_block_p a power of two >= 2, got "
@@ -401,8 +386,8 @@ class DecodePlan:
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
-            dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, MAGIC=cfg.magic,
-                 MODE=cfg.mode, ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
+            dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
+                 ACT=_ttype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))

@@ -1,8 +1,8 @@
 """Decode cases each in a fresh process: which (head_dim, page, block_n, dtype, config) crashes on the GPU.
 
 A kernel that faults poisons the CUDA context, so pytest-xdist reports every later test of the same worker as failed
-too; this runs each case alone (``CUDA_LAUNCH_BLOCKING=1``) against the float64 oracle of the tests. Used to bisect the
-misaligned-address crash of v10 (``docs/KERNELS.md``, v11; log ``docs/data/v11/gpu_v11b_bisect.log``). Usage, on the GPU
+too; this runs each case alone (``CUDA_LAUNCH_BLOCKING=1``) against the float64 oracle of the tests (the bisection of
+a misaligned shared-memory write at head_dim 64, pages of 64, 128-token tiles: ``docs/KERNELS.md``). Usage, on the GPU
 from the repo root (package not installed): ``PYTHONPATH=.:<dir with oscar_kernels -> kernels> python3
 scripts/gpu_decode_isolate.py`` (all cases) or ``... gpu_decode_isolate.py '["name", D, page, block_n, "fp16",
 {"hist_stages": 1}, [97, 40]]'`` (one case; ``DEV=cpu TRITON_INTERPRET=1`` runs it in the interpreter; under
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
-# name, head_dim, page, block_n, activation dtype, overrides of the tests' magic-7 config, history lengths
+# name, head_dim, page, block_n, activation dtype, overrides of the tests' one-warp config, history lengths
 CASES = [
     ("a fail", 64, 64, 128, "fp16", {}, [97, 40]),
     ("b nopref", 64, 64, 128, "fp16", {"prefetch": False}, [97, 40]),
@@ -27,7 +27,6 @@ CASES = [
     ("f d128", 128, 64, 128, "fp16", {}, [97, 40]),
     ("g p32", 64, 32, 128, "fp16", {}, [97, 40]),
     ("h p16", 64, 16, 128, "fp16", {}, [97, 40]),
-    ("i m5", 64, 64, 128, "fp16", {"magic": 5}, [97, 40]),
     ("j w2", 64, 64, 128, "fp16", {"num_warps": 2}, [97, 40]),
     ("k whole", 64, 64, 128, "fp16", {}, [256, 128]),
     ("l long", 64, 64, 128, "fp16", {}, [1000, 700]),

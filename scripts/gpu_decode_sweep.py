@@ -1,11 +1,11 @@
-"""One device call for the decode kernels (v6, v7): GPU tests, a config sweep against cuDNN/flash SDPA, the bench record.
+"""One device call for the decode kernels: GPU tests, config sweeps against cuDNN/flash SDPA, the bench record.
 
 Usage (on the H200, from the repo root; the package is not installed there):
     mkdir -p /tmp/pp && ln -sfn $PWD/kernels /tmp/pp/oscar_kernels
-    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sanitize] [sweep] [hist] [whole] [variants] [breakdown] [splits] [diag] [flashinfer] [layout] [bench]
+    PYTHONPATH=.:/tmp/pp python3 scripts/gpu_decode_sweep.py [tests] [sanitize] [sweep] [hist] [variants] [breakdown] [diag] [flashinfer] [layout] [bench]
 (env SWEEP=short|full picks the config list, TEST_FILES / TEST_K the GPU test files and -k filter (default: every
-test; the decode grid's lengths are ids len1 ... len4097, so "not len4097" skips one length — before v11 the default
-"not 97" skipped both 97 and 4097), TEST_TIMEOUT its limit in seconds, CELLS
+test; the decode grid's lengths are ids len1 ... len4097, so "not len4097" skips one length, while "not 97" would
+skip both 97 and 4097), TEST_TIMEOUT its limit in seconds, CELLS
 the (batch, context) cells, e.g. CELLS=1x4096,16x131072, VARIANTS the variants stage's configs.)
 Writes $OUT/sweep.json (every measurement, errors recorded, never hidden; per-kernel graph times under
 "breakdown"), tests.log, bench.json.
@@ -26,8 +26,12 @@ from pathlib import Path
 
 import torch
 
-from oscar_cli.bench import harness as H
+from oscar_cli.bench.backends import bench_bf16, bench_flashinfer, bench_int2
+from oscar_cli.bench.cases import int2_bytes, int2_plan, int2_plans
+from oscar_cli.bench.config import BenchConfig
+from oscar_cli.bench.environment import environment
 from oscar_cli.bench.shapes import NAMED_SHAPES
+from oscar_cli.bench.timing import copy_bandwidth, graph_over
 from oscar_kernels import ops
 
 OUT = Path(os.environ.get("OUT", "gpu_out"))
@@ -35,7 +39,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 SHAPE = NAMED_SHAPES["qwen3-8b"]
 DEV = torch.device("cuda")
 L2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-R: dict = {"env": H.environment(), "rows": [], "bf16": [], "errors": []}
+R: dict = {"env": environment(), "rows": [], "bf16": [], "errors": []}
 T0 = time.time()
 
 
@@ -68,7 +72,7 @@ def tests() -> None:
 
 def sanitize() -> None:
     """compute-sanitizer's memcheck over GPU tests in one process (env SANITIZE_FILES, SANITIZE_K): out-of-bounds and
-    misaligned accesses by name and source line, which a plain run reports only as a poisoned CUDA context (v11)."""
+    misaligned accesses by name and source line, which a plain run reports only as a poisoned CUDA context."""
     _run_logged("sanitize", ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", "--print-limit", "20",
                              sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "--no-header",
                              "-p", "no:cacheprovider",
@@ -78,23 +82,23 @@ def sanitize() -> None:
 
 
 def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = None) -> None:
-    bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    bc = BenchConfig(shape=SHAPE, rep_ms=40)
     try:
-        us, g, s = H.bench_int2(SHAPE, batch, ctx, bc, DEV, L2, decode_config=cfg, splits=splits)
+        us, g, s = bench_int2(SHAPE, batch, ctx, bc, DEV, L2, decode_config=cfg, splits=splits)
     except Exception as exc:  # noqa: BLE001 - recorded
         R["errors"].append({"cfg": cfg.__dict__, "cell": [batch, ctx], "error": repr(exc)[:500]})
         print("ERROR", cfg, batch, ctx, repr(exc)[:300], flush=True)
         return
     h = ops.LAST_LAUNCH.get("stage1")
-    nbytes = H.int2_bytes(SHAPE, batch, ctx, 64, 256, 64)
+    nbytes = int2_bytes(SHAPE, batch, ctx, 64, 256, 64)
     row = {"cfg": dict(cfg.__dict__), "batch": batch, "ctx": ctx, "splits": s, "eager_us": us, "graph_us": g,
            "regs": getattr(h, "n_regs", None), "spills": getattr(h, "n_spills", None),
            "gbps": nbytes / ((g or us) * 1e-6) / 1e9, "pipeline": pipeline_facts(h)}
     R["rows"].append(row)
     print(f"[{time.time() - T0:4.0f}s] bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}/{cfg.hist_stages} "
-          f"m{cfg.magic} reg{cfg.maxnreg} "
+          f"hq{int(cfg.hoist_q)} reg{cfg.maxnreg} "
           f"pdl{int(cfg.pdl)} mc{cfg.merge_cols} bp{cfg.merge_block_p} "
-          f"mode{cfg.mode} B={batch:<3d} ctx={ctx:<7d} S={s:<4d} eager {us:8.1f}  graph {g}  regs={row['regs']} "
+          f"B={batch:<3d} ctx={ctx:<7d} S={s:<4d} eager {us:8.1f}  graph {g}  regs={row['regs']} "
           f"spills={row['spills']} {row['gbps']:.0f} GB/s", flush=True)
     save()
 
@@ -115,18 +119,19 @@ def pipeline_facts(h: object) -> dict:
 def cells_with_bf16() -> Iterator[tuple[int, int]]:
     """The copy bandwidth, then every cell of CELLS after measuring the BF16 baselines (cuDNN, flash) for it, so
     each INT2 measurement of a stage has its BF16 reference from the same run."""
-    copy = H.copy_bandwidth(DEV)
+    copy = copy_bandwidth(DEV)
     R["copy_gbps"] = copy
     print(f"copy {copy:.0f} GB/s", flush=True)
     for b, c in CELLS:
-        e, g = H.bench_bf16(SHAPE, b, c, H.BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
+        e, g = bench_bf16(SHAPE, b, c, BenchConfig(shape=SHAPE, rep_ms=40), DEV, L2)
         R["bf16"].append({"batch": b, "ctx": c, "eager": e, "graph": g})
         print(f"BF16 B={b} ctx={c} eager {e} graph {g}", flush=True)
         yield b, c
 
 
 def hist() -> None:
-    """The INT2 loop's own pipelining depth (``hist_stages``) against the v7 depth 2, every cell, BF16 in the run."""
+    """The INT2 loop's own pipelining depth (``hist_stages``: 2-4 single-, 5 double-buffered), every cell, BF16 in the
+    run."""
     for b, c in cells_with_bf16():
         base = ops.default_config(b)
         for hs in (2, 3, 5, 7):
@@ -134,23 +139,6 @@ def hist() -> None:
         if b >= 16:
             for reg in (None, 168):
                 measure(replace(base, hist_stages=5, maxnreg=reg), b, c)
-    save()
-
-
-def whole() -> None:
-    """The whole-byte top field (``magic=7``) against the four fields (5), every cell, BF16 in the run; register caps
-    at batch 16 and one-wave split counts at batch 1 (8 one-warp programs per SM at > 128 registers)."""
-    for b, c in cells_with_bf16():
-        base = ops.default_config(b)
-        for m in (5, 7):
-            measure(replace(base, magic=m), b, c)
-        if b >= 16:
-            for reg in (None, 168):
-                measure(replace(base, magic=7, maxnreg=reg), b, c)
-        elif c >= 32768:
-            for sp in (120, 124):
-                for m in (5, 7):
-                    measure(replace(base, magic=m), b, c, splits=sp)
     save()
 
 
@@ -205,8 +193,7 @@ def layout() -> None:
     """Memory layout of the paged cache, same kernel (env LAYOUTS, default every one): separate tensors with pages of
     16/32/64/128/256 tokens (``page16`` ...), the metadata of a 64-token page adjacent (``meta``), everything of a
     (page, KV head) in one block (``all``), the non-paged layout (``nonpaged``). Joint layouts must give bitwise
-    the outputs of the separate tensors; measurements interleaved and repeated (v10a: before the 64-token token-quad
-    rows, v10b: after)."""
+    the outputs of the separate tensors; measurements interleaved and repeated."""
     R["layout"] = []
     names = os.environ.get("LAYOUTS", "page64,meta,all,page16,page32,page128,page256,nonpaged").split(",")
     for b, c in cells_with_bf16():
@@ -214,16 +201,16 @@ def layout() -> None:
         for rep in range(2):
             for name in names:
                 page = int(name[4:]) if name.startswith("page") else 64
-                bc = H.BenchConfig(shape=SHAPE, rep_ms=40, page_size=page, paged=name != "nonpaged")
-                plans, cases, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
+                bc = BenchConfig(shape=SHAPE, rep_ms=40, page_size=page, paged=name != "nonpaged")
+                plans, cases, s = int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
                 same = None
                 if name in ("meta", "all"):  # the same values re-laid out; the separate tensors' output is the oracle
                     ref = plans[0].run().clone()
                     cases = [joint_case(x, name) for x in cases]
                     ws = ops.make_workspace(b, SHAPE.h_q, SHAPE.d, s, DEV)
-                    plans = [H.int2_plan(x, s, cfg, ws, plans[0].out, True) for x in cases]
+                    plans = [int2_plan(x, s, cfg, ws, plans[0].out, True) for x in cases]
                     same = bool(torch.equal(plans[0].run(), ref))
-                g = H.graph_over(plans, lambda p: p.run(), 40)
+                g = graph_over(plans, lambda p: p.run(), 40)
                 row = {"batch": b, "ctx": c, "layout": name, "rep": rep, "splits": s, "sets": len(cases),
                        "graph_us": g, "bitwise_equal": same}
                 R["layout"].append(row)
@@ -237,9 +224,8 @@ if os.environ.get("CELLS"):  # e.g. CELLS=1x4096,1x32768
     CELLS = [(int(b), int(c)) for b, c in (x.split("x") for x in os.environ["CELLS"].split(","))]
 D = ops.DecodeConfig
 CONFIGS = {
-    "short": [D(magic=4), D(magic=4, maxnreg=128), D(magic=5), D(magic=5, maxnreg=128), D(magic=5, maxnreg=168),
-              D(magic=5, maxnreg=192), D(magic=5, num_stages=3), D(magic=5, pdl=True),
-              D(magic=5, pdl=True, merge_cols=128), D(magic=5, pdl=True, maxnreg=168)],
+    "short": [D(), D(maxnreg=128), D(maxnreg=168), D(maxnreg=192), D(num_stages=3), D(pdl=False), D(merge_cols=128),
+              D(hoist_q=True, maxnreg=168), D(prefetch=False)],
     "full": [D(), D(num_stages=1), D(num_stages=3), D(num_warps=2), D(block_n=128, num_warps=2), D(num_warps=4),
              D(block_nb=32), D(min_gp=16)],
 }[os.environ.get("SWEEP", "short")]
@@ -253,26 +239,6 @@ def sweep() -> None:
             base = ops.default_num_splits(b, SHAPE.h_kv, c - 320, 64)
             for s in (base * 2, max(1, base // 2)):
                 measure(ops.DecodeConfig(), b, c, splits=s)
-        if os.environ.get("SWEEP", "short") == "full":
-            measure(ops.DecodeConfig(mode=1), b, c)  # load-only ceiling of the default config
-    save()
-
-
-def splits() -> None:
-    """Split counts x register caps at batch 1 (one wave of resident programs), caps at batch 16, merge chunks."""
-    v7 = D(magic=5, pdl=True)
-    for c, ss in ((131072, (128, 160, 190, 240)), (32768, (128, 190, 248))):
-        for reg in (None, 168, 128):
-            for sp in ss:
-                measure(replace(v7, maxnreg=reg), 1, c, splits=sp)
-    for sp in (16, 30, 59):
-        for bp in (16, 64):
-            measure(replace(v7, merge_block_p=bp), 1, 4096, splits=sp)
-    for reg in (128, 144, 160):
-        for sp in (64, 96):
-            measure(replace(v7, maxnreg=reg), 16, 131072, splits=sp)
-    for b, c in ((1, 131072), (16, 131072), (1, 32768)):
-        measure(replace(ops.default_config(b), magic=5, pdl=True, merge_block_p=64), b, c)
     save()
 
 
@@ -280,17 +246,17 @@ def diag() -> None:
     """Memory vs. compute at batch 1: the same kernel with every block-table entry pointing at one page (the
     history then comes from L1/L2), next to the real shuffled pages; and deeper pipelining."""
     R["diag"] = []
-    bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    bc = BenchConfig(shape=SHAPE, rep_ms=40)
     for b, c in ((1, 131072), (1, 32768), (16, 131072)):
         cfg = ops.default_config(b)
         for one_page in (False, True):
-            plans, cases, _ = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
+            plans, cases, _ = int2_plans(SHAPE, b, c, bc, DEV, L2, cfg)
             if one_page:  # the plans read these tensors: every history token now comes from page 0
                 for x in cases:
                     x["block_table"].zero_()
             row = {"batch": b, "ctx": c, "one_page": one_page, "cfg": dict(cfg.__dict__),
-                   "stage1": H.graph_over(plans, partial(_launch, part="stage1"), 40),
-                   "all": H.graph_over(plans, lambda p: p.run(), 40)}
+                   "stage1": graph_over(plans, partial(_launch, part="stage1"), 40),
+                   "all": graph_over(plans, lambda p: p.run(), 40)}
             R["diag"].append(row)
             print("DIAG", row, flush=True)
             del cases, plans
@@ -311,16 +277,16 @@ def breakdown() -> None:
     """Graph time of each of the three decode kernels alone, and of all three (fixed costs at small batch); env
     BREAKDOWN_SPLITS (e.g. "128,256") repeats each cell at those split counts instead of the default one."""
     R["breakdown"] = []
-    bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    bc = BenchConfig(shape=SHAPE, rep_ms=40)
     split_list = [int(x) for x in os.environ.get("BREAKDOWN_SPLITS", "").split(",") if x] or [None]
     for b, c in CELLS:
         cfg = ops.default_config(b)
         for sp in split_list:
-            plans, _, s = H.int2_plans(SHAPE, b, c, bc, DEV, L2, cfg, splits=sp)
+            plans, _, s = int2_plans(SHAPE, b, c, bc, DEV, L2, cfg, splits=sp)
             row = {"batch": b, "ctx": c, "splits": s, "cfg": dict(cfg.__dict__)}
             for part in ("rotate", "stage1", "merge"):
-                row[part] = H.graph_over(plans, partial(_launch, part=part), 40)
-            row["all"] = H.graph_over(plans, lambda p: p.run(), 40)
+                row[part] = graph_over(plans, partial(_launch, part=part), 40)
+            row["all"] = graph_over(plans, lambda p: p.run(), 40)
             R["breakdown"].append(row)
             print("BREAKDOWN", row, flush=True)
             del plans
@@ -330,10 +296,10 @@ def breakdown() -> None:
 def flashinfer() -> None:
     """FlashInfer's paged BF16 decode at 1 x 4K, tensor-core and CUDA-core kernels: compiles its JIT kernels (cached
     for a ``bench`` stage after it) and shows whether it runs here at all."""
-    bc = H.BenchConfig(shape=SHAPE, rep_ms=40)
+    bc = BenchConfig(shape=SHAPE, rep_ms=40)
     for tc in (True, False):
         t = time.time()
-        e, g = H.bench_flashinfer(SHAPE, 1, 4096, bc, DEV, L2, tc)
+        e, g = bench_flashinfer(SHAPE, 1, 4096, bc, DEV, L2, tc)
         R.setdefault("flashinfer", []).append({"tensor_cores": tc, "eager": e, "graph": g, "seconds": time.time() - t})
         print("FLASHINFER", "tc" if tc else "cuda-cores", e, g, f"{time.time() - t:.0f}s", flush=True)
     save()
@@ -352,6 +318,6 @@ if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     stages = sys.argv[1:] or ["tests", "sweep", "bench"]
     for st in stages:
-        {"tests": tests, "sanitize": sanitize, "sweep": sweep, "hist": hist, "whole": whole, "variants": variants, "bench": bench, "breakdown": breakdown, "splits": splits,
-         "diag": diag, "flashinfer": flashinfer, "layout": layout}[st]()
+        {"tests": tests, "sanitize": sanitize, "sweep": sweep, "hist": hist, "variants": variants, "bench": bench,
+         "breakdown": breakdown, "diag": diag, "flashinfer": flashinfer, "layout": layout}[st]()
         print(f"== {st} done at {time.time() - T0:.0f}s", flush=True)

@@ -4,7 +4,7 @@ Triton's bundled ptxas and nvdisasm turn the stage-1 kernel into SASS; the loops
 branches and counted per opcode. Divided by the codes a loop iteration consumes, this is the "warp-instructions
 per code" figure of docs/KERNELS.md. Usage:
     python scripts/sass_stats.py [--warps 1] [--block-n 64] [--gp 8] [--stages 2] [--block-nb 16] [--maxnreg 0]
-        [--dtype bf16|fp16] [--magic 4|5] [--hist-stages N] [--hoist-q] [--prefetch] [--page 64] [--sass out.sass]
+        [--dtype bf16|fp16] [--hist-stages N] [--hoist-q] [--prefetch] [--page 64] [--sass out.sass]
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
 PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
         "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32"}
 # Opcodes Nsight Compute counts on the ALU pipe (integer logic, permutes, shifts, compares, selects, min/max): it
-# issues at half the float pipe's rate, and it is what throttles the INT2 loop at batch 16 (docs/KERNELS.md, v8)
+# issues at half the float pipe's rate, and it was what throttled the INT2 loop at batch 16 (docs/KERNELS.md)
 ALU = ("LOP3", "PRMT", "SHF", "SEL", "FSEL", "FMNMX", "HMNMX2", "VHMNMX", "IMNMX", "ISETP", "FSETP", "PLOP3", "IADD3",
        "LEA")
 INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
 
 
 def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0,
-                   act: str = "bf16", magic: int = 5, hist_stages: int = 0,
+                   act: str = "bf16", hist_stages: int = 0,
                    hoist_q: bool = False, prefetch: bool = False, page: int = 64) -> object:
     fn = int2_decode._decode_stage1_kernel
-    const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, MAGIC=magic, MODE=0,
+    const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, PTX=True,
                  ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=page,
                  VROW=token_quad_row(page) // 4,
                  TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
@@ -95,10 +95,9 @@ def main() -> None:
     p.add_argument("--page", type=int, default=64, help="tokens per page (paged layout)")
     p.add_argument("--maxnreg", type=int, default=0)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--magic", type=int, default=5, help="unpack variant (4 PTX 128+c, 5 PTX subnormal fields)")
     p.add_argument("--sass", type=Path)
     a = p.parse_args()
-    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.magic, a.hist_stages, a.hoist_q,
+    k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.hist_stages, a.hoist_q,
                        a.prefetch, a.page)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)

@@ -1,7 +1,7 @@
 """``oscar bench --kernel KEY=VALUE,...``: decode-kernel knobs on the command line, checked against
 :class:`oscar_kernels.ops.DecodeConfig` before anything runs.
 
-Every ``DecodeConfig`` field except the diagnostic ``mode`` can be set (``magic=4``, ``maxnreg=128``, ``pdl=false``, ``merge_cols=128`` ...);
+Every ``DecodeConfig`` field can be set (``hist_stages=2``, ``maxnreg=128``, ``pdl=false``, ``merge_cols=128`` ...);
 fields not named keep ``default_config(batch)``. Values: integers, ``true``/``false`` for flags, ``none`` for
 optional integers. Whether a combination is legal (e.g. ``block_n`` a power of two >= 64 on a GPU) is checked by
 the kernels' own validation when the bench builds its launch plan.
@@ -20,12 +20,11 @@ def _fields() -> dict[str, Any]:
     from oscar_kernels.ops import DecodeConfig
 
     base = DecodeConfig()
-    # ``mode`` selects diagnostic kernels (load only) whose times are not attention: scripts only, never the CLI
-    return {f.name: getattr(base, f.name) for f in dataclasses.fields(DecodeConfig) if f.name != "mode"}
+    return {f.name: getattr(base, f.name) for f in dataclasses.fields(DecodeConfig)}
 
 
 def parse_kernel_options(text: str | None) -> tuple[tuple[str, Any], ...]:
-    """``"magic=4,maxnreg=none,pdl=false"`` → ``(("magic", 4), ("maxnreg", None), ("pdl", False))``.
+    """``"hist_stages=4,maxnreg=none,pdl=false"`` → ``(("hist_stages", 4), ("maxnreg", None), ("pdl", False))``.
 
     Raises ValueError naming the bad item and the allowed keys.
     """
