@@ -7,13 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from evalkit import as_loader, prose, tiny_loaded
 from typer.testing import CliRunner
 
 import oscar_cli.model as models_mod
-from oscar_cli.errors import EvalError
-from oscar_cli.eval.ruler import apply_rope_scaling
+from oscar_cli.errors import OscarError
 from oscar_cli.main import app
+from oscar_cli.model.rope import apply_yarn
 
 pytestmark = pytest.mark.unit
 runner = CliRunner()
@@ -69,37 +70,61 @@ def test_run_writes_outputs_and_resumes(tmp_path: Path, monkeypatch: pytest.Monk
     assert len((out / "samples.jsonl").read_text().splitlines()) == 8
 
 
-def test_length_beyond_context_needs_yarn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_length_beyond_context_runs_under_yarn_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = tiny_loaded(max_positions=1024)
     monkeypatch.setattr(models_mod, "load_model", as_loader(loaded))
-    res = runner.invoke(app, ["eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "2k", "--samples", "1",
-                              "--methods", "bf16", "--out", str(tmp_path)])  # fmt: skip
-    assert isinstance(res.exception, EvalError)
-    assert "beyond the model's context of 1024" in res.exception.message and "--rope-scaling yarn" in str(
-        res.exception.hint
-    )
-    apply_rope_scaling(loaded.model, [2048], "yarn", 2.0)
+    args = ["--json", "eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "2k", "--samples", "1",
+            "--methods", "bf16", "--out", str(tmp_path), "--max-new-tokens", "2"]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output + str(res.exception)
+    out = json.loads(res.stdout)
+    assert out["config"]["rope_scaling"] == "yarn" and out["config"]["rope_factor"] == 2.0
     assert loaded.model.config.rope_parameters["rope_type"] == "yarn"
     assert loaded.model.config.max_position_embeddings == 2048
+    notes = [ln for ln in res.stderr.splitlines() if "YaRN factor" in ln]
+    assert len(notes) == 1 and "YaRN factor 2 (--ctx 2048 is beyond the model's 1024 positions)" in notes[0]
+    rec = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
+    assert rec["rope"] == "yarn x2"  # part of the resume key: native and YaRN samples never mix
 
 
-def test_essay_task_without_haystack_dir_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_rope_scaling_refuses_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models_mod, "load_model", as_loader(tiny_loaded(max_positions=1024)))
+    res = runner.invoke(app, ["eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "2k", "--samples", "1",
+                              "--methods", "bf16", "--out", str(tmp_path), "--no-rope-scaling"])  # fmt: skip
+    assert isinstance(res.exception, OscarError)
+    assert "beyond the model's context of 1024 tokens (--no-rope-scaling)" in res.exception.message
+
+
+def test_apply_yarn_rebuilds_the_rotary_embedding() -> None:
+    loaded = tiny_loaded(max_positions=1024)
+    before = loaded.model.model.rotary_emb.inv_freq.clone()
+    apply_yarn(loaded.model, 2.0)
+    assert loaded.model.config.rope_parameters["rope_type"] == "yarn"
+    assert loaded.model.config.max_position_embeddings == 2048
+    assert not torch.equal(before, loaded.model.model.rotary_emb.inv_freq)
+    with pytest.raises(OscarError, match="already uses yarn RoPE scaling"):
+        apply_yarn(loaded.model, 2.0)
+
+
+def test_essay_tasks_run_on_the_shipped_haystack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(models_mod, "load_model", as_loader(tiny_loaded()))
-    res = runner.invoke(app, ["eval-ruler", "tiny", "--tasks", "niah_single_2", "--ctx", "1k", "--samples", "1",
-                              "--methods", "bf16", "--out", str(tmp_path)])  # fmt: skip
-    assert isinstance(res.exception, EvalError) and "--haystack-dir" in res.exception.message
+    res = runner.invoke(app, ["--json", "eval-ruler", "tiny", "--tasks", "niah_single_2", "--ctx", "1k", "--samples",
+                              "1", "--methods", "bf16", "--out", str(tmp_path), "--max-new-tokens", "2"])  # fmt: skip
+    assert res.exit_code == 0, res.output + str(res.exception)
+    rec = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
+    assert 500 < rec["prompt_tokens"] <= 1024 - 128
 
 
 def test_time_budget_stops_early_and_a_rerun_completes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import time as time_mod
+    import types
 
     import oscar_cli.eval.ruler as ruler_mod
 
-    clock = iter(range(0, 10_000, 100))  # every perf_counter() call advances 100 s: the budget runs out at once
-    monkeypatch.setattr(ruler_mod.time, "perf_counter", lambda: float(next(clock)))
+    clock = iter(range(0, 10_000, 100))  # every perf_counter() call in ruler advances 100 s: one batch fits
+    monkeypatch.setattr(ruler_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     partial = _run(tmp_path, monkeypatch, "--time-budget", "150")
     assert partial["complete"] is False and 0 < partial["evaluated"] < 8
-    monkeypatch.setattr(ruler_mod.time, "perf_counter", time_mod.monotonic)
+    monkeypatch.undo()
     rest = _run(tmp_path, monkeypatch)
     assert rest["complete"] is True and rest["resumed"] == partial["evaluated"]
     assert rest["evaluated"] + rest["resumed"] == 8

@@ -66,7 +66,8 @@ def test_wheel_contents(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names}
     assert "kernels" not in tops and "recipes" not in tops and "tests" not in tops
     assert {"oscar_cli", "oscar_kernels"} <= tops
-    for required in ("oscar_kernels/reference.py", "oscar_cli/py.typed", "oscar_cli/model/load.py", "oscar_cli/main.py"):
+    for required in ("oscar_kernels/reference.py", "oscar_cli/py.typed", "oscar_cli/model/load.py", "oscar_cli/main.py",
+                     "oscar_cli/eval/haystack/alice.txt", "oscar_cli/eval/haystack/botchan.txt"):
         assert required in names, required
     shipped_recipes = {n for n in names if n.startswith("oscar_cli/recipes/") and n.endswith(".yaml")}
     assert {f"oscar_cli/recipes/{p.name}" for p in (ROOT / "recipes").glob("*.yaml")} == shipped_recipes

@@ -124,8 +124,8 @@ def test_task_names_and_missing_essay() -> None:
     assert parse_tasks("all") == list(TASK_NAMES)
     with pytest.raises(EvalError, match="valid tasks: niah_single_1"):
         parse_tasks("niah_single_9")
-    with pytest.raises(EvalError, match="--haystack-dir"):
-        load_essay_words(None)
+    words = load_essay_words(None)  # the shipped public-domain books
+    assert 70_000 < len(words) and words[:3] == ["ALICE'S", "ADVENTURES", "IN"]
 
 
 def test_sentence_splitter() -> None:
@@ -159,3 +159,23 @@ def test_chat_template_wraps_task_text() -> None:
 def test_prose_file_is_used(tmp_path: Path) -> None:
     words = load_essay_words(prose(tmp_path))
     assert words[:3] == ["The", "river", "near"]
+
+
+@pytest.mark.parametrize(("partial", "legend"), [(False, False), (True, True)])
+def test_heatmap_legend_only_when_a_cell_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, partial: bool, legend: bool
+) -> None:
+    import matplotlib.figure
+
+    from oscar_cli.eval.heatmap import plot_heatmap
+
+    titles: list[str] = []
+    original = matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda self, t, **kw: titles.append(t) or original(self, t, **kw))
+    tasks, lengths, methods = ["niah_single_1"], [1024, 2048], ["bf16", "oscar"]
+    scores = {m: {t: {L: 50.0 for L in lengths} for t in tasks} for m in methods}
+    counts = {m: {t: {L: 4 if (partial and L == 2048 and m == "oscar") else 8 for L in lengths} for t in tasks} for m in methods}
+    path = plot_heatmap(scores, tasks, lengths, methods, tmp_path / "h.png", "tiny", counts, 8)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert titles and titles[0].startswith("RULER NIAH — tiny")
+    assert ("fewer samples than asked" in titles[0]) is legend

@@ -58,3 +58,14 @@ BackendOpt = Annotated[
         callback=backend_callback,
     ),
 ]
+RopeScalingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rope-scaling",
+        help="yarn: RoPE scaled beyond the model's positions (eval-ruler applies it by itself when --ctx needs it).",
+    ),
+]
+RopeFactorOpt = Annotated[
+    float | None,
+    typer.Option("--rope-factor", help="YaRN factor F: positions × F (default: the smallest integer >= 2 that fits)."),
+]

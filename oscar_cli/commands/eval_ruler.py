@@ -15,6 +15,8 @@ from oscar_cli.commands._eval_options import (
     BackendOpt,
     Bf16WindowsOpt,
     ChunkSizeOpt,
+    RopeFactorOpt,
+    RopeScalingOpt,
     ctx_list_callback,
     methods_callback,
 )
@@ -26,8 +28,8 @@ EXAMPLES = """
   oscar eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 4 --methods bf16,oscar \\
       --artifact artifacts/smollm2-135m/oscar-1a2b3c        # the README demo (CPU, about a minute)
   oscar eval-ruler smollm2-135m --artifact ART --haystack-dir ~/prose --ctx 1k,2k,4k,8k --samples 50
-  oscar eval-ruler Qwen/Qwen3-8B --artifact hf://ORG/qwen3-8b-oscar@v1 --ctx 128k \\
-      --rope-scaling yarn --rope-factor 4 --haystack-dir ~/prose       # beyond 32K needs YaRN
+  oscar eval-ruler qwen2.5-coder-1.5b --artifact ART --ctx 4k,32k,128k    # 128K runs under YaRN x4 (a note says so)
+  oscar eval-ruler --ctx 128k                       # the default model under YaRN x16; no artifact: oscar is left out
   oscar --json eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 2 --methods bf16
   # rerunning the same command resumes: finished samples in OUT/samples.jsonl are skipped
 """
@@ -43,8 +45,17 @@ def _tasks_callback(value: str) -> str:
     return value
 
 
+def _methods_or_default(value: str) -> str:
+    """``--methods``: empty means the default list (decided once the artifact is known)."""
+    return methods_callback(value) if value else value
+
+
 def _fmt(x: float) -> str:
     return "—" if isinstance(x, float) and math.isnan(x) else f"{x:.1f}"
+
+
+def _rope_suffix(cfg: dict[str, Any]) -> str:
+    return f" (YaRN x{cfg['rope_factor']:g})" if cfg.get("rope_scaling") else ""
 
 
 def render(res: dict[str, Any]) -> None:
@@ -53,7 +64,7 @@ def render(res: dict[str, Any]) -> None:
     lengths, tasks, methods = cfg["lengths"], cfg["tasks"], cfg["methods"]
     out = _output.stdout
     t = Table(
-        title=f"RULER NIAH, mean string_match_all over {len(tasks)} task(s) — {res['model']['reference']} "
+        title=f"RULER NIAH{_rope_suffix(cfg)}, mean string_match_all over {len(tasks)} task(s) — {res['model']['reference']} "
         f"({cfg['samples']} samples per cell)",
         title_justify="left",
     )
@@ -104,19 +115,27 @@ def eval_ruler(
         str,
         typer.Option(
             "--methods",
-            help="Comma-separated: bf16, naive-int2, quarot-int2, kivi-2, oscar.",
-            callback=methods_callback,
+            help="Comma-separated: bf16, naive-int2, quarot-int2, kivi-2, oscar. Default: all five with --artifact, "
+            "else all but oscar (it needs an artifact; a note says so).",
+            callback=_methods_or_default,
+            show_default=False,
         ),
-    ] = "bf16,naive-int2,quarot-int2,kivi-2,oscar",
+    ] = "",
     samples: Annotated[int, typer.Option("--samples", min=1, help="Samples per task and length.")] = 50,
     haystack_dir: Annotated[
-        str | None, typer.Option("--haystack-dir", help="Folder of .txt prose for the essay haystacks.")
+        str | None,
+        typer.Option(
+            "--haystack-dir",
+            help="Folder of .txt prose for the essay haystacks (default: two public-domain books shipped with oscar).",
+        ),
     ] = None,
     out: Annotated[str, typer.Option("--out", help="Output folder (samples.jsonl, summary.json, heatmap.png).")] = "",
-    rope_scaling: Annotated[
-        str | None, typer.Option("--rope-scaling", help="'yarn' to run beyond the model's native context.")
-    ] = None,
-    rope_factor: Annotated[float | None, typer.Option("--rope-factor", help="YaRN factor F (context × F).")] = None,
+    rope_scaling: RopeScalingOpt = None,
+    rope_factor: RopeFactorOpt = None,
+    no_rope_scaling: Annotated[
+        bool,
+        typer.Option("--no-rope-scaling", help="Refuse lengths beyond the model's positions instead of applying YaRN."),
+    ] = False,
     batch_size: Annotated[
         int | None,
         typer.Option("--batch-size", min=1, help="Prompts per batch (default: 4 on CPU, ~1M tokens on GPU)."),
@@ -139,6 +158,8 @@ def eval_ruler(
     from oscar_cli.quant.methods import parse_methods, parse_windows
 
     lengths = parse_ctx_list(ctx)
+    if no_rope_scaling and (rope_scaling or rope_factor):
+        raise typer.BadParameter("--no-rope-scaling contradicts --rope-scaling/--rope-factor", param_hint="--no-rope-scaling")
     if not out:
         from oscar_cli.artifact.manifest import model_slug
 
@@ -146,7 +167,7 @@ def eval_ruler(
     cfg = RulerConfig(
         lengths=lengths,
         tasks=parse_tasks(tasks),
-        methods=parse_methods(methods),
+        methods=parse_methods(methods) if methods else [],
         samples=samples,
         model=model,
         artifact=artifact,
@@ -154,6 +175,7 @@ def eval_ruler(
         out=out,
         rope_scaling=rope_scaling,
         rope_factor=rope_factor,
+        auto_rope=not no_rope_scaling,
         batch_size=batch_size,
         device=device,
         dtype=dtype,

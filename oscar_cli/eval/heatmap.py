@@ -19,7 +19,9 @@ def plot_heatmap(
 ) -> Path:
     """Write the heatmap atomically to ``path``; cells show the score (0-100), empty cells are grey.
 
-    With ``counts`` and ``samples``, a cell scored on fewer samples than asked shows ``score*`` (partial run).
+    With ``counts`` and ``samples``, a cell scored on fewer samples than asked shows ``score*`` (partial run);
+    the legend for ``*`` is drawn only when some cell carries it. The figure uses matplotlib's constrained
+    layout, which keeps the figure title above the panel titles at any size.
     """
     import matplotlib
 
@@ -30,9 +32,16 @@ def plot_heatmap(
     from oscar_cli._options import format_ctx
 
     n = len(methods)
-    fig, axes = plt.subplots(1, n, figsize=(1.2 + 0.9 * len(lengths) * n + 1.6, 0.45 * len(tasks) + 1.6), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        n,
+        figsize=(1.2 + 0.9 * len(lengths) * n + 1.6, 0.45 * len(tasks) + 1.9),
+        squeeze=False,
+        layout="constrained",
+    )
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#dddddd")
     image = None
+    marked = False
     for ax, m in zip(axes[0], methods, strict=True):
         data = np.array([[scores.get(m, {}).get(t, {}).get(L, math.nan) for L in lengths] for t in tasks], dtype=float)
         image = ax.imshow(np.ma.masked_invalid(data), vmin=0, vmax=100, cmap=cmap, aspect="auto")
@@ -44,11 +53,13 @@ def plot_heatmap(
                 if not math.isnan(data[i, j]):
                     cnt = (counts or {}).get(m, {}).get(tasks[i], {}).get(lengths[j], samples)
                     mark = "*" if samples is not None and cnt is not None and cnt < samples else ""
+                    marked = marked or bool(mark)
                     ax.text(j, i, f"{data[i, j]:.0f}{mark}", ha="center", va="center", fontsize=7)
     if image is not None:
         fig.colorbar(image, ax=list(axes[0]), shrink=0.8, label="string_match_all")
-    if title:
-        fig.suptitle(f"RULER NIAH — {title}" + ("   (* = fewer samples than asked)" if samples else ""), fontsize=11)
+    if title or marked:
+        legend = "(* = fewer samples than asked)" if marked else ""
+        fig.suptitle("   ".join(t for t in (f"RULER NIAH — {title}" if title else "", legend) if t), fontsize=11)
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")

@@ -9,8 +9,10 @@ Reproduced from RULER's published task definitions (no code copied):
 - **key/value types**: ``numbers`` (random 7-digit), ``words`` (``adjective-noun`` from the wonderwords
   lists RULER uses; drawn as a uniform (adjective, noun) pair), ``uuids`` (uuid4 from the sample's RNG);
 - **haystacks**: ``noise`` (RULER's repeated five sentences, one per line), ``needle`` (distractor needles
-  with random keys and values, one per line), ``essay`` (prose from local ``.txt`` files, whitespace-split
-  into words; RULER's Paul Graham essays are not redistributable, so the user supplies the prose);
+  with random keys and values, one per line), ``essay`` (prose, whitespace-split into words: RULER's Paul
+  Graham essays are not redistributable, so by default two public-domain books shipped with oscar
+  (``oscar_cli/eval/haystack``, ~105K tokens, repeated for longer haystacks as RULER repeats its essays), or
+  the ``.txt`` files of ``--haystack-dir``);
 - **depth**: essay — needles inserted at sentence boundaries at depths drawn from
   ``round(linspace(0, 100, 40))`` without replacement; noise/needle — random line indices;
 - **length fitting**: the haystack size is binary-searched so that ``tokens(prompt) + 128 <= length``
@@ -141,21 +143,41 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in _SENT_RE.split(text.strip()) if s]
 
 
-def load_essay_words(haystack_dir: str | Path | None) -> list[str]:
-    """Whitespace-split words of every ``*.txt`` under ``haystack_dir`` (sorted by name)."""
-    if haystack_dir is None:
-        raise EvalError(
-            "essay haystacks need local prose: pass --haystack-dir DIR (a folder of .txt files)",
-            hint="or choose only the noise/needle tasks: niah_single_1, niah_multikey_2, niah_multikey_3",
-        )
-    root = Path(haystack_dir)
-    files = sorted(root.rglob("*.txt")) if root.is_dir() else []
+def haystack_files(haystack_dir: str | Path) -> list[Path]:
+    """The ``*.txt`` files under ``haystack_dir`` (sorted); one line when it is missing, a file, or has none."""
+    root = Path(haystack_dir).expanduser()
+    if not root.exists():
+        raise EvalError(f"--haystack-dir {root}: no such folder", hint="point it at a folder of prose .txt files")
+    if not root.is_dir():
+        raise EvalError(f"--haystack-dir {root} is a file, not a folder", hint="put the .txt file in a folder of its own")
+    files = sorted(p for p in root.rglob("*.txt") if p.is_file())
     if not files:
         raise EvalError(f"--haystack-dir {root}: no .txt files found", hint="point it at a folder of prose .txt files")
-    words = re.sub(r"\s+", " ", " ".join(f.read_text(encoding="utf-8", errors="replace") for f in files)).split(" ")
-    words = [w for w in words if w]
+    return files
+
+
+def shipped_haystack() -> list[str]:
+    """The texts of the public-domain books shipped as package data (``oscar_cli/eval/haystack``; README there)."""
+    import importlib.resources as res
+
+    root = res.files("oscar_cli.eval").joinpath("haystack")
+    books = sorted((f for f in root.iterdir() if f.name.endswith(".txt")), key=lambda f: f.name)
+    return [f.read_text(encoding="utf-8") for f in books]
+
+
+def load_essay_words(haystack_dir: str | Path | None) -> list[str]:
+    """Whitespace-split words of every ``*.txt`` under ``haystack_dir`` (sorted by name), or of the shipped
+    public-domain books when ``haystack_dir`` is None."""
+    if haystack_dir is None:
+        texts, where = shipped_haystack(), "the shipped haystack"
+    else:
+        from oscar_cli.eval.prepare import read_text_file
+
+        texts = [read_text_file(f, "--haystack-dir file") for f in haystack_files(haystack_dir)]
+        where = f"--haystack-dir {haystack_dir}"
+    words = " ".join(texts).split()
     if len(words) < 1000:
-        raise EvalError(f"--haystack-dir {root}: only {len(words)} words of prose; need at least 1000")
+        raise EvalError(f"{where}: only {len(words)} words of prose; need at least 1000")
     return words
 
 

@@ -1,6 +1,6 @@
 """``oscar eval-ruler``: RULER NIAH accuracy of each KV-cache method, resumable, on one loaded model.
 
-Flow: load the model once → (YaRN if asked) → generate every (task, length, index) sample (deterministic,
+Flow: load the model once → (YaRN beyond its positions) → generate every (task, length, index) sample (deterministic,
 :mod:`oscar_cli.eval.niah`) → for each method, attach it (:func:`oscar_cli.quant.use_method`) and run the
 samples not yet in ``samples.jsonl`` in batches (left-padded, chunked prefill, greedy decode of up to 128
 tokens, stop at EOS) → score with ``string_match_all`` → append one JSON line per sample as soon as its batch
@@ -13,9 +13,11 @@ import json
 import logging
 import os
 import platform
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,16 @@ from typing import Any
 import torch
 
 from oscar_cli.errors import EvalError
-from oscar_cli.eval.niah import TASKS, NiahSample, PromptBuilder, fit_haystack, load_essay_words, make_sample
+from oscar_cli.eval.niah import (
+    TASKS,
+    NiahSample,
+    PromptBuilder,
+    fit_haystack,
+    haystack_files,
+    load_essay_words,
+    make_sample,
+)
+from oscar_cli.eval.progress import RunProgress, chunk_progress, fmt_seconds
 from oscar_cli.eval.scoring import match_all, postprocess
 
 logger = logging.getLogger(__name__)
@@ -39,14 +50,15 @@ class RulerConfig:
 
     lengths: list[int]
     tasks: list[str]
-    methods: list[str]
+    methods: list[str]  # empty: the default list (every method, oscar only with an artifact)
     samples: int
     model: str = "smollm2-135m"
     artifact: str | None = None
-    haystack_dir: str | None = None
+    haystack_dir: str | None = None  # None: the public-domain books shipped in oscar_cli/eval/haystack
     out: str = "ruler-results"
-    rope_scaling: str | None = None
-    rope_factor: float | None = None
+    rope_scaling: str | None = None  # None: YaRN when a length is beyond the model's positions (auto_rope)
+    rope_factor: float | None = None  # filled in with the factor applied
+    auto_rope: bool = True  # False (--no-rope-scaling): refuse lengths beyond the model's positions
     batch_size: int | None = None
     device: str | None = None
     dtype: str | None = None
@@ -75,6 +87,7 @@ class RulerResult:
     prompt_tokens: dict[int, float]
     environment: dict[str, Any] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,38 +111,6 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def apply_rope_scaling(model: Any, lengths: list[int], rope_scaling: str | None, factor: float | None) -> None:
-    """Refuse lengths beyond the model's context, or switch RoPE to YaRN (``factor × native`` positions)."""
-    cfg = model.config
-    native = int(getattr(cfg, "max_position_embeddings", 0) or 0)
-    longest = max(lengths)
-    if rope_scaling is None:
-        if native and longest > native:
-            raise EvalError(
-                f"--ctx {longest} is beyond the model's context of {native} tokens",
-                hint=f"add --rope-scaling yarn --rope-factor {max(2, -(-longest // native))} (same for every method)",
-            )
-        return
-    if rope_scaling != "yarn":
-        raise EvalError(f"unknown --rope-scaling {rope_scaling!r}; supported: yarn")
-    if not factor or factor <= 1:
-        raise EvalError("--rope-scaling yarn needs --rope-factor F with F > 1")
-    if native and longest > native * factor:
-        raise EvalError(f"--ctx {longest} is beyond {native} × {factor} = {int(native * factor)} positions of YaRN")
-    params = dict(getattr(cfg, "rope_parameters", None) or {})
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    cfg.rope_parameters = {
-        "rope_type": "yarn",
-        "factor": float(factor),
-        "original_max_position_embeddings": native,
-        "rope_theta": theta,
-    }
-    cfg.max_position_embeddings = int(native * factor)
-    base = getattr(model, "model", model)
-    rotary = base.rotary_emb
-    base.rotary_emb = type(rotary)(config=cfg).to(next(model.parameters()).device)  # recompute inv_freq (YaRN)
-
-
 def default_batch_size(length: int, device: torch.device) -> int:
     """4 on CPU; on GPU about 1M prompt tokens per batch (at most 512 rows)."""
     if device.type != "cuda":
@@ -137,8 +118,20 @@ def default_batch_size(length: int, device: torch.device) -> int:
     return max(1, min(512, (1 << 20) // length))
 
 
-def _key(rec: dict[str, Any]) -> tuple[str, str, str, int, int]:
-    return (rec["method"], rec.get("method_source", ""), rec["task"], int(rec["length"]), int(rec["index"]))
+def rope_tag(cfg: RulerConfig) -> str:
+    """The RoPE a sample ran under, part of its resume key: ``""`` (native) or ``"yarn x4"``."""
+    return f"{cfg.rope_scaling} x{cfg.rope_factor:g}" if cfg.rope_scaling and cfg.rope_factor else ""
+
+
+def _key(rec: dict[str, Any]) -> tuple[str, str, str, str, int, int]:
+    return (
+        rec["method"],
+        rec.get("method_source", ""),
+        rec.get("rope", ""),
+        rec["task"],
+        int(rec["length"]),
+        int(rec["index"]),
+    )
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -203,19 +196,21 @@ def run_method_samples(
     pending: list[tuple[NiahSample, list[int]]],
     cfg: RulerConfig,
     sink: Callable[[list[dict[str, Any]]], None],
-    advance: Callable[[int], None],
+    report: RunProgress | None = None,
     deadline: float | None = None,
 ) -> bool:
     """Generate, score and hand over (``sink``) the records of ``pending`` samples for one attached method.
 
     Returns False when ``deadline`` (``time.perf_counter()`` value) passed before every batch ran.
     """
+    from oscar_cli._options import format_ctx
     from oscar_cli.quant import greedy_generate, left_pad, use_method
 
     model, tok = loaded.model, loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (_eos_ids(model, tok) or [0])[0]
     eos = _eos_ids(model, tok)
     head_dim = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
+    rope = rope_tag(cfg)
     by_len: dict[int, list[tuple[NiahSample, list[int]]]] = defaultdict(list)
     for item in pending:
         by_len[item[0].length].append(item)
@@ -223,13 +218,16 @@ def run_method_samples(
         for length, items in sorted(by_len.items()):
             items.sort(key=lambda it: len(it[1]))
             size = cfg.batch_size or default_batch_size(length, loaded.device)
+            what = f"{method.name} @ {format_ctx(length)}"
             for batch in _batches(items, size):
                 if deadline is not None and time.perf_counter() > deadline:
                     return False
                 cache = session.new_cache()
                 ids, mask = left_pad([b[1] for b in batch], pad_id, loaded.device)
                 t0 = time.perf_counter()
-                outs = greedy_generate(model, cache, ids, mask, cfg.max_new_tokens, eos, cfg.chunk_size)
+                chunks = chunk_progress(model, report, ids.shape[1], what) if report else nullcontext()
+                with chunks:
+                    outs = greedy_generate(model, cache, ids, mask, cfg.max_new_tokens, eos, cfg.chunk_size)
                 dt = time.perf_counter() - t0
                 measured = cache.measured_bits_per_element()
                 records = []
@@ -239,6 +237,7 @@ def run_method_samples(
                         {
                             "method": method.name,
                             "method_source": method.source,
+                            "rope": rope,
                             "task": sample.task,
                             "length": sample.length,
                             "index": sample.index,
@@ -255,7 +254,8 @@ def run_method_samples(
                         }
                     )
                 sink(records)
-                advance(len(batch))
+                if report:
+                    report.batch_done(len(batch), length, dt, what)
     return True
 
 
@@ -263,8 +263,9 @@ def aggregate(
     records: list[dict[str, Any]], cfg: RulerConfig, sources: dict[str, str], head_dim: int, methods: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[int, float]]:
     """Scores, counts, per-length means and BPE from the records that belong to this run's configuration."""
+    rope = rope_tag(cfg)
     wanted = {
-        (m, sources[m], t, L, i)
+        (m, sources[m], rope, t, L, i)
         for m in cfg.methods
         for t in cfg.tasks
         for L in cfg.lengths
@@ -302,30 +303,83 @@ def aggregate(
     return scores, counts, mean, bpe, prompt_tokens
 
 
-def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
-    """Run (or resume) a RULER NIAH evaluation; writes ``samples.jsonl``, ``summary.json``, ``heatmap.png``.
+def _announce(text: str) -> None:
+    """A note on stderr, also under ``--json`` (stdout carries only the result)."""
+    print(f"eval-ruler: {text}", file=sys.stderr, flush=True)
 
-    Args:
-        cfg: the run's configuration.
-        loaded: an already loaded model (:class:`oscar_cli.model.LoadedModel`); loaded from ``cfg.model``
-            when None.
-    """
-    from oscar_cli._output import progress
-    from oscar_cli.eval.heatmap import plot_heatmap
-    from oscar_cli.quant import build_method
+
+def check_config(cfg: RulerConfig) -> None:
+    """Everything that can be checked before the model loads (one line each)."""
+    from oscar_cli.eval.prepare import check_backend, check_out_dir
 
     if cfg.samples <= 0:
         raise EvalError("--samples must be at least 1")
     if not cfg.lengths:
         raise EvalError("no context lengths given (--ctx 1k,2k,...)")
+    check_out_dir(cfg.out)
+    check_backend(cfg.backend, cfg.device)
+    if cfg.haystack_dir is not None:
+        haystack_files(cfg.haystack_dir)
+        if not any(TASKS[t].haystack == "essay" for t in cfg.tasks):
+            logger.warning("--haystack-dir is not used: none of the chosen tasks has an essay haystack")
+
+
+def _cost_note(loaded: Any, todo: list[int]) -> str:
+    """``N samples, about X of prefill on cpu`` for the samples still to run (lengths in ``todo``)."""
+    from oscar_cli.eval.cost import measured_flops_per_second, prefill_flops
+
+    flops = prefill_flops(loaded.model, todo)
+    rate = measured_flops_per_second(loaded.device, loaded.dtype)
+    return (
+        f"on {loaded.device.type} this is about {flops:.2g} FLOPs of prefill: at least "
+        f"{fmt_seconds(flops / rate)} at the {rate / 1e9:.0f} GFLOP/s measured here "
+        "(--time-budget S stops early; rerunning resumes)"
+    )
+
+
+def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
+    """Run (or resume) a RULER NIAH evaluation; writes ``samples.jsonl``, ``summary.json``, ``heatmap.png``.
+
+    Args:
+        cfg: the run's configuration (``methods`` empty: :func:`oscar_cli.eval.prepare.default_methods`;
+            ``rope_scaling``/``rope_factor`` are filled in with what was applied).
+        loaded: an already loaded model (:class:`oscar_cli.model.LoadedModel`); loaded from ``cfg.model``
+            when None.
+    """
+    from oscar_cli._output import progress, progress_enabled
+    from oscar_cli.eval.heatmap import plot_heatmap
+    from oscar_cli.eval.prepare import build_methods, default_methods
+    from oscar_cli.model.rope import apply_yarn, native_positions, plan_yarn
+
+    notes: list[str] = []
+    if not cfg.methods:
+        cfg.methods, note = default_methods(cfg.artifact)
+        notes += [note] if note else []
+    check_config(cfg)
     t0 = time.perf_counter()
     if loaded is None:
         from oscar_cli.model import load_model
 
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     model = loaded.model
-    apply_rope_scaling(model, cfg.lengths, cfg.rope_scaling, cfg.rope_factor)
-    methods = {m: build_method(m, model.config, cfg.artifact, cfg.bf16_windows) for m in cfg.methods}
+    native = native_positions(model.config)
+    factor = plan_yarn(native, max(cfg.lengths), cfg.rope_scaling, cfg.rope_factor, auto=cfg.auto_rope)
+    if factor is not None:
+        apply_yarn(model, factor)
+        cfg.rope_scaling, cfg.rope_factor = "yarn", factor
+        why = f"--ctx {max(cfg.lengths)} is beyond the model's {native} positions" if max(cfg.lengths) > native else "asked"
+        notes.append(
+            f"YaRN factor {factor:g} ({why}): every method and length runs with RoPE scaled to "
+            f"{int(native * factor)} positions (--no-rope-scaling refuses instead)"
+        )
+    else:
+        cfg.rope_scaling = cfg.rope_factor = None
+    methods, method_notes = build_methods(
+        cfg.methods, model.config, cfg.artifact, cfg.bf16_windows, resolved=loaded.identity.resolved
+    )
+    notes += method_notes
+    for note in notes:
+        _announce(note)
     sources = {m: meth.source for m, meth in methods.items()}
     head_dim = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
 
@@ -333,10 +387,28 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
     done = {_key(r) for r in read_records(path)}
+    rope = rope_tag(cfg)
     with progress() as p:
         gen_task = p.add_task("building prompts", total=len(cfg.tasks) * len(cfg.lengths))
         samples = build_samples(cfg, loaded.tokenizer, lambda _what: p.advance(gen_task))
-        evaluated = resumed = 0
+        todo: dict[tuple[int, str], list[tuple[NiahSample, list[int]]]] = {}
+        for length in cfg.lengths:
+            for m in cfg.methods:
+                items = [it for t in cfg.tasks for it in samples[(t, length)]]
+                todo[(length, m)] = [
+                    it for it in items if (m, sources[m], rope, it[0].task, length, it[0].index) not in done
+                ]
+        total = len(cfg.tasks) * cfg.samples * len(cfg.lengths) * len(cfg.methods)
+        pending_lengths = [L for (L, _m), items in todo.items() for _ in items]
+        resumed = total - len(pending_lengths)
+        _announce(
+            f"{len(cfg.tasks)} tasks × {cfg.samples} samples × {len(cfg.lengths)} lengths × {len(cfg.methods)} "
+            f"methods = {total} samples" + (f" ({resumed} already in {path})" if resumed else "")
+        )
+        if pending_lengths and loaded.device.type != "cuda":
+            _announce(_cost_note(loaded, pending_lengths))
+        report = RunProgress("eval-ruler", len(pending_lengths), sum(pending_lengths), p if progress_enabled() else None)
+        evaluated = 0
         complete = True
 
         def write(recs: list[dict[str, Any]]) -> None:
@@ -346,19 +418,9 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
 
         deadline = None if cfg.time_budget is None else t0 + cfg.time_budget
         # lengths outer, methods inner: an interrupted run leaves complete columns for the shorter lengths
-        bars = {m: p.add_task(m, total=len(cfg.tasks) * len(cfg.lengths) * cfg.samples) for m in cfg.methods}
-        for length in cfg.lengths:
-            for m in cfg.methods:
-                items = [it for t in cfg.tasks for it in samples[(t, length)]]
-                pending = [it for it in items if (m, sources[m], it[0].task, length, it[0].index) not in done]
-                resumed += len(items) - len(pending)
-                p.advance(bars[m], len(items) - len(pending))
-
-                def advance(n: int, bar: Any = bars[m]) -> None:
-                    p.advance(bar, n)
-
-                if pending and complete:
-                    complete = run_method_samples(loaded, methods[m], pending, cfg, write, advance, deadline)
+        for (_length, m), pending in todo.items():
+            if pending and complete:
+                complete = run_method_samples(loaded, methods[m], pending, cfg, write, report, deadline)
     scores, counts, mean, bpe, ptoks = aggregate(read_records(path), cfg, sources, head_dim, methods)
     result = RulerResult(
         config=asdict(cfg),
@@ -378,10 +440,10 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         prompt_tokens=ptoks,
         environment=environment(),
         files={"samples": str(path), "summary": str(out / SUMMARY_FILE), "heatmap": str(out / HEATMAP_FILE)},
+        notes=notes,
     )
-    plot_heatmap(
-        scores, cfg.tasks, cfg.lengths, cfg.methods, out / HEATMAP_FILE, loaded.identity.reference, counts, cfg.samples
-    )
+    title = loaded.identity.reference + (f" (YaRN x{cfg.rope_factor:g})" if cfg.rope_factor else "")
+    plot_heatmap(scores, cfg.tasks, cfg.lengths, cfg.methods, out / HEATMAP_FILE, title, counts, cfg.samples)
     tmp = out / f".{SUMMARY_FILE}.tmp"
     tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / SUMMARY_FILE)

@@ -1,0 +1,138 @@
+"""Checks and setup shared by ``oscar eval-ruler`` and ``oscar eval-kl``, run before any model is loaded
+where they can be: output folder, backend vs device, text files, the default method list, and the methods
+themselves (an artifact whose only difference from the model is the RoPE scaling is accepted for the same
+weights, with a note).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from oscar_cli.errors import ArtifactError, EvalError
+
+logger = logging.getLogger(__name__)
+
+ALL_METHODS = ["bf16", "naive-int2", "quarot-int2", "kivi-2", "oscar"]
+NEEDS_ARTIFACT = "oscar"
+
+
+def default_methods(artifact: str | None, *, reference: bool = True) -> tuple[list[str], str | None]:
+    """The methods a run compares when ``--methods`` is not given, and a note when one is left out.
+
+    With an artifact: all five. Without: every method that needs none (``oscar`` needs a calibration artifact,
+    and calibrating one on the fly would silently spend minutes and pick data for the user).
+    ``reference=False`` leaves out ``bf16`` (eval-kl computes it anyway as the reference).
+    """
+    names = [m for m in ALL_METHODS if reference or m != "bf16"]
+    if artifact is not None:
+        return names, None
+    note = (
+        "oscar is left out: no --artifact given (make one with `oscar calibrate MODEL`, then pass --artifact ART; "
+        "or pull one: --artifact hf://ORG/NAME@REV)"
+    )
+    return [m for m in names if m != NEEDS_ARTIFACT], note
+
+
+def check_out_dir(out: str | Path, what: str = "--out") -> Path:
+    """``out`` as a folder that exists or can be made; one line when it is a file or cannot be written."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise EvalError(f"{what} {path} is a file, not a folder", hint=f"choose another {what} folder")
+    parent = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise EvalError(f"{what} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise EvalError(f"{what} {path}: {parent} is not writable", hint=f"choose another {what} folder")
+    return path
+
+
+def check_backend(backend: str, device: str | None) -> None:
+    """``--backend triton`` needs a CUDA device (or ``TRITON_INTERPRET=1``, Triton's CPU interpreter)."""
+    if backend != "triton" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    from oscar_cli.model.load import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        raise EvalError(
+            f"--backend triton needs a CUDA device; this run is on {dev.type}",
+            hint="use --backend reference on CPU (or TRITON_INTERPRET=1 for Triton's slow CPU interpreter)",
+        )
+
+
+def read_text_file(path: str | Path, what: str = "--text") -> str:
+    """A UTF-8 text file's content; one line for a missing, binary or non-UTF-8 file."""
+    p = Path(path)
+    if not p.is_file():
+        raise EvalError(f"{what} {p}: no such file", hint="give a plain-text file of prose")
+    data = p.read_bytes()
+    if b"\0" in data[: 1 << 16]:
+        raise EvalError(f"{what} {p} is a binary file (it holds NUL bytes)", hint="give a plain-text file of prose")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise EvalError(
+            f"{what} {p} is not UTF-8 text (invalid byte at offset {exc.start})",
+            hint="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
+        ) from None
+
+
+def _rope_only_difference(artifact: str, config: Any, resolved: str | None) -> Any | None:
+    """A copy of ``config`` with the artifact's RoPE type, when the artifact was made for the same weights
+    (``resolved`` identity) and differs from ``config`` only in the RoPE scaling; else None."""
+    from oscar_cli.artifact import open_artifact
+    from oscar_cli.artifact.manifest import ARCHITECTURE_KEYS
+    from oscar_cli.model import architecture_fingerprint
+
+    try:
+        manifest = open_artifact(artifact).manifest
+    except ArtifactError:
+        return None
+    have, want = manifest.architecture, architecture_fingerprint(config)
+    differ = {k for k in ARCHITECTURE_KEYS if k in have and k in want and have[k] != want[k]}
+    if differ != {"rope_type"} or resolved is None or manifest.model.get("resolved") != resolved:
+        return None
+    other = copy.deepcopy(config)
+    params = dict(getattr(other, "rope_parameters", None) or {})
+    params["rope_type"] = have["rope_type"]
+    other.rope_parameters = params
+    return other
+
+
+def build_methods(
+    names: list[str],
+    config: Any,
+    artifact: str | None,
+    windows: tuple[int, int] | None,
+    *,
+    resolved: str | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """``{name: QuantMethod}`` for a model ``config`` and the notes to show.
+
+    An artifact refused only because its RoPE scaling differs from ``config``'s (calibrated without YaRN,
+    evaluated under it, or the reverse) is accepted when it was made for the same weights (``resolved``, the
+    model identity its manifest records): the rotations describe the same key/value projections, and the
+    note says so. Any other mismatch is refused as before.
+    """
+    from oscar_cli.model.rope import rope_type
+    from oscar_cli.quant import build_method
+
+    methods: dict[str, Any] = {}
+    notes: list[str] = []
+    for m in names:
+        try:
+            methods[m] = build_method(m, config, artifact, windows)
+        except ArtifactError:
+            other = _rope_only_difference(artifact, config, resolved) if artifact and m == NEEDS_ARTIFACT else None
+            if other is None:
+                raise
+            methods[m] = build_method(m, other, artifact, windows)
+            notes.append(
+                f"artifact {artifact} was calibrated with {rope_type(other)} RoPE; using it under "
+                f"{rope_type(config)} RoPE (same weights; `oscar calibrate --rope-scaling yarn` makes one for YaRN)"
+            )
+    return methods, notes
