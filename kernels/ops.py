@@ -254,9 +254,9 @@ def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int =
     At most ``tokens_per_split`` history tokens per program, at least ``min_programs`` programs (fills the
     H200's 132 SMs several times over; measured in docs/KERNELS.md), at least ``min_tiles`` tiles per split (the
     pipelined loop overlaps the second tile's copies with the first tile's math, and fewer partials make the
-    merge one pass: 1 x 4K 12.6 µs at 30 splits of two tiles vs 13.4 at 59 of one; docs/KERNELS.md, v9). The
-    bounds meet at large batch: 2730 tokens gives 12 splits at 16 x 32K (117 µs, 16 splits 121 µs) and 48 at
-    16 x 128K (as fast as 64; docs/KERNELS.md, v8); batch 1 from 32K stays at 1024 programs.
+    merge one pass: 1 x 4K 12.6 µs at 30 splits of two tiles vs 13.4 at 59 of one; docs/KERNELS.md). The
+    bounds meet at large batch: 2730 tokens gives 12 splits at 16 x 32K and 48 at 16 x 128K (whole-wave counts
+    37-99 were no faster there); batch 1 from 32K stays at 1024 programs.
     """
     del device  # the measured choice does not depend on the SM count within H100/H200; kept for callers
     want = max(math.ceil(hist_capacity / tokens_per_split), math.ceil(min_programs / max(batch * h_kv, 1)))
@@ -265,8 +265,8 @@ def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int =
 
 
 # Stage-1 programs per (batch, KV head) that share the BF16 sink + recent rows (320 at the defaults): one program
-# looping over all of them was the critical path at short contexts (docs/KERNELS.md, v5: 4 parts; v6: 8 parts of
-# at most 3 one-warp tiles of 16 rows).
+# looping over all of them was the critical path at short contexts (docs/KERNELS.md); 8 ranges are at most 3
+# one-warp tiles of 16 rows each.
 TIER_PARTS = 8
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's main job on the embedded model. Each issue adds a stage; stages run in order.
+# The README's main job on the embedded model, stage by stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -256,7 +256,7 @@ def test_decode_bad_inputs_name_the_tensor() -> None:
         run_op(dict(c, block_table=c["block_table"].long()))
     with pytest.raises(ValueError, match=r"sink_k: expected"):
         run_op(dict(c, sink_k=c["sink_k"][:, :, :, :32]))
-    # values in the pre-v10 layout of a 128-token page ([D, P/4] instead of two 64-token rows [2·D, 16])
+    # values of a 128-token page as one [D, P/4] block instead of two 64-token rows [2·D, 16]
     c = make_case(5, 1, 4, 1, 64, [200], [1], [1], 128, torch.float16, "cpu", meta=torch.float16)
     old = ref.QuantizedRows(torch.zeros(c["v_cache"].packed.shape[0], 1, 64, 32, dtype=torch.uint8),
                             c["v_cache"].scale, c["v_cache"].zero)
