@@ -34,6 +34,7 @@ from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
 from oscar_cli.calibration.data import CalibrationData, prepare_data
 from oscar_cli.calibration.rotation import build_rotations, is_power_of_two, orthogonality_error
 from oscar_cli.errors import CalibrationError
+from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.recipe import Recipe
 from oscar_cli.transform import LayerTransform
 
@@ -85,13 +86,6 @@ def _noop(phase: str, done: int, total: int) -> None:
     return None
 
 
-def _head_dim(config: Any) -> tuple[int, int, int, int]:
-    from oscar_cli.model import architecture_fingerprint
-
-    fp = architecture_fingerprint(config)
-    return fp["num_layers"], fp["num_attention_heads"], fp["num_key_value_heads"], fp["head_dim"]
-
-
 def plan_budget(recipe: Recipe, head_dim: int) -> tuple[int, int]:
     """``(statistics sequences, held-out sequences)`` for the recipe; CalibrationError when too small."""
     d, c, q = recipe.data, recipe.clip, recipe.quant
@@ -119,12 +113,14 @@ def plan_budget(recipe: Recipe, head_dim: int) -> tuple[int, int]:
     return stats, hold
 
 
-def check_model(config: Any, recipe: Recipe) -> None:
-    """Supported architecture and a head_dim the recipe's rotation can handle (before any work)."""
-    from oscar_cli.model import check_supported
+def check_model(config: Any, recipe: Recipe) -> ModelGeometry:
+    """Supported architecture and a head_dim the recipe's rotation can handle (before any work).
 
-    check_supported(config)
-    _, _, _, d = _head_dim(config)
+    ``config``: a transformers config or its :class:`ModelGeometry`. Returns the geometry.
+    """
+    geo = ModelGeometry.of(config)
+    geo.check()
+    d = geo.head_dim
     needs_pow2 = recipe.method == "hadamard" or (recipe.method == "oscar" and recipe.rotation.composition != "plain")
     if needs_pow2 and not is_power_of_two(d):
         raise CalibrationError(
@@ -132,12 +128,19 @@ def check_model(config: Any, recipe: Recipe) -> None:
             f"{recipe.method} ({recipe.rotation.composition}) need a power-of-two size",
             hint="use a recipe with method: identity or rotation.composition: plain",
         )
+    return geo
 
 
 def _capture(
-    model: Any, data: CalibrationData, recipe: Recipe, n_stats: int, device: torch.device, report: Progress
+    model: Any,
+    geo: ModelGeometry,
+    data: CalibrationData,
+    recipe: Recipe,
+    n_stats: int,
+    device: torch.device,
+    report: Progress,
 ) -> tuple[list[LayerStatistics], HoldoutStore]:
-    n_layers, _, h_kv, d = _head_dim(model.config)
+    n_layers, h_kv, d = geo.num_layers, geo.num_key_value_heads, geo.head_dim
     s, q = recipe.statistics, recipe.quant
     reservoir = min(s.sst_max_tokens, n_stats * recipe.data.seq_len)  # never larger than the data
     stats = [
@@ -250,11 +253,15 @@ def calibrate_model(
     out: Path | str | None = None,
     overwrite: bool = False,
     report: Progress | None = None,
+    geometry: ModelGeometry | None = None,
 ) -> CalibrationResult:
-    """Calibrate a loaded model (any device/dtype) and write its artifact. See the module docstring."""
+    """Calibrate a loaded model (any device/dtype) and write its artifact. See the module docstring.
+
+    ``geometry``: the model's geometry already passed through :func:`check_model` (None: checked here).
+    """
     report = report or _noop
-    check_model(model.config, recipe)
-    n_layers, n_heads, h_kv, d = _head_dim(model.config)
+    geo = geometry if geometry is not None else check_model(model.config, recipe)
+    d = geo.head_dim
     n_stats, n_hold = plan_budget(recipe, d)
     if out is not None and Path(out).exists() and not overwrite:  # refuse before spending minutes
         from oscar_cli.errors import ArtifactError
@@ -276,7 +283,7 @@ def calibrate_model(
     report("data", recipe.data.tokens, recipe.data.tokens)
     timings["data"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    stats, store = _capture(model, data, recipe, n_stats, device, report)
+    stats, store = _capture(model, geo, data, recipe, n_stats, device, report)
     _sync(device)
     timings["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -296,12 +303,10 @@ def calibrate_model(
         summaries.append(
             LayerSummary(i, _spread(s.k_eigenvalues), _spread(s.v_eigenvalues), ch.k_ratio, ch.v_ratio, ch.error)
         )
-    from oscar_cli.model import architecture_fingerprint
-
     manifest = Manifest(
         oscar_version=__version__,
         model={"reference": reference, "resolved": resolved},
-        architecture=architecture_fingerprint(model.config),
+        architecture=geo.fingerprint(),
         method=recipe.method,
         grouping=recipe.rotation.grouping,
         recipe=recipe.to_dict(),
@@ -378,8 +383,8 @@ def calibrate(
     from oscar_cli.model import load_config, load_model
 
     _, config = load_config(model_ref, revision=revision)
-    check_model(config, recipe)  # fail fast, before loading weights
-    plan_budget(recipe, _head_dim(config)[3])
+    geo = check_model(config, recipe)  # fail fast, before loading weights
+    plan_budget(recipe, geo.head_dim)
     if out is not None and Path(out).exists() and not overwrite:
         from oscar_cli.errors import ArtifactError
 
@@ -394,4 +399,5 @@ def calibrate(
         out=out,
         overwrite=overwrite,
         report=report,
+        geometry=geo,
     )

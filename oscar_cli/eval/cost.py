@@ -16,13 +16,13 @@ import torch
 
 def prefill_flops(model: Any, lengths: list[int]) -> float:
     """FLOPs of prefilling one prompt of each length in ``lengths`` (one entry per sample)."""
-    cfg = model.config
+    from oscar_cli.model.geometry import ModelGeometry
+
+    geo = ModelGeometry.from_config(model.config)
     embed = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
              for p in m.parameters()}  # fmt: skip
     weights = sum(p.numel() for p in model.parameters() if id(p) not in embed)
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", 0) or cfg.hidden_size // heads)
-    layers = int(cfg.num_hidden_layers)
+    heads, head_dim, layers = geo.num_attention_heads, geo.head_dim, geo.num_layers
     return float(sum(2 * weights * L + 2 * layers * L * L * heads * head_dim for L in lengths))
 
 

@@ -119,7 +119,7 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
     ids = list(tok(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"])
     names = ["bf16"] + [m for m in cfg.methods if m != "bf16"]
     methods = {m: build_method(m, model.config, cfg.artifact, cfg.bf16_windows) for m in names}
-    head_dim = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
+    head_dim = loaded.geometry.head_dim
     metrics: dict[str, dict[int, dict[str, float]]] = {m: {} for m in names}
     with progress() as p:
         bar = p.add_task("eval-kl", total=len(names) * len(cfg.lengths))

@@ -209,7 +209,7 @@ def run_method_samples(
     model, tok = loaded.model, loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (_eos_ids(model, tok) or [0])[0]
     eos = _eos_ids(model, tok)
-    head_dim = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
+    head_dim = loaded.geometry.head_dim
     rope = rope_tag(cfg)
     by_len: dict[int, list[tuple[NiahSample, list[int]]]] = defaultdict(list)
     for item in pending:
@@ -381,7 +381,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     for note in notes:
         _announce(note)
     sources = {m: meth.source for m, meth in methods.items()}
-    head_dim = int(getattr(model.config, "head_dim", 0) or model.config.hidden_size // model.config.num_attention_heads)
+    head_dim = loaded.geometry.head_dim
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

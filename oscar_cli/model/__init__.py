@@ -5,11 +5,11 @@
 - :mod:`.loaders` — transformers loads, GGUF -> safetensors conversion
 - :mod:`.cache` — ``$OSCAR_CACHE_DIR``: sha256 index and converted-GGUF entries
 - :mod:`.load` — :func:`load_model` / :func:`load_config`, device and dtype defaults
-- :mod:`.geometry` — the architecture fingerprint and the support check
+- :mod:`.geometry` — :class:`ModelGeometry` (heads, head_dim, RoPE, support check) and its fingerprint dict
 - :mod:`.report` — ``oscar info``'s report
 """
 
-from oscar_cli.model.geometry import architecture_fingerprint, check_supported, unsupported_reasons
+from oscar_cli.model.geometry import ModelGeometry, architecture_fingerprint, check_supported, unsupported_reasons
 from oscar_cli.model.load import LoadedModel, load_config, load_model, resolve_device, resolve_dtype
 from oscar_cli.model.resolve import ACCEPTED_FORMS, ALIASES, DEFAULT_MODEL, EMBEDDED_FILE, ModelIdentity, resolve_model
 
@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "EMBEDDED_FILE",
     "LoadedModel",
+    "ModelGeometry",
     "ModelIdentity",
     "architecture_fingerprint",
     "check_supported",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from oscar_cli.errors import MissingDependencyError, OscarError, UnsupportedModelError
 from oscar_cli.model import cache as model_cache
+from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.model.loaders import convert_gguf, hf_progress, load_directory, load_gguf_direct
 from oscar_cli.model.resolve import DEFAULT_MODEL, ModelIdentity, resolve_model
 
@@ -51,6 +53,11 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float = 0.0
     source: str = ""
+
+    @cached_property
+    def geometry(self) -> ModelGeometry:
+        """:class:`ModelGeometry` of ``model.config`` (read once, on first use)."""
+        return ModelGeometry.from_config(self.model.config)
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

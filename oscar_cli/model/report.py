@@ -10,13 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from oscar_cli.model import (
-    DEFAULT_MODEL,
-    architecture_fingerprint,
-    load_config,
-    load_model,
-    unsupported_reasons,
-)
+from oscar_cli.model import DEFAULT_MODEL, ModelGeometry, load_config, load_model
 
 DEFAULT_CTX = (4096, 8192, 32768, 131072)
 # The serving defaults of the INT2 format (docs/DESIGN.md): BF16 sink and recent tiers, 16-bit scale/zero.
@@ -78,7 +72,7 @@ def model_report(
     loaded = None
     if load:
         lm = load_model(ref, device=device, dtype=dtype, revision=revision)
-        identity, config = lm.identity, lm.model.config
+        identity, geo = lm.identity, lm.geometry
         loaded = {
             "device": str(lm.device),
             "dtype": str(lm.dtype).removeprefix("torch."),
@@ -88,7 +82,8 @@ def model_report(
         }
     else:
         identity, config = load_config(ref, revision=revision)
-    fp = architecture_fingerprint(config)
+        geo = ModelGeometry.from_config(config)
+    fp = geo.fingerprint()
     groups = group_sizes or default_group_sizes(fp["head_dim"])
     bad = [g for g in groups if g <= 0 or fp["head_dim"] % g]
     if bad:
@@ -99,7 +94,7 @@ def model_report(
             hint=f"use one of {[g for g in range(1, fp['head_dim'] + 1) if fp['head_dim'] % g == 0]}",
         )
     rows = bpe_table(fp, list(ctxs or DEFAULT_CTX), groups)
-    reasons = unsupported_reasons(config)
+    reasons = list(geo.unsupported_reasons)
     return {
         "model": identity.to_dict(),
         "architecture": fp,

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from oscar_cli.errors import ArtifactError, EvalError
+from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.transform import LayerTransform
 
 MethodKind = Literal["dense", "int2", "kivi"]
@@ -103,11 +104,6 @@ def _per_layer(n_layers: int, t: LayerTransform) -> tuple[LayerTransform, ...]:
     return tuple(t for _ in range(n_layers))
 
 
-def _head_dim(config: Any) -> int:
-    d = getattr(config, "head_dim", None)
-    return int(d) if d else int(config.hidden_size // config.num_attention_heads)
-
-
 def bf16_method() -> QuantMethod:
     """Uncompressed reference: the cache keeps every token in the activation dtype."""
     return QuantMethod(name="bf16", kind="dense", source="none")
@@ -119,16 +115,20 @@ def naive_int2_method() -> QuantMethod:
 
 
 def quarot_int2_method(config: Any) -> QuantMethod:
-    """QuaRot-style INT2: natural-order Sylvester Hadamard on K (online) and V (folded), no windows, no clip."""
+    """QuaRot-style INT2: natural-order Sylvester Hadamard on K (online) and V (folded), no windows, no clip.
+
+    ``config``: a transformers config or its :class:`~oscar_cli.model.geometry.ModelGeometry`.
+    """
     from oscar_kernels.reference import hadamard
 
-    d = _head_dim(config)
+    geo = ModelGeometry.of(config)
+    d = geo.head_dim
     if d & (d - 1):
         raise EvalError(f"quarot-int2 needs a power-of-two head_dim, the model has {d}")
     h = hadamard(d, torch.float32).unsqueeze(0)
     t = LayerTransform(k_rotation=h, v_rotation=h)
     return QuantMethod(
-        name="quarot-int2", kind="int2", layers=_per_layer(config.num_hidden_layers, t), source="hadamard"
+        name="quarot-int2", kind="int2", layers=_per_layer(geo.num_layers, t), source="hadamard"
     )
 
 
@@ -173,8 +173,9 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     """
     from oscar_cli.artifact import open_artifact
 
-    art = open_artifact(ref, expect_architecture=config)
-    n_layers = int(config.num_hidden_layers)
+    geo = ModelGeometry.of(config)
+    art = open_artifact(ref, expect_architecture=geo.fingerprint())
+    n_layers = geo.num_layers
     if len(art.layers) != n_layers:
         raise ArtifactError(f"artifact {ref} has {len(art.layers)} layers, the model {n_layers}")
     quant = dict(art.manifest.quant)
