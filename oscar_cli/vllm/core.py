@@ -1,0 +1,255 @@
+"""The INT2 attention step over vLLM's pages, in torch + ``oscar_kernels.ops`` (no vLLM import).
+
+:class:`Step` is one engine step's batch (built once per step from vLLM's metadata by :func:`build_step`, shared by
+all layers); :class:`PagedInt2Layer` is one attention layer: its transforms and the per-sequence BF16 tiers, with
+
+- :meth:`PagedInt2Layer.write` — quantize-on-write of every new token into its page through the slot mapping
+  (``ops.quantize_write``: K rows, V token quads), plus its rotated BF16 copy into the sequence's sink (positions
+  ``< S0``) or recent ring (the newest ``W + B - 1`` positions);
+- :meth:`PagedInt2Layer.decode` — one query per sequence over sink + INT2 history + recent (``ops.DecodePlan``,
+  the split-KV kernel; its launches are CUDA-graph capturable);
+- :meth:`PagedInt2Layer.prefill` — a chunk attends to the sink, to earlier tokens through a transient
+  dequantized copy of their INT2 pages, and to itself unquantized (causal), as the reference cache does.
+
+Semantics are the reference cache's (``oscar_cli.quant.cache.Int2Layer``): the recent length follows its placement
+rule (:func:`oscar_cli.vllm.layout.next_recent_len`), so a decode step sees exactly the tokens the reference keeps
+in BF16; every token is also stored in INT2 at arrival, so a token that leaves the recent window needs no
+re-quantization (the codes are those the reference computes when it demotes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from oscar_cli.vllm.layout import (
+    Int2Settings,
+    LayerTensors,
+    decode_lengths,
+    next_recent_len,
+    ring_gather_index,
+    tier_write_index,
+    token_positions,
+)
+from oscar_kernels.reference import QuantizedRows, dequantize_int2, unpack_token_quads
+
+# (q [n, H_q, D], k [H_kv, T, D], v [H_kv, T, D], offset, softmax scale) -> [n, H_q, D];
+# query i sees keys 0 .. offset + i
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+@dataclass
+class Step:
+    """One engine step: vLLM's metadata plus what the INT2 path derives from it (device tensors unless noted)."""
+
+    num_tokens: int  # real query tokens (host int)
+    num_decodes: int  # leading one-token requests (host int)
+    seq_lens: torch.Tensor  # int32 [R]: lengths after this step
+    block_table: torch.Tensor  # int32 [R, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [N]
+    rows: torch.Tensor  # int64 [R]: the request's row of the BF16 tiers
+    rows_host: list[int]  # the same rows (host ints)
+    req: torch.Tensor  # int64 [N]: request of each token
+    pos: torch.Tensor  # int64 [N]: absolute position of each token
+    recent_len: torch.Tensor  # int32 [R]
+    sink_len: torch.Tensor  # int32 [R]
+    hist_len: torch.Tensor  # int32 [R]: INT2 tokens from position S0 (decode rows)
+    ring_index: torch.Tensor  # int64 [R, ring]
+    prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (request, q_start, q_end, seq_len)
+
+
+def split_decodes(query_start_loc_cpu: list[int]) -> int:
+    """Number of leading one-token requests (vLLM puts decodes first when ``reorder_batch_threshold = 1``)."""
+    lens = [b - a for a, b in zip(query_start_loc_cpu[:-1], query_start_loc_cpu[1:], strict=True)]
+    nd = 0
+    while nd < len(lens) and lens[nd] == 1:
+        nd += 1
+    if any(n == 1 for n in lens[nd:]):
+        raise ValueError(f"batch not reordered: a one-token request after a prefill ({lens})")
+    return nd
+
+
+def build_step(query_start_loc: torch.Tensor, query_start_loc_cpu: list[int], seq_lens: torch.Tensor,
+               seq_lens_cpu: list[int], block_table: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int,
+               rows: list[int], recent_state: torch.Tensor, s: Int2Settings) -> Step:
+    """Derive a :class:`Step`; advances ``recent_state`` (int32 ``[rows + 1]``, one entry per tier row) in place.
+
+    Call it once per engine step (not per layer): the recent length is per sequence state.
+    """
+    nd = split_decodes(query_start_loc_cpu)
+    rows_dev = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    recent = next_recent_len(recent_state[rows_dev], q_lens, seq_lens, s)
+    recent_state[rows_dev] = recent
+    req, pos = token_positions(query_start_loc, seq_lens, int(slot_mapping.shape[0]))
+    sink_len, hist_len = decode_lengths(seq_lens, recent, s.sink)
+    prefills = [(i, query_start_loc_cpu[i], query_start_loc_cpu[i + 1], seq_lens_cpu[i])
+                for i in range(nd, len(seq_lens_cpu)) if query_start_loc_cpu[i + 1] > query_start_loc_cpu[i]]
+    return Step(num_tokens, nd, seq_lens, block_table, slot_mapping, rows_dev, list(rows), req, pos, recent, sink_len, hist_len,
+                ring_gather_index(seq_lens, recent, s.ring), prefills)
+
+
+def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
+    """Reference :data:`Attend` in float32 (GQA by contiguous head groups)."""
+    n, h_q = q.shape[:2]
+    t = k.shape[1]
+    g = h_q // k.shape[0]
+    mask = torch.arange(t, device=q.device)[None, :] <= (offset + torch.arange(n, device=q.device))[:, None]
+    qq = q.float().transpose(0, 1)  # [H_q, n, D]
+    kk = k.float().repeat_interleave(g, 0)
+    vv = v.float().repeat_interleave(g, 0)
+    s = (qq @ kk.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+    return (p @ vv).transpose(0, 1)
+
+
+class TritonKernels:
+    """The two kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin."""
+
+    def __init__(self, decode_config: object | None = None) -> None:
+        self.config = decode_config
+
+    def quantize_write(self, x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, mean: torch.Tensor,
+                       clip: float, layout: str) -> None:
+        from oscar_kernels import ops
+
+        ops.quantize_write(x, cache, slots, mean=mean, clip_ratio=clip, layout=layout)
+
+    def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
+               hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
+               recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
+               out: torch.Tensor | None) -> torch.Tensor:
+        from oscar_kernels import ops
+
+        return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
+                              recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
+                              sm_scale=scale, config=self.config, out=out).run()  # type: ignore[arg-type]
+
+
+class PagedInt2Layer:
+    """One attention layer of the INT2 backend: transforms, BF16 tiers ``[rows + 1, H_kv, T, D]`` (the last row is
+    scratch for padding tokens), and the write / decode / prefill operations."""
+
+    def __init__(self, tensors: LayerTensors, s: Int2Settings, num_rows: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, act_dtype: torch.dtype, device: torch.device | str,
+                 sm_scale: float | None = None, kernels: TritonKernels | None = None) -> None:
+        self.t = tensors.to(device)
+        self.s = s
+        self.h_q, self.h_kv, self.d, self.block_size = num_heads, num_kv_heads, head_dim, block_size
+        self.group = num_heads // num_kv_heads
+        self.act = act_dtype
+        self.scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+        self.kernels = kernels or TritonKernels()
+        self.scratch = num_rows
+        shape = (num_rows + 1, num_kv_heads)
+        self.sink_k = torch.zeros(*shape, max(s.sink, 1), head_dim, dtype=act_dtype, device=device)
+        self.sink_v = torch.zeros_like(self.sink_k)
+        self.ring_k = torch.zeros(*shape, max(s.ring, 1), head_dim, dtype=act_dtype, device=device)
+        self.ring_v = torch.zeros_like(self.ring_k)
+
+    # ------------------------------------------------------------------ transforms
+    def rotate(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """``x [N, H_kv, D] @ R`` in float32, cast to the activation dtype (what the reference cache stores)."""
+        r = self.t.k_rotation if which == "k" else self.t.v_rotation
+        y = x.float() @ r if r.dim() == 2 else torch.einsum("nhd,hde->nhe", x.float(), r)
+        return y.to(self.act)
+
+    def _per_q_head(self, r: torch.Tensor) -> torch.Tensor:
+        return r.expand(self.h_kv, -1, -1).repeat_interleave(self.group, 0) if r.dim() == 2 else \
+            r.repeat_interleave(self.group, 0)
+
+    # ------------------------------------------------------------------ write
+    def write(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
+              st: Step) -> None:
+        """Store rotated rows ``kr``/``vr`` ``[N, H_kv, D]`` (from :meth:`rotate`): INT2 into the pages at
+        ``st.slot_mapping`` (negative: skipped), BF16 into the sink / ring rows of their requests."""
+        n = int(kr.shape[0])
+        slots = st.slot_mapping[:n]
+        self.kernels.quantize_write(kr, k_pages, slots, self.t.k_mean, self.t.k_clip, "rows")
+        self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads")
+        sr, sp, rr, rs = tier_write_index(st.req[:n], st.pos[:n], slots, st.seq_lens, st.rows, self.s, self.scratch)
+        self.sink_k[sr, :, sp] = kr
+        self.sink_v[sr, :, sp] = vr
+        self.ring_k[rr, :, rs] = kr
+        self.ring_v[rr, :, rs] = vr
+
+    # ------------------------------------------------------------------ decode
+    def _centred(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        return (x.float() - mean[None, :, None, :]).to(self.act).contiguous()
+
+    def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, st: Step,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``q [B, H_q, D]`` (post-RoPE, unrotated) of the step's ``B = st.num_decodes`` first requests -> attention
+        output ``[B, H_q, D]`` in the model's space."""
+        b = int(q.shape[0])
+        rows = st.rows[:b]
+        sink_k = self._centred(self.sink_k[rows], self.t.k_mean)
+        sink_v = self._centred(self.sink_v[rows], self.t.v_mean)
+        idx = st.ring_index[:b]
+        rec_k = self._centred(self.ring_k[rows[:, None], :, idx].permute(0, 2, 1, 3), self.t.k_mean)
+        rec_v = self._centred(self.ring_v[rows[:, None], :, idx].permute(0, 2, 1, 3), self.t.v_mean)
+        table = st.block_table[:b, self.s.sink // self.block_size:]
+        return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
+                                   (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out)
+
+    # ------------------------------------------------------------------ prefill
+    def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int, end: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized rotated K and V ``[H_kv, end - start, D]`` (mean added back) of positions ``[start, end)``
+        of the sequence whose pages are ``blocks`` (int32, its block-table row); ``start`` is page-aligned."""
+        p, d = self.block_size, self.d
+        first, last = start // p, -(-end // p)
+        ids = blocks[first:last].long()
+        n = end - start
+
+        def tokens(x: torch.Tensor) -> torch.Tensor:  # [pages, H, P, C] -> [H, n, C]
+            return x.permute(1, 0, 2, 3).reshape(self.h_kv, -1, x.shape[-1])[:, :n]
+
+        k = dequantize_int2(tokens(k_pages.packed[ids]), tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
+        codes = unpack_token_quads(v_pages.packed[ids], p, d).float()  # [pages, H, P, D]
+        vs, vz = tokens(v_pages.scale[ids]).float(), tokens(v_pages.zero[ids]).float()
+        v = vz + tokens(codes) * vs
+        return (k + self.t.k_mean[:, None, :]).to(self.act), (v + self.t.v_mean[:, None, :]).to(self.act)
+
+    def prefill(self, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows,
+                v_pages: QuantizedRows, st: Step, attend: Attend = masked_attend) -> list[torch.Tensor]:
+        """Attention of each prefill chunk of ``st.prefills`` (``q``/``kr``/``vr`` are the whole batch's tokens);
+        returns one ``[n, H_q, D]`` output per chunk, in the model's space."""
+        rk = self._per_q_head(self.t.k_rotation)  # [H_q, D, D]
+        rv_t = self._per_q_head(self.t.v_rotation).transpose(-1, -2)
+        outs = []
+        for i, qs, qe, seq_len in st.prefills:
+            n = qe - qs
+            c = seq_len - n
+            row = st.rows_host[i]
+            ks, vs = [], []
+            ns = min(c, self.s.sink)
+            if ns > 0:
+                ks.append(self.sink_k[row, :, :ns])
+                vs.append(self.sink_v[row, :, :ns])
+            if c > self.s.sink:
+                hk, hv = self.history(k_pages, v_pages, st.block_table[i], self.s.sink, c)
+                ks.append(hk)
+                vs.append(hv)
+            ks.append(kr[qs:qe].transpose(0, 1))
+            vs.append(vr[qs:qe].transpose(0, 1))
+            qr = torch.einsum("nhd,hde->nhe", q[qs:qe].float(), rk).to(self.act)
+            o = attend(qr, torch.cat(ks, 1), torch.cat(vs, 1), c, self.scale)  # rotated value space
+            outs.append(torch.einsum("nhd,hde->nhe", o.float(), rv_t).to(self.act))
+        return outs
+
+    # ------------------------------------------------------------------ one step
+    def forward(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pages: QuantizedRows,
+                v_pages: QuantizedRows, st: Step, out: torch.Tensor, attend: Attend = masked_attend) -> torch.Tensor:
+        """The whole layer step: write the batch's ``st.num_tokens`` new tokens, then attention for the decodes
+        (first ``st.num_decodes`` tokens, INT2 kernel) and each prefill chunk; fills ``out [N, H_q, D]``."""
+        n, nd = st.num_tokens, st.num_decodes
+        kr, vr = self.rotate(key[:n], "k"), self.rotate(value[:n], "v")
+        self.write(kr, vr, k_pages, v_pages, st)
+        if nd:
+            self.decode(q[:nd], k_pages, v_pages, st, out=out[:nd])
+        for (_, qs, qe, _), o in zip(st.prefills, self.prefill(q, kr, vr, k_pages, v_pages, st, attend), strict=True):
+            out[qs:qe] = o
+        return out

@@ -1,0 +1,301 @@
+"""Pure-torch glue between vLLM's paged-attention metadata and oscar's INT2 kernels (no vLLM import).
+
+- :func:`layer_tensors`: an ``oscar`` :class:`~oscar_cli.quant.methods.QuantMethod` (from an artifact) -> per layer
+  :class:`LayerTensors` in the shapes ``oscar_kernels.ops`` takes (rotations ``[D, D]`` or ``[H_kv, D, D]``, means
+  ``[H_kv, D]``, clip ratios); :func:`check_geometry` refuses what the kernels cannot serve, in one line.
+- :func:`carve_pages`: one layer's vLLM cache tensor ``uint8 [num_blocks, P, H_kv, slot]`` -> the kernels' paged
+  K rows and V token quads plus scale/zero (views of the same memory: nothing is copied).
+- :func:`token_positions`, :func:`next_recent_len`, :func:`decode_lengths`, :func:`ring_gather_index`,
+  :func:`tier_write_index`: vLLM's ``query_start_loc`` / ``seq_lens`` / ``slot_mapping`` -> the kernels' lengths
+  and the BF16 tiers' indices, as device tensor ops (no host sync: CUDA-graph capturable).
+- :class:`SequenceRows`: which row of the per-sequence BF16 tiers a request owns (host side).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from oscar_cli.errors import OscarError, UnsupportedModelError
+from oscar_cli.vllm.spec import DEMOTION_BLOCK, ring_tokens
+from oscar_kernels.reference import QuantizedRows, token_quad_row
+
+KERNEL_HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Int2Settings:
+    """The artifact's INT2 layout: BF16 sink ``S0``, recent window ``W``, metadata dtype (G = D)."""
+
+    sink: int
+    recent: int
+    meta_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def demotion_block(self) -> int:
+        return DEMOTION_BLOCK if self.recent > 0 else 1
+
+    @property
+    def ring(self) -> int:
+        return ring_tokens(self.recent)
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One decoder layer's transforms, float32: ``k_rotation``/``v_rotation`` ``[D, D]`` (shared by the KV heads)
+    or ``[H_kv, D, D]``, ``k_mean``/``v_mean`` ``[H_kv, D]`` (rotated space), clip ratios (``<= 0``: off)."""
+
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_mean: torch.Tensor
+    v_mean: torch.Tensor
+    k_clip: float
+    v_clip: float
+
+    def to(self, device: torch.device | str) -> LayerTensors:
+        def mv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device).contiguous()
+
+        return LayerTensors(mv(self.k_rotation), mv(self.v_rotation), mv(self.k_mean), mv(self.v_mean), self.k_clip,
+                            self.v_clip)
+
+
+def _rotation(r: torch.Tensor | None, h_kv: int, d: int, what: str) -> torch.Tensor:
+    if r is None:
+        return torch.eye(d, dtype=torch.float32)
+    r = r.float()
+    if r.dim() == 3 and r.shape[0] == 1:
+        r = r[0]
+    if tuple(r.shape) not in ((d, d), (h_kv, d, d)):
+        raise UnsupportedModelError(f"artifact {what}: shape {tuple(r.shape)}, the model needs [{d}, {d}] or "
+                                    f"[{h_kv}, {d}, {d}]")
+    return r.contiguous()
+
+
+def _mean(m: torch.Tensor | None, h_kv: int, d: int, what: str) -> torch.Tensor:
+    if m is None:
+        return torch.zeros(h_kv, d)
+    m = m.float()
+    if m.dim() == 1:
+        m = m.unsqueeze(0)
+    if m.shape[-1] != d or m.shape[0] not in (1, h_kv):
+        raise UnsupportedModelError(f"artifact {what}: shape {tuple(m.shape)}, the model needs [{h_kv}, {d}]")
+    return m.expand(h_kv, d).contiguous()
+
+
+def layer_tensors(method: object, num_layers: int, num_kv_heads: int, head_dim: int) -> list[LayerTensors]:
+    """Per-layer kernel operands of an ``oscar`` method (``QuantMethod`` with ``layers`` of ``LayerTransform``)."""
+    layers = getattr(method, "layers", ())
+    if len(layers) != num_layers:
+        raise UnsupportedModelError(f"artifact has {len(layers)} layers, the model {num_layers}")
+    out = []
+    for i, t in enumerate(layers):
+        out.append(LayerTensors(
+            _rotation(t.k_rotation, num_kv_heads, head_dim, f"layer {i} k_rotation"),
+            _rotation(t.v_rotation, num_kv_heads, head_dim, f"layer {i} v_rotation"),
+            _mean(t.k_mean, num_kv_heads, head_dim, f"layer {i} k_mean"),
+            _mean(t.v_mean, num_kv_heads, head_dim, f"layer {i} v_mean"),
+            float(t.k_clip), float(t.v_clip)))
+    return out
+
+
+def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, group_size: int | None,
+                   sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                   alibi: bool = False, kv_sharing: bool = False) -> None:
+    """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16."""
+    reasons = []
+    if head_dim not in KERNEL_HEAD_DIMS:
+        reasons.append(f"head_dim {head_dim} (the INT2 decode kernel supports {KERNEL_HEAD_DIMS})")
+    if block_size not in BLOCK_SIZES:
+        reasons.append(f"block size {block_size} (use --block-size 16, 32 or 64)")
+    elif settings.sink % block_size:
+        reasons.append(f"sink {settings.sink} is not a multiple of the block size {block_size}")
+    if group_size not in (None, head_dim):
+        reasons.append(f"quantization group {group_size} (the kernels need G = head_dim)")
+    if settings.meta_dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"metadata dtype {settings.meta_dtype} (pages hold 16-bit scale/zero)")
+    if sliding_window is not None:
+        reasons.append("sliding-window attention")
+    if logits_soft_cap:
+        reasons.append("logits soft-capping")
+    if alibi:
+        reasons.append("ALiBi")
+    if kv_sharing:
+        reasons.append("cross-layer KV sharing")
+    if reasons:
+        raise UnsupportedModelError("oscar INT2 backend cannot serve this model: " + "; ".join(reasons))
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    """``"model.layers.12.self_attn.attn"`` -> 12 (vLLM's attention layer prefix)."""
+    m = _LAYER_RE.search(layer_name)
+    if m is None:
+        raise UnsupportedModelError(f"cannot tell the decoder layer of attention module {layer_name!r}")
+    return int(m.group(1))
+
+
+def page_offsets(block_size: int, h_kv: int, head_dim: int, meta: int) -> dict[str, int]:
+    """Byte offsets inside one page: K codes, V codes (token quads), K scale, K zero, V scale, V zero."""
+    codes = block_size * h_kv * head_dim // 4
+    md = block_size * h_kv * meta
+    return {"k": 0, "v": codes, "k_scale": 2 * codes, "k_zero": 2 * codes + md, "v_scale": 2 * codes + 2 * md,
+            "v_zero": 2 * codes + 3 * md, "end": 2 * codes + 4 * md}
+
+
+def carve_pages(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype = torch.bfloat16
+                ) -> tuple[QuantizedRows, QuantizedRows]:
+    """Views of one layer's pages ``uint8 [num_blocks, P, H_kv, slot]`` as the kernels' paged caches.
+
+    Keys: ``packed [blocks, H_kv, P, D/4]``; values: token quads ``[blocks, H_kv, P/R·D, R/4]`` (R = min(P, 64));
+    scale/zero ``[blocks, H_kv, P, 1]`` in ``meta_dtype``, all four with the same strides (what the decode kernel
+    requires). The page bytes are laid out as :func:`page_offsets` says.
+    """
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache: expected contiguous uint8 [blocks, P, H_kv, slot], got {kv_cache.dtype} "
+                         f"{tuple(kv_cache.shape)}")
+    nb, p, h, slot = (int(s) for s in kv_cache.shape)
+    meta = torch.empty((), dtype=meta_dtype).element_size()
+    off = page_offsets(p, h, head_dim, meta)
+    if off["end"] != p * h * slot:
+        raise ValueError(f"kv_cache: slot {slot} does not hold INT2 K/V of head_dim {head_dim} with {meta}-byte "
+                         f"metadata ({off['end'] // (p * h)} bytes)")
+    page = p * h * slot
+    flat = kv_cache.reshape(-1)
+    row = token_quad_row(p)
+    d4 = head_dim // 4
+    k = flat.as_strided((nb, h, p, d4), (page, p * d4, d4, 1), off["k"])
+    v = flat.as_strided((nb, h, p // row * head_dim, row // 4), (page, p * d4, row // 4, 1), off["v"])
+    md = flat.view(meta_dtype)
+
+    def meta_view(name: str) -> torch.Tensor:
+        return md.as_strided((nb, h, p, 1), (page // meta, p, 1, 1), off[name] // meta)
+
+    return (QuantizedRows(k, meta_view("k_scale"), meta_view("k_zero")),
+            QuantizedRows(v, meta_view("v_scale"), meta_view("v_zero")))
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request index and absolute position (int64 ``[N]``) of each of the batch's ``num_tokens`` query tokens.
+
+    ``query_start_loc`` int32 ``[R+1]``, ``seq_lens`` ``[R]`` (lengths after this step's tokens). Padding tokens past
+    ``query_start_loc[-1]`` get the last request and meaningless positions (their slot is -1: callers mask them).
+    """
+    r = int(seq_lens.shape[0])
+    t = torch.arange(num_tokens, device=seq_lens.device, dtype=torch.int64)
+    ends = query_start_loc[1:].to(torch.int64)
+    req = torch.searchsorted(ends, t, right=True).clamp_(max=max(r - 1, 0))
+    pos = seq_lens.to(torch.int64)[req] - (ends[req] - t)
+    return req, pos
+
+
+def next_recent_len(prev: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, s: Int2Settings
+                    ) -> torch.Tensor:
+    """BF16 recent-tier length after this step, per request (the reference cache's placement rule).
+
+    A prefill chunk (``q_len > 1``) keeps its last ``min(W, tokens past the sink)`` in the recent tier (a later chunk
+    replaces that: earlier chunks are INT2 for it); a decode token past the sink grows the tier by one, and at
+    ``W + B`` tokens the ``B`` oldest go to INT2 at once, so the tier holds ``W .. W + B - 1`` tokens. (The reference
+    keeps no recent tier after a non-final chunk; vLLM does not say which chunk is the last, and nothing reads the
+    value then: that sequence's next step is another chunk.)
+    """
+    q = query_lens.to(torch.int64)
+    L = seq_lens.to(torch.int64)
+    prev = torch.where(L == q, torch.zeros_like(q), prev.to(torch.int64))  # a new sequence starts empty
+    w, blk = s.recent, s.demotion_block
+    chunk = torch.clamp(L - torch.clamp(L - q, min=s.sink), min=0).clamp(max=w)
+    grown = prev + (L - 1 >= s.sink).to(torch.int64)
+    grown = grown - torch.where(grown >= w + blk, torch.div(grown - w, blk, rounding_mode="floor") * blk,
+                                torch.zeros_like(grown))
+    out = torch.where(q > 1, chunk, grown)
+    return torch.minimum(out, torch.clamp(L - s.sink, min=0)).to(torch.int32)
+
+
+def decode_lengths(seq_lens: torch.Tensor, recent_len: torch.Tensor, sink: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sink_len, hist_len)`` int32 ``[B]``: sink ``min(L, S0)``; INT2 history ``[S0, L - r)`` (the kernel reads it
+    through the block table shifted by ``S0 / P`` blocks)."""
+    L = seq_lens.to(torch.int32)
+    sink_len = torch.clamp(L, max=sink)
+    hist_len = torch.clamp(L - sink - recent_len.to(torch.int32), min=0)
+    return sink_len.to(torch.int32), hist_len.to(torch.int32)
+
+
+def ring_gather_index(seq_lens: torch.Tensor, recent_len: torch.Tensor, ring: int) -> torch.Tensor:
+    """int64 ``[B, ring]``: ring slot of the recent tier's ``j``-th token (positions ``L - r .. L - 1``, oldest
+    first; entries ``j >= r`` repeat valid slots, the kernel ignores them)."""
+    L = seq_lens.to(torch.int64).unsqueeze(1)
+    r = recent_len.to(torch.int64).unsqueeze(1)
+    j = torch.arange(max(ring, 1), device=seq_lens.device, dtype=torch.int64).unsqueeze(0)
+    return torch.remainder(L - r + j, max(ring, 1))
+
+
+def tier_write_index(req: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                     rows: torch.Tensor, s: Int2Settings, scratch_row: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each new token's rotated BF16 K/V goes: ``(sink_row, sink_pos, ring_row, ring_slot)`` int64 ``[N]``.
+
+    Sink: positions ``< S0``. Ring: positions ``>= S0`` among the request's newest ``ring`` tokens (older ones of
+    a long chunk would be overwritten in the same launch: they are skipped, so no two tokens share a slot). Tokens
+    that go nowhere (padding: slot < 0) are sent to ``scratch_row``, slot 0.
+    """
+    valid = slots >= 0
+    row = rows.to(torch.int64)[req]
+    scratch = torch.full_like(row, scratch_row)
+    zero = torch.zeros_like(pos)
+    to_sink = valid & (pos < s.sink)
+    to_ring = valid & (pos >= s.sink) & (pos >= seq_lens.to(torch.int64)[req] - s.ring) & (s.ring > 0)
+    ring = max(s.ring, 1)
+    return (torch.where(to_sink, row, scratch), torch.where(to_sink, pos, zero),
+            torch.where(to_ring, row, scratch), torch.where(to_ring, torch.remainder(pos, ring), zero))
+
+
+class SequenceRows:
+    """Host-side owner table of the per-sequence BF16 tier rows, keyed by a request's first block id.
+
+    vLLM gives a backend no request ids; a live request's first block is its own (prefix caching is off) and stays
+    put until the request ends. A new request (no computed tokens yet) takes a free row, else the least recently
+    seen row that is not in this batch; a continuing request whose row was taken raises instead of attending to
+    another request's tokens. Block 0 is vLLM's null block (dummy and padded batches): it maps to the scratch row.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.scratch = num_rows  # one extra row for padding / dummy batches
+        self._rows: OrderedDict[int, int] = OrderedDict()  # first block -> row, least recently seen first
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def assign(self, first_blocks: list[int], new: list[bool]) -> list[int]:
+        batch = set(first_blocks)
+        out = []
+        for block, is_new in zip(first_blocks, new, strict=True):
+            if block == 0:
+                out.append(self.scratch)
+                continue
+            row = self._rows.get(block)
+            if row is None:
+                if not is_new:
+                    raise OscarError(
+                        f"oscar: the BF16 tiers of a running request were given to a newer one (more than "
+                        f"{self.num_rows} requests seen since it last ran)",
+                        hint="oscar keeps --max-num-seqs rows of BF16 tiers; lower the load or raise --max-num-seqs")
+                row = self._take(batch)
+            self._rows[block] = row
+            self._rows.move_to_end(block)
+            out.append(row)
+        return out
+
+    def _take(self, batch: set[int]) -> int:
+        if self._free:
+            return self._free.pop()
+        for block in self._rows:
+            if block not in batch:
+                return self._rows.pop(block)
+        raise OscarError(f"oscar: more than {self.num_rows} requests in one batch", hint="lower --max-num-seqs")

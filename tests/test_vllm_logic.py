@@ -1,0 +1,364 @@
+"""The vLLM backend's logic without vLLM: KV spec sizes, metadata -> kernel arguments, artifact -> per-layer tensors,
+and the reference semantics of a simulated vLLM run (slot-mapping writes, chunked prefill, a mixed batch of decodes
+and a prefill chunk) through the backend's core with the Triton interpreter, against oscar's reference cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_cache import random_orthogonal, random_transform  # noqa: E402
+
+from oscar_cli.errors import OscarError, UnsupportedModelError  # noqa: E402
+from oscar_cli.quant.cache import Int2Layer  # noqa: E402
+from oscar_cli.quant.methods import LayerTransform, oscar_method  # noqa: E402
+from oscar_cli.vllm import layout, spec  # noqa: E402
+from oscar_cli.vllm.core import PagedInt2Layer, build_step, split_decodes  # noqa: E402
+from oscar_kernels import ops  # noqa: E402
+from oscar_kernels import reference as ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GB = 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------------- spec sizes
+@pytest.mark.unit
+@pytest.mark.parametrize(("d", "meta", "slot"), [(128, 2, 72), (64, 2, 40), (128, 4, 80)])
+def test_slot_bytes_match_the_bpe_formula(d: int, meta: int, slot: int) -> None:
+    assert spec.slot_bytes(d, meta) == slot
+    # the pages' bits per element are the BPE formula's INT2 term 2 + 2·b_meta/G (G = D), long-context limit
+    bpe_hist = ref.bits_per_element(10**9, d, None, 8 * meta, sink=0, recent=0)
+    assert spec.bits_per_stored_element(d, meta) == pytest.approx(bpe_hist)
+    s = spec.Int2KVSpec(num_kv_heads=8, head_dim=d, block_size=16, meta=meta)
+    assert s.page_bytes == 16 * 8 * slot and s.token_bytes * 8 == 2 * 8 * d * bpe_hist
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("name", "layers", "h_kv", "d", "memory", "seqs"),
+    [("qwen3-8b", 36, 8, 128, 60 * GB, 32), ("qwen3-8b-many-seqs", 36, 8, 128, 100 * GB, 64),
+     ("qwen2.5-coder-1.5b", 28, 2, 128, 100 * GB, 64), ("qwen2.5-coder-1.5b-small", 28, 2, 128, 8 * GB, 16)],
+)
+def test_capacity_at_equal_memory_is_at_least_6x_bf16(name: str, layers: int, h_kv: int, d: int, memory: int,
+                                                      seqs: int) -> None:
+    s = spec.Int2KVSpec(num_kv_heads=h_kv, head_dim=d, block_size=16)
+    assert s.ring == 263 and s.sequence_tier_bytes == (64 + 263) * h_kv * d * 2 * 2
+    bf16 = spec.bf16_capacity_tokens(memory, layers, h_kv, d)
+    assert bf16 == memory // (layers * 2 * h_kv * d * 2)
+    ratio = spec.capacity_ratio(memory, layers, s, seqs)
+    assert ratio >= 6.0, f"{name}: {ratio:.2f}x"
+    assert spec.capacity_ratio(memory, layers, s, 0) == pytest.approx(512 / 72, rel=1e-3)
+    # the tiers' rows are what separates the two
+    free = memory - seqs * layers * s.sequence_tier_bytes
+    assert spec.capacity_tokens(memory, layers, s, seqs) == free // (layers * s.token_bytes)
+
+
+@pytest.mark.unit
+def test_ring_and_meta_edge_cases() -> None:
+    assert spec.ring_tokens(0) == 0 and spec.ring_tokens(256) == 263 and spec.ring_tokens(8, 4) == 11
+    with pytest.raises(ValueError, match="meta_dtype"):
+        spec.meta_bytes("int8")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        spec.slot_bytes(72)
+
+
+# ---------------------------------------------------------------------------------------------- metadata -> args
+@pytest.mark.unit
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 5, 17], [33], [1, 1, 64, 2]])
+def test_token_positions_on_awkward_lengths(q_lens: list[int]) -> None:
+    computed = [0 if q > 1 else 40 + i for i, q in enumerate(q_lens)]
+    seq = [c + q for c, q in zip(computed, q_lens, strict=True)]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    pad = 3
+    req, pos = layout.token_positions(qsl, torch.tensor(seq, dtype=torch.int32), int(qsl[-1]) + pad)
+    want_req = [i for i, q in enumerate(q_lens) for _ in range(q)]
+    want_pos = [c + j for c, q in zip(computed, q_lens, strict=True) for j in range(q)]
+    n = len(want_req)
+    assert req[:n].tolist() == want_req and pos[:n].tolist() == want_pos
+    assert (req[n:] == len(q_lens) - 1).all()  # padding: clamped to a real request (its slot is -1)
+
+
+@pytest.mark.unit
+def test_slot_mapping_and_shifted_block_table_address_the_same_tokens() -> None:
+    """The kernel reads history position S0 + t at block_table[:, S0/P:][t // P]: the slot vLLM wrote it to."""
+    p, s0 = 16, 32
+    table = torch.tensor([[7, 3, 9, 1, 4]], dtype=torch.int32)
+    for pos in (32, 47, 48, 79):
+        slot = int(table[0, pos // p]) * p + pos % p
+        t = pos - s0
+        assert int(table[0, s0 // p:][t // p]) * p + t % p == slot
+
+
+@pytest.mark.unit
+def test_decode_lengths_and_ring_index() -> None:
+    seq = torch.tensor([5, 64, 65, 400], dtype=torch.int32)
+    recent = torch.tensor([0, 0, 1, 260], dtype=torch.int32)
+    sink_len, hist_len = layout.decode_lengths(seq, recent, 64)
+    assert sink_len.tolist() == [5, 64, 64, 64] and hist_len.tolist() == [0, 0, 0, 76]
+    idx = layout.ring_gather_index(seq, recent, 263)
+    assert idx[2, 0].item() == 64 % 263 and idx[3, :260].tolist() == [p % 263 for p in range(140, 400)]
+
+
+def _reference_recent(chunks: list[int], decodes: int, sink: int, recent: int) -> list[int]:
+    """Recent-tier sizes of the reference cache after each update (the rule next_recent_len reproduces)."""
+    meth = oscar_method([random_transform(0)], sink=sink, recent=recent)
+    lay = Int2Layer(meth, meth.layer(0))
+    sizes = []
+    steps = [(c, i == len(chunks) - 1) for i, c in enumerate(chunks)] + [(1, True)] * decodes
+    for n, final in steps:
+        lay.final_chunk = final
+        lay.update(torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16))
+        sizes.append(lay.tier_sizes()[2])
+    return sizes
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("chunks", "sink", "recent"), [([40, 30], 16, 16), ([5], 8, 16), ([3, 9], 8, 8),
+                                                        ([1], 8, 16), ([20], 8, 0), ([8, 100, 4], 8, 32)])
+def test_next_recent_len_follows_the_reference_placement(chunks: list[int], sink: int, recent: int) -> None:
+    s = layout.Int2Settings(sink=sink, recent=recent)
+    want = _reference_recent(chunks, 30, sink, recent)
+    r = torch.tensor([7], dtype=torch.int32)  # stale state of a row's previous owner: a new sequence ignores it
+    got, seq = [], 0
+    for n in chunks + [1] * 30:
+        seq += n
+        r = layout.next_recent_len(r, torch.tensor([n]), torch.tensor([seq]), s)
+        got.append(int(r))
+    # after a non-final chunk the reference holds no recent tier; the backend cannot tell a chunk is not the last,
+    # and nothing reads that value (the next step of that sequence is another chunk, which ignores it)
+    final = [False] * (len(chunks) - 1) + [True] * 31
+    assert [g for g, f in zip(got, final, strict=True) if f] == [w for w, f in zip(want, final, strict=True) if f]
+
+
+@pytest.mark.unit
+def test_split_decodes_requires_decodes_first() -> None:
+    assert split_decodes([0, 1, 2, 10]) == 2 and split_decodes([0, 5]) == 0 and split_decodes([0, 1]) == 1
+    with pytest.raises(ValueError, match="not reordered"):
+        split_decodes([0, 4, 5])
+
+
+@pytest.mark.unit
+def test_sequence_rows_assign_reuse_evict_and_refuse() -> None:
+    rows = layout.SequenceRows(2)
+    assert rows.assign([5, 9], [True, True]) == [0, 1]
+    assert rows.assign([9, 5], [False, False]) == [1, 0]
+    assert rows.assign([0, 0], [True, True]) == [2, 2]  # vLLM's null block (dummy / padding) -> scratch row
+    assert rows.assign([12], [True]) == [1]  # least recently seen owner (9) gives its row away
+    with pytest.raises(OscarError, match="BF16 tiers of a running request"):
+        rows.assign([9], [False])
+    with pytest.raises(OscarError, match="more than 2 requests"):
+        rows.assign([5, 12, 13], [False, False, True])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("p", "h_kv", "d"), [(16, 2, 64), (64, 8, 128), (32, 1, 64)])
+def test_carved_pages_partition_the_page_bytes(p: int, h_kv: int, d: int) -> None:
+    nb = 3
+    slot = spec.slot_bytes(d)
+    raw = torch.zeros(nb, p, h_kv, slot, dtype=torch.uint8)
+    kc, vc = layout.carve_pages(raw, d)
+    assert kc.packed.shape == (nb, h_kv, p, d // 4) and kc.scale.shape == (nb, h_kv, p, 1)
+    assert vc.packed.shape == (nb, h_kv, p // min(p, 64) * d, min(p, 64) // 4)
+    assert kc.scale.stride() == kc.zero.stride() == vc.scale.stride() == vc.zero.stride()
+    owner = torch.zeros(raw.numel(), dtype=torch.int64)
+    for i, t in enumerate((kc.packed, vc.packed, kc.scale, kc.zero, vc.scale, vc.zero), start=1):
+        before = raw.clone()
+        t.view(torch.uint8).fill_(255) if t.dtype == torch.uint8 else t.fill_(float("nan"))
+        changed = (raw != before).reshape(-1)
+        assert (owner[changed] == 0).all(), f"view {i} overlaps another"
+        owner[changed] = i
+    assert (owner > 0).all(), "page bytes not covered by any view"
+    with pytest.raises(ValueError, match="does not hold"):
+        layout.carve_pages(torch.zeros(nb, p, h_kv, slot + 4, dtype=torch.uint8), d)
+
+
+# ----------------------------------------------------------------------------------- artifact -> layer tensors
+@pytest.mark.unit
+@pytest.mark.parametrize("grouping", ["layer", "head"])
+def test_layer_tensors_from_a_calibrated_tiny_artifact(tmp_path, grouping: str) -> None:
+    from test_calibrate_cli import RESOLVED, _recipe
+    from test_capture import tiny_model
+
+    from oscar_cli.calibration.run import calibrate_model
+    from oscar_cli.quant.methods import oscar_from_artifact
+
+    model = tiny_model("qwen3", 4, 2, 16, 2)
+    res = calibrate_model(model, None, _recipe(rotation={"grouping": grouping}), reference="tiny", resolved=RESOLVED,
+                          out=tmp_path / "a")
+    meth = oscar_from_artifact(str(res.artifact_path), model.config)
+    lts = layout.layer_tensors(meth, 2, 2, 16)
+    for lt, tr in zip(lts, meth.layers, strict=True):
+        want = (16, 16) if grouping == "layer" else (2, 16, 16)
+        assert tuple(lt.k_rotation.shape) == want and tuple(lt.v_rotation.shape) == want
+        assert torch.equal(lt.k_rotation.reshape(-1, 16, 16), tr.k_rotation.reshape(-1, 16, 16))
+        assert lt.k_mean.shape == (2, 16) and lt.v_mean.is_contiguous() and lt.k_clip == tr.k_clip
+    with pytest.raises(UnsupportedModelError, match="3 layers, the model 2|2 layers, the model 3"):
+        layout.layer_tensors(meth, 3, 2, 16)
+    with pytest.raises(UnsupportedModelError, match="k_rotation"):
+        layout.layer_tensors(meth, 2, 4, 32)
+
+
+@pytest.mark.unit
+def test_geometry_refusals_are_one_line() -> None:
+    s = layout.Int2Settings(sink=64, recent=256)
+    layout.check_geometry(head_dim=128, block_size=16, settings=s, group_size=None)
+    cases = [(dict(head_dim=96), "head_dim 96"), (dict(block_size=8), "block size 8"),
+             (dict(group_size=32), "quantization group 32"), (dict(sliding_window=4096), "sliding-window"),
+             (dict(settings=layout.Int2Settings(sink=24, recent=256)), "sink 24")]
+    for over, msg in cases:
+        args = dict(head_dim=128, block_size=16, settings=s, group_size=None) | over
+        with pytest.raises(UnsupportedModelError, match=msg) as e:
+            layout.check_geometry(**args)  # type: ignore[arg-type]
+        assert "\n" not in str(e.value)
+    assert layout.layer_index("model.layers.12.self_attn.attn") == 12
+    with pytest.raises(UnsupportedModelError, match="decoder layer"):
+        layout.layer_index("vision.attn")
+
+
+# ---------------------------------------------------------------------------- simulated vLLM vs reference cache
+P, HQ, HKV, D, S0, W = 16, 4, 2, 64, 16, 16
+ACT = torch.float16  # interpreter: fp16 operands (bf16 tl.dot is wrong there)
+CFG = ops.DecodeConfig(block_n=64 if DEV == "cuda" else 16, block_nb=16, num_warps=4, num_stages=1,
+                       magic=4 if DEV == "cuda" else 3)
+
+
+class TorchKernels:
+    """A torch twin of the two kernel calls (reference quantizer + reference tiered attention), for long runs."""
+
+    def quantize_write(self, x, cache, slots, mean, clip, layout_name) -> None:
+        q = ref.quantize_rows(x.transpose(0, 1), None, mean, clip)  # [H, N, D/4]
+        codes = ref.unpack_int2(q.packed)
+        for i, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            page, off = divmod(slot, P)
+            cache.scale[page, :, off], cache.zero[page, :, off] = q.scale[:, i], q.zero[:, i]
+            if layout_name == "rows":
+                cache.packed[page, :, off] = q.packed[:, i]
+            else:
+                c = ref.unpack_token_quads(cache.packed[page], P, D)
+                c[:, off] = codes[:, i]
+                cache.packed[page] = ref.pack_token_quads(c, ref.token_quad_row(P))
+
+    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out):
+        g = HQ // HKV
+        for b in range(q.shape[0]):
+            hl, sl, rl = int(hist_len[b]), int(sink_len[b]), int(recent_len[b])
+            pos = torch.arange(hl)
+            pages = table[b].long()[pos // P]
+            hk = ref.QuantizedRows(*(x[pages, :, pos % P].transpose(0, 1)[None] for x in (kp.packed, kp.scale, kp.zero)))
+            vcodes = torch.zeros(HKV, 0, D, dtype=torch.uint8) if hl == 0 else torch.stack(
+                [ref.unpack_token_quads(vp.packed[pg], P, D)[:, o] for pg, o in zip(pages, pos % P, strict=True)], 1)
+            hv = ref.QuantizedRows(ref.pack_int2(vcodes.reshape(HKV, hl, D))[None],
+                                   *(x[pages, :, pos % P].transpose(0, 1)[None] for x in (vp.scale, vp.zero)))
+            rk = t.k_rotation.expand(HKV, D, D).repeat_interleave(g, 0)
+            qr = torch.einsum("hd,hde->he", q[b].float(), rk)[None, :, None]
+            o = ref.decode_attention_reference(qr, sink[0][b:b + 1, :, :sl], sink[1][b:b + 1, :, :sl], hk, hv,
+                                               recent[0][b:b + 1, :, :rl], recent[1][b:b + 1, :, :rl], scale)
+            o = o[0, :, 0] + t.v_mean.repeat_interleave(g, 0)
+            rv = t.v_rotation.expand(HKV, D, D).repeat_interleave(g, 0)
+            out[b] = torch.einsum("he,hde->hd", o, rv).to(out.dtype)
+        return out
+
+
+class _Request:
+    def __init__(self, name: str, prompt: list[int], decodes: int, blocks: list[int], seed: int, t) -> None:
+        g = torch.Generator().manual_seed(seed)
+        total = sum(prompt) + decodes
+        self.q = torch.randn(total, HQ, D, generator=g).to(ACT)
+        self.k = (torch.randn(total, HKV, D, generator=g) * 1.5 + 0.3).to(ACT)
+        self.v = torch.randn(total, HKV, D, generator=g).to(ACT)
+        self.blocks, self.done, self.name = blocks, 0, name
+        meth = oscar_method([t], sink=S0, recent=W)
+        self.ref = Int2Layer(meth, meth.layer(0))
+        self.t = t
+
+    def reference(self, n: int, final: bool) -> torch.Tensor:
+        """The reference cache's update + attention for the next ``n`` tokens (float32, model space)."""
+        a, b = self.done, self.done + n
+        self.ref.final_chunk = final
+        keys, values = self.ref.update(self.k[a:b].transpose(0, 1)[None], self.v[a:b].transpose(0, 1)[None])
+        rk = self.t.k_rotation.expand(HKV, D, D).repeat_interleave(HQ // HKV, 0)
+        q = torch.einsum("nhd,hde->nhe", self.q[a:b].float(), rk).to(ACT).float()
+        kk = keys[0].float().repeat_interleave(HQ // HKV, 0)
+        vv = values[0].float().repeat_interleave(HQ // HKV, 0)
+        s = torch.einsum("nhd,htd->hnt", q, kk) * D ** -0.5
+        mask = torch.arange(b)[None, :] <= torch.arange(a, b)[:, None]
+        o = torch.einsum("hnt,htd->nhd", torch.softmax(s.masked_fill(~mask, float("-inf")), -1), vv)
+        rv = self.t.v_rotation.expand(HKV, D, D).repeat_interleave(HQ // HKV, 0)
+        return torch.einsum("nhd,hed->nhe", o, rv)
+
+
+def _step(layer: PagedInt2Layer, kv: torch.Tensor, rows: layout.SequenceRows, state: torch.Tensor,
+          batch: list[tuple[_Request, int, bool]], pad: int):
+    """One vLLM step: decodes first, then prefill chunks; ``pad`` padding tokens (slot -1) at the end."""
+    qs, ks, vs, slots, qsl, seq, table = [], [], [], [], [0], [], []
+    for r, n, _ in batch:
+        a = r.done
+        qs.append(r.q[a:a + n]), ks.append(r.k[a:a + n]), vs.append(r.v[a:a + n])
+        slots += [r.blocks[p // P] * P + p % P for p in range(a, a + n)]
+        qsl.append(qsl[-1] + n)
+        seq.append(a + n)
+        table.append(r.blocks + [0] * (8 - len(r.blocks)))
+    q, k, v = (torch.cat(x + [torch.zeros(pad, *x[0].shape[1:], dtype=ACT)]) for x in (qs, ks, vs))
+    slot_t = torch.tensor(slots + [-1] * pad, dtype=torch.int64)
+    new = [r.done == 0 for r, _, _ in batch]
+    row_ids = rows.assign([r.blocks[0] for r, _, _ in batch], new)
+    st = build_step(torch.tensor(qsl, dtype=torch.int32), qsl, torch.tensor(seq, dtype=torch.int32), seq,
+                    torch.tensor(table, dtype=torch.int32), slot_t, qsl[-1], row_ids, state, layer.s)
+    kp, vp = layout.carve_pages(kv, D)
+    out = torch.full((q.shape[0], HQ, D), float("nan"), dtype=ACT)
+    layer.forward(q, k, v, kp, vp, st, out)
+    got, want = [], []
+    for j, ((r, n, final), a) in enumerate(zip(batch, qsl, strict=False)):
+        want.append(r.reference(n, final))
+        got.append(out[a:a + n].float())
+        r.done += n
+        if final:  # (after a non-final chunk nothing reads the recent length: see next_recent_len)
+            assert int(st.recent_len[j]) == r.ref.tier_sizes()[2], r.name
+    return torch.cat(got), torch.cat(want), kp, vp
+
+
+@pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
+                                     pytest.param("triton", marks=pytest.mark.slow)])
+def test_simulated_vllm_run_matches_the_reference_cache(kernels: str) -> None:
+    """Two requests, chunked prefill, a mixed batch (a decode + a final chunk + padding tokens), decodes (with the
+    torch twin: across a demotion): the INT2 pages hold the reference cache's codes bitwise and every output is
+    within fp16 attention error of the reference cache's (the Triton path runs in the interpreter on CPU: 4 steps)."""
+    g = torch.Generator().manual_seed(3)
+    t = LayerTransform(random_orthogonal(HKV, D, 5), random_orthogonal(1, D, 6), 0.2 * torch.randn(HKV, D, generator=g),
+                       0.1 * torch.randn(1, D, generator=g), 0.92, 0.9)
+    a = _Request("A", [40, 30], 10, [7, 3, 11, 2, 9, 14], 1, t)
+    b = _Request("B", [20, 25], 9, [5, 13, 1, 8], 2, t)
+    s = layout.Int2Settings(sink=S0, recent=W)
+    kern = TorchKernels() if kernels == "torch" else None
+    from oscar_cli.vllm.core import TritonKernels
+
+    layer = PagedInt2Layer(layout.layer_tensors(oscar_method([t], sink=S0, recent=W), 1, HKV, D)[0], s, 4, HQ, HKV, D,
+                           P, ACT, DEV, kernels=kern or TritonKernels(CFG))  # type: ignore[arg-type]
+    kv = torch.zeros(16, P, HKV, spec.slot_bytes(D), dtype=torch.uint8)
+    rows, state = layout.SequenceRows(4), torch.zeros(5, dtype=torch.int32)
+    batches = [[(a, 40, False)], [(a, 30, True), (b, 20, False)], [(a, 1, True), (b, 25, True)],
+               [(a, 1, True), (b, 1, True)]]
+    if kernels == "torch":  # B's recent tier reaches W + 8 at its 8th decode, A's at its 8th
+        batches += [[(a, 1, True), (b, 1, True)]] * 8
+    worst = 0.0
+    for i, batch in enumerate(batches):
+        got, want, kp, vp = _step(layer, kv, rows, state, batch, pad=3 if i == 2 else 0)
+        assert torch.isfinite(got).all()
+        worst = max(worst, (got - want).abs().max().item())
+    assert worst < 5e-3, worst
+    for r in (a, b):  # INT2 pages == reference history, bitwise (positions S0 .. S0 + n_hist)
+        n_hist = r.ref.tier_sizes()[1]
+        pos = torch.arange(S0, S0 + n_hist)
+        blocks = torch.tensor(r.blocks)[pos // P]
+        assert torch.equal(kp.packed[blocks, :, pos % P], r.ref.hist_k[0][0].transpose(0, 1))
+        assert torch.equal(kp.scale[blocks, :, pos % P], r.ref.hist_k[1][0].transpose(0, 1))
+        vcodes = torch.stack([ref.unpack_token_quads(vp.packed[pg], P, D)[:, o] for pg, o in
+                              zip(blocks, pos % P, strict=True)], 1)
+        assert torch.equal(vcodes, ref.unpack_int2(r.ref.hist_v[0][0]))
