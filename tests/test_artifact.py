@@ -16,7 +16,7 @@ from oscar_cli.artifact import (
     verify_artifact,
     write_artifact,
 )
-from oscar_cli.artifact.manifest import model_slug, render_model_card
+from oscar_cli.artifact.manifest import model_slug
 from oscar_cli.errors import ArtifactError, ArtifactVersionError
 from oscar_cli.transform import LayerTransform
 
@@ -50,7 +50,7 @@ def _manifest(grouping: str = "layer") -> Manifest:
 def _write(tmp_path: Path, grouping: str = "layer", **kw: object) -> Path:
     n = 1 if grouping == "layer" else HKV
     m = _manifest(grouping)
-    return write_artifact(tmp_path / "art", m, _layers(n), "name: t\n", render_model_card(m), **kw)  # type: ignore[arg-type]
+    return write_artifact(tmp_path / "art", m, _layers(n), "name: t\n", **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("grouping", ["layer", "head"])

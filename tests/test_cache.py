@@ -269,7 +269,7 @@ def _write_tiny_artifact(path, cfg, seed: int = 11):
         data={},
         seed=0,
     )
-    return write_artifact(path, manifest, layers, "{}\n", "# tiny\n"), layers
+    return write_artifact(path, manifest, layers, "{}\n"), layers
 
 
 def test_oscar_method_from_artifact_and_refusal_for_another_model(tmp_path) -> None:

@@ -6,31 +6,30 @@ Public API::
     art = open_artifact("artifacts/smollm2-135m/smollm2-135m-1a2b3c4d")   # or "hf://ORG/NAME@REV"
     art.layers[i].k_rotation   # [N, D, D] float32, N = 1 (per layer) or H_kv (per head)
 
-``hub.py`` (push/pull) is imported lazily by :func:`open_artifact` for ``hf://`` references.
+Modules, each importing only those above it: ``manifest`` (the manifest and its checks), ``card`` (the model
+card), ``io`` (read and verify a local folder), ``write`` (atomic writes), ``build`` (the manifest of a
+calibration run), ``evaluation`` (eval results for the card), ``hub`` (push/pull), ``reference`` (open a
+local path or an ``hf://`` reference).
 """
 
 from __future__ import annotations
 
-from oscar_cli.artifact.io import (
-    Artifact,
-    load_artifact,
-    open_artifact,
-    sha256_file,
-    update_manifest,
-    verify_artifact,
-    write_artifact,
-)
-from oscar_cli.artifact.manifest import FORMAT_VERSION, Manifest, model_slug, render_model_card
+from oscar_cli.artifact.build import build_manifest
+from oscar_cli.artifact.card import render_model_card
+from oscar_cli.artifact.io import Artifact, load_artifact, verify_artifact
+from oscar_cli.artifact.manifest import FORMAT_VERSION, Manifest, model_slug
+from oscar_cli.artifact.reference import open_artifact
+from oscar_cli.artifact.write import update_manifest, write_artifact
 
 __all__ = [
     "FORMAT_VERSION",
     "Artifact",
     "Manifest",
+    "build_manifest",
     "load_artifact",
     "model_slug",
     "open_artifact",
     "render_model_card",
-    "sha256_file",
     "update_manifest",
     "verify_artifact",
     "write_artifact",

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from huggingface_hub import EvalResult, ModelCardData
+from oscar_cli.artifact.manifest import model_slug
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCardData
 
 LIBRARY_NAME = "oscar-kv"
 BASE_TAGS = ["oscar", "kv-cache", "kv-cache-quantization", "int2", "2-bit"]
 # Upstream Hub repos of oscar's built-in model aliases (the embedded GGUF is a conversion of this model).
 ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-# Context lengths at which the card states bits per element (method.md §8).
+# Context lengths at which the card states bits per element.
 BPE_CONTEXTS = (4096, 32768, 131072)
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
@@ -30,19 +33,15 @@ _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 def base_model_of(manifest: Mapping[str, Any]) -> str | None:
     """The Hub repo id of the model the artifact was calibrated for, or None when it has none.
 
-    ``model.resolved`` is ``"ORG/NAME@sha"`` for Hub models and ``"sha256:<hex>"`` for files; built-in
-    aliases map to their upstream repo.
+    ``model.resolved`` is ``"ORG/NAME@sha"`` for Hub models and ``"sha256:<hex>"`` for local files and folders;
+    built-in aliases (a conversion of a Hub model) map to their upstream repo.
     """
     model = manifest.get("model") or {}
     resolved = str(model.get("resolved") or "")
-    if "@" in resolved and _REPO_RE.match(resolved.split("@", 1)[0]):
-        return resolved.split("@", 1)[0]
-    reference = str(model.get("reference") or "")
-    if reference.lower() in ALIAS_BASE_MODELS:
-        return ALIAS_BASE_MODELS[reference.lower()]
-    if _REPO_RE.match(reference.split("@", 1)[0]) and not reference.startswith((".", "/")):
-        return reference.split("@", 1)[0]
-    return None
+    repo, sep, _ = resolved.partition("@")
+    if sep and _REPO_RE.match(repo):
+        return repo
+    return ALIAS_BASE_MODELS.get(str(model.get("reference") or "").lower())
 
 
 def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
@@ -106,46 +105,10 @@ def evaluation_rows(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def evaluation_from_ruler(summary: Mapping[str, Any], manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """``manifest.evaluation`` from an ``oscar eval-ruler`` ``summary.json``: one row per (method, task, ctx).
-
-    Every method is kept (baselines give the card its comparison); only the artifact's own rows (method
-    ``oscar``) become ``model-index`` claims. Refuses a summary measured on another model, or whose
-    ``--artifact`` is a local directory holding other files than this artifact.
-
-    Raises:
-        ArtifactError: the summary does not belong to this artifact, or is not an eval-ruler summary.
-    """
-    from pathlib import Path
-
-    from oscar_cli.errors import ArtifactError
-
-    scores, counts = summary.get("scores"), summary.get("counts") or {}
-    if not isinstance(scores, Mapping) or not scores:
-        raise ArtifactError("the eval summary has no scores (expected summary.json written by oscar eval-ruler)")
-    have = str((summary.get("model") or {}).get("resolved") or "")
-    want = str((manifest.get("model") or {}).get("resolved") or "")
-    if have and want and have != want:
-        raise ArtifactError(f"the eval summary was measured on {have}, the artifact is for {want}",
-                            hint="evaluate this artifact's model: oscar eval-ruler MODEL --artifact ARTIFACT")
-    used = (summary.get("config") or {}).get("artifact")
-    if "oscar" in scores and isinstance(used, str) and not used.startswith("hf://") and Path(used).is_dir():
-        from oscar_cli.artifact.io import verify_artifact
-
-        if verify_artifact(Path(used), check_hashes=False).files != manifest.get("files"):
-            raise ArtifactError(f"the eval summary's oscar rows come from another artifact ({used})")
-    rows = [
-        {"task": task, "ctx": int(ctx), "metric": "string_match_all", "value": float(value), "method": method,
-         "samples": int(((counts.get(method) or {}).get(task) or {}).get(ctx, 0))}
-        for method, tasks in scores.items() for task, by_ctx in tasks.items() for ctx, value in by_ctx.items()
-    ]
-    rows.sort(key=lambda r: (r["method"] != "oscar", r["method"], r["task"], r["ctx"]))
-    return {"source": "oscar eval-ruler", "complete": bool(summary.get("complete", True)), "results": rows,
-            "environment": summary.get("environment") or {}}
-
-
-def card_data(manifest: Mapping[str, Any], repo_id: str) -> ModelCardData:
+def card_data(manifest: Mapping[str, Any], repo_id: str | None = None) -> ModelCardData:
     """The YAML metadata block (``ModelCardData``) of the card."""
+    from huggingface_hub import EvalResult, ModelCardData
+
     arch = manifest.get("architecture") or {}
     method = str(manifest.get("method") or "oscar")
     tags = BASE_TAGS + [t for t in (method, arch.get("model_type")) if t and t not in BASE_TAGS]
@@ -175,7 +138,7 @@ def card_data(manifest: Mapping[str, Any], repo_id: str) -> ModelCardData:
         base_model=base_model_of(manifest),
         tags=tags,
         license=manifest.get("license") or None,
-        model_name=repo_id.split("/", 1)[1] if evals else None,
+        model_name=_title(manifest, repo_id) if evals else None,
         eval_results=evals or None,
         oscar={k: v for k, v in oscar_block.items() if v not in (None, {}, "")},
     )
@@ -186,8 +149,18 @@ def _row_label(row: Mapping[str, Any]) -> str:
     return f"{row['task']} @ {ctx}" if ctx is not None else str(row["task"])
 
 
-def render_model_card(manifest: Mapping[str, Any], repo_id: str) -> str:
-    """The whole ``README.md``: ``---`` YAML metadata ``---`` then the Markdown body (deterministic)."""
+def _title(manifest: Mapping[str, Any], repo_id: str | None) -> str:
+    if repo_id:
+        return repo_id.split("/", 1)[1]
+    return f"{model_slug(str((manifest.get('model') or {}).get('reference') or 'model'))}-{manifest.get('method', 'oscar')}"
+
+
+def render_model_card(manifest: Mapping[str, Any], repo_id: str | None = None) -> str:
+    """The whole ``README.md``: ``---`` YAML metadata ``---`` then the Markdown body (deterministic).
+
+    ``repo_id`` (``ORG/NAME``) is where the card is published; without it (a local artifact) the card shows
+    how to load and publish the folder instead of how to pull it.
+    """
     meta = card_data(manifest, repo_id).to_yaml()
     model = manifest.get("model") or {}
     quant = manifest.get("quant") or {}
@@ -195,26 +168,41 @@ def render_model_card(manifest: Mapping[str, Any], repo_id: str) -> str:
     base = base_model_of(manifest)
     lines = [
         "---", meta, "---", "",
-        f"# {repo_id.split('/', 1)[1]}: OSCAR 2-bit KV-cache artifact",
+        f"# {_title(manifest, repo_id)}: OSCAR 2-bit KV-cache artifact",
         "",
         f"Calibrated rotations, means and clip ratios that let [oscar](https://pypi.org/project/{LIBRARY_NAME}/) "
         f"store the KV cache of `{model.get('reference', base or 'the model')}` in INT2 "
         f"(method `{manifest.get('method', 'oscar')}`). It holds no model weights: load the base model as usual.",
         "",
-        "## Use it (pin a revision)",
-        "",
-        "```bash",
-        f"pip install {LIBRARY_NAME}",
-        f"oscar pull hf://{repo_id}@<tag-or-commit-sha>     # prints {repo_id}@<sha> and the local path",
-        "```",
-        "",
-        "```python",
-        "from oscar_cli.artifact import open_artifact",
-        f'artifact = open_artifact("hf://{repo_id}@<tag-or-commit-sha>")   # validated (hashes, format)',
-        "```",
-        "",
-        "Tags name releases; a 40-hex commit sha is immutable and is what reproducible pipelines should pin.",
-        "",
+    ]
+    if repo_id:
+        lines += [
+            "## Use it (pin a revision)",
+            "",
+            "```bash",
+            f"pip install {LIBRARY_NAME}",
+            f"oscar pull hf://{repo_id}@<tag-or-commit-sha>     # prints {repo_id}@<sha> and the local path",
+            "```",
+            "",
+            "```python",
+            "from oscar_cli.artifact import open_artifact",
+            f'artifact = open_artifact("hf://{repo_id}@<tag-or-commit-sha>")   # validated (hashes, format)',
+            "```",
+            "",
+            "Tags name releases; a 40-hex commit sha is immutable and is what reproducible pipelines should pin.",
+            "",
+        ]
+    else:
+        lines += [
+            "## Use it",
+            "",
+            "```bash",
+            "oscar eval-ruler MODEL --artifact THIS_FOLDER                   # RULER NIAH through the INT2 cache",
+            "oscar export THIS_FOLDER --repo-id ORG/NAME --tag v0.1.0        # publish it (this card is re-rendered)",
+            "```",
+            "",
+        ]
+    lines += [
         "## Quantization",
         "",
         "| setting | value |",

@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oscar_cli import __version__
+from oscar_cli._files import sha256_file
+from oscar_cli.artifact.card import render_model_card
 from oscar_cli.artifact.hub_errors import TOKEN_HINT, hub_errors, quiet_hub_logs
+from oscar_cli.artifact.io import verify_artifact
+from oscar_cli.artifact.manifest import MANIFEST_NAME, README_NAME
 from oscar_cli.errors import HubError
 
 logger = logging.getLogger(__name__)
@@ -38,8 +43,6 @@ SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _REPO_ID_RE = re.compile(rf"^{_PART}/{_PART}$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-CARD_NAME = "README.md"
-MANIFEST_NAME = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -138,14 +141,6 @@ def git_blob_sha1(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def checked_manifest(path: Path) -> dict[str, Any]:
     """Validate a local artifact directory (``verify_artifact``: manifest, format version, sha256 of every
     hashed file, tensor names/shapes/dtypes) and return its manifest as a dict.
@@ -153,8 +148,6 @@ def checked_manifest(path: Path) -> dict[str, Any]:
     Raises:
         ArtifactError / ArtifactVersionError: naming the file, tensor or field at fault.
     """
-    from oscar_cli.artifact.io import verify_artifact
-
     return verify_artifact(path).to_dict()
 
 
@@ -163,21 +156,19 @@ def stage_artifact(
 ) -> list[dict[str, Any]]:
     """Copy the artifact's files into ``staging`` (``manifest.json`` re-serialised from ``manifest`` when
     ``rewrite_manifest``, else copied byte for byte) and write the rendered model card; return the file list."""
-    from oscar_cli.artifact.card import render_model_card
-
     for src in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = src.relative_to(path)
-        if rel.parts[0].startswith(".") or rel.as_posix() == CARD_NAME:
+        if rel.parts[0].startswith(".") or rel.as_posix() == README_NAME:
             continue
         dst = staging / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
     if rewrite_manifest:
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    (staging / CARD_NAME).write_text(render_model_card(manifest, repo_id), encoding="utf-8")
+    (staging / README_NAME).write_text(render_model_card(manifest, repo_id), encoding="utf-8")
     checked_manifest(staging)  # what is uploaded is itself a valid artifact
     return [
-        {"path": p.relative_to(staging).as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)}
+        {"path": p.relative_to(staging).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(staging.rglob("*")) if p.is_file()
     ]
 
@@ -185,8 +176,6 @@ def stage_artifact(
 def make_api(token: str | None, endpoint: str | None) -> Any:
     """An ``HfApi`` for ``endpoint`` (default: ``HF_ENDPOINT`` / huggingface.co) tagged with oscar's user agent."""
     from huggingface_hub import HfApi
-
-    from oscar_cli import __version__
 
     return HfApi(endpoint=endpoint, token=token, library_name="oscar-kv", library_version=__version__)
 

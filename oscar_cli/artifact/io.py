@@ -1,4 +1,4 @@
-"""Write (atomically) and open (validated) oscar artifacts. safetensors, JSON and YAML only — never pickle.
+"""Read and verify oscar artifact folders. safetensors, JSON and YAML only — never pickle.
 
 Layout of an artifact directory (format v1, docs/DESIGN.md):
 
@@ -18,23 +18,19 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from oscar_cli._files import sha256_file
 from oscar_cli.artifact.manifest import (
     HASHED_FILES,
     MANIFEST_NAME,
-    README_NAME,
     RECIPE_NAME,
     TENSORS_NAME,
     Manifest,
@@ -96,15 +92,6 @@ class Artifact:
             )
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes (streamed)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def layer_tensors(layers: list[LayerTransform] | tuple[LayerTransform, ...]) -> dict[str, torch.Tensor]:
     """Flatten layers (layer ``i`` = position ``i``) into the safetensors key space (``layers.{i}.<field>``), float32 contiguous CPU."""
     out: dict[str, torch.Tensor] = {}
@@ -116,92 +103,6 @@ def layer_tensors(layers: list[LayerTransform] | tuple[LayerTransform, ...]) -> 
             t = torch.tensor([value], dtype=torch.float32) if isinstance(value, float) else value
             out[f"layers.{i}.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
     return out
-
-
-def _clean_stale_temps(parent: Path, name: str) -> None:
-    """Remove leftovers of earlier interrupted writes of ``name`` (hidden ``.<name>.tmp-*`` folders)."""
-    if not parent.is_dir():
-        return
-    for p in parent.glob(f".{name}.tmp-*"):
-        try:
-            pid = int(p.name.rsplit("-", 2)[-2])
-        except (ValueError, IndexError):
-            continue
-        if pid == os.getpid() or not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def write_artifact(
-    out: Path | str,
-    manifest: Manifest,
-    layers: list[LayerTransform] | tuple[LayerTransform, ...],
-    recipe_yaml: str,
-    readme: str,
-    *,
-    overwrite: bool = False,
-) -> Path:
-    """Write an artifact directory atomically: everything goes to a hidden temp folder beside ``out``,
-    which is renamed into place only when complete (Ctrl-C or an error removes it; a killed process's
-    leftover is removed by the next write). ``manifest.files`` is filled with the sha256 of each file.
-
-    Raises:
-        ArtifactError: ``out`` exists and ``overwrite`` is False.
-    """
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ArtifactError(f"artifact path {out} already exists", hint="pass --overwrite or choose --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_temps(out.parent, out.name)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_file(layer_tensors(layers), str(tmp / TENSORS_NAME), metadata={"format": "oscar-artifact-v1"})
-        (tmp / RECIPE_NAME).write_text(recipe_yaml, encoding="utf-8")
-        (tmp / README_NAME).write_text(readme, encoding="utf-8")
-        files = {name: sha256_file(tmp / name) for name in HASHED_FILES}
-        final = replace(manifest, files=files)
-        final.validate()
-        (tmp / MANIFEST_NAME).write_text(json.dumps(final.to_dict(), indent=2) + "\n", encoding="utf-8")
-        verify_artifact(tmp)
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, trash)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def update_manifest(path: Path | str, **changes: Any) -> Manifest:
-    """Rewrite ``manifest.json`` with ``changes`` (e.g. ``evaluation={...}``) and re-hash every file.
-
-    For ``oscar export`` after it completes ``README.md``. Atomic (temp file + rename).
-    """
-    path = Path(path)
-    current = verify_artifact(path, check_hashes=False)
-    files = {name: sha256_file(path / name) for name in current.files}
-    new = replace(current, files=files, **changes)
-    new.validate()
-    tmp = path / f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(new.to_dict(), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path / MANIFEST_NAME)
-    return new
 
 
 def _read_manifest(path: Path) -> Manifest:
@@ -311,21 +212,3 @@ def load_artifact(path: Path | str, *, expect_architecture: Mapping[str, Any] | 
     if expect_architecture is not None:
         art.check_architecture(expect_architecture)
     return art
-
-
-def open_artifact(ref: str | Path, *, expect_architecture: Mapping[str, Any] | Any | None = None) -> Artifact:
-    """Open an artifact by reference: a local directory, or ``hf://ORG/NAME[@REV]`` (pulled through
-    ``oscar_cli.artifact.hub.pull_artifact``). ``expect_architecture`` is a fingerprint dict or a
-    transformers config; a mismatch raises ArtifactError naming the differing fields."""
-    if isinstance(ref, str) and ref.startswith("hf://"):
-        from oscar_cli.artifact import hub  # lazy: huggingface_hub only when needed
-
-        path = Path(hub.pull_artifact(ref))
-    else:
-        path = Path(ref)
-    fingerprint = expect_architecture
-    if fingerprint is not None and not isinstance(fingerprint, Mapping):
-        from oscar_cli.model import architecture_fingerprint
-
-        fingerprint = architecture_fingerprint(fingerprint)
-    return load_artifact(path, expect_architecture=fingerprint)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oscar_cli._files import atomic_output
+
 
 @dataclass(frozen=True)
 class CellResult:
@@ -96,8 +98,7 @@ def save_plot(result: BenchResult, path: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    tmp.replace(path)
     return path

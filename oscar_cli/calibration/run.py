@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from oscar_cli import __version__
-from oscar_cli.artifact import Manifest, model_slug, render_model_card, write_artifact
+from oscar_cli.artifact import Manifest, build_manifest, model_slug, write_artifact
 from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
 from oscar_cli.calibration.clipping import ClipChoice, LayerClipProblem, evaluate_clip, search_clip
 from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
@@ -303,40 +302,24 @@ def calibrate_model(
         summaries.append(
             LayerSummary(i, _spread(s.k_eigenvalues), _spread(s.v_eigenvalues), ch.k_ratio, ch.v_ratio, ch.error)
         )
-    manifest = Manifest(
-        oscar_version=__version__,
-        model={"reference": reference, "resolved": resolved},
+    manifest = build_manifest(
+        recipe,
+        reference=reference,
+        resolved=resolved,
         architecture=geo.fingerprint(),
-        method=recipe.method,
-        grouping=recipe.rotation.grouping,
-        recipe=recipe.to_dict(),
-        quant={
-            "group_size": recipe.quant.group_size or d,
-            "meta_dtype": recipe.quant.meta_dtype,
-            "sink": recipe.quant.sink,
-            "recent": recipe.quant.recent,
-        },
         data=data.identity,
-        seed=recipe.data.seed,
-        calibration={
-            "k_target": recipe.statistics.k_target,
-            "v_target": recipe.statistics.v_target,
-            "composition": recipe.rotation.composition,
-            "statistics_tokens": n_stats * recipe.data.seq_len,
-            "holdout_tokens": n_hold * recipe.data.seq_len,
-            "orthogonality_error": max(
-                orthogonality_error(r) for x in layers for r in (x.k_rotation, x.v_rotation) if r is not None
-            ),
-            "clip": {
-                "mode": recipe.clip.mode,
-                "objective": "relative attention-output error, held-out tokens, INT2 tier only",
-                "layers": [c.to_dict() for c in choices],
-            },
-            "timings_s": {k: round(v, 3) for k, v in timings.items()},
-        },
+        clip_layers=[c.to_dict() for c in choices],
+        orthogonality_error=max(
+            orthogonality_error(r) for x in layers for r in (x.k_rotation, x.v_rotation) if r is not None
+        ),
+        statistics_tokens=n_stats * recipe.data.seq_len,
+        holdout_tokens=n_hold * recipe.data.seq_len,
+        timings=timings,
+        device=device,
+        dtype=next(model.parameters()).dtype,
     )
     path = Path(out) if out is not None else default_output(reference, recipe, resolved, data.identity["sha256"])
-    write_artifact(path, manifest, layers, recipe.to_yaml(), render_model_card(manifest), overwrite=overwrite)
+    write_artifact(path, manifest, layers, recipe.to_yaml(), overwrite=overwrite)
     timings["write"] = time.perf_counter() - t0
     report("write", 1, 1)
     logger.info("wrote %s", path)

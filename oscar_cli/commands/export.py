@@ -107,7 +107,7 @@ def export(
 
 def _evaluation(summary_path: Path, artifact: str) -> dict[str, Any]:
     """``manifest.evaluation`` from an eval-ruler summary, checked against the artifact."""
-    from oscar_cli.artifact.card import evaluation_from_ruler
+    from oscar_cli.artifact.evaluation import evaluation_from_ruler
     from oscar_cli.artifact.hub import checked_manifest
     from oscar_cli.errors import ArtifactError
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
+
+from oscar_cli._files import atomic_output
 
 
 def plot_heatmap(
@@ -61,8 +62,7 @@ def plot_heatmap(
         legend = "(* = fewer samples than asked)" if marked else ""
         fig.suptitle("   ".join(t for t in (f"RULER NIAH — {title}" if title else "", legend) if t), fontsize=11)
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
     return path

@@ -99,7 +99,7 @@ def compare(ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> dict[
 def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
     """Run the KL evaluation (``bf16`` is always computed first, as the reference)."""
     from oscar_cli._output import progress
-    from oscar_cli.eval.ruler import environment
+    from oscar_cli.environment import environment
     from oscar_cli.quant import build_method, use_method
 
     if cfg.tokens < 1 or cfg.windows < 1:

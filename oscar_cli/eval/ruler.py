@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from collections import defaultdict
@@ -24,6 +23,8 @@ from typing import Any
 
 import torch
 
+from oscar_cli._files import atomic_write_json
+from oscar_cli.environment import environment
 from oscar_cli.errors import EvalError
 from oscar_cli.eval.niah import (
     TASKS,
@@ -91,24 +92,6 @@ class RulerResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def environment() -> dict[str, Any]:
-    """Versions and device, recorded with every result."""
-    import transformers
-
-    from oscar_cli import __version__
-
-    env: dict[str, Any] = {
-        "oscar": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "device": "cpu",
-    }
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
-    return env
 
 
 def default_batch_size(length: int, device: torch.device) -> int:
@@ -444,7 +427,5 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     )
     title = loaded.identity.reference + (f" (YaRN x{cfg.rope_factor:g})" if cfg.rope_factor else "")
     plot_heatmap(scores, cfg.tasks, cfg.lengths, cfg.methods, out / HEATMAP_FILE, title, counts, cfg.samples)
-    tmp = out / f".{SUMMARY_FILE}.tmp"
-    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / SUMMARY_FILE)
+    atomic_write_json(out / SUMMARY_FILE, result.to_json())
     return result

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from oscar_cli._files import atomic_write_json, sha256_file
+
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "OSCAR_CACHE_DIR"
@@ -40,25 +42,6 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "oscar"
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` through a temp file + rename (readers see the old or the new file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _hash_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_sha256(path: Path, *, use_index: bool = True) -> str:
@@ -86,13 +69,13 @@ def file_sha256(path: Path, *, use_index: bool = True) -> str:
     if st.st_size >= 256 << 20:
         logger.info("hashing %s (%.1f GB) for its identity; unchanged files are not hashed again", path, st.st_size / 1e9)
     t0 = time.perf_counter()
-    sha = _hash_file(path)
+    sha = sha256_file(path)
     logger.debug("sha256 %s (%d bytes) in %.2f s", path, st.st_size, time.perf_counter() - t0)
     if use_index:
         index = {k: v for k, v in index.items() if os.path.exists(k)}  # forget deleted files
         index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
         try:
-            _write_json_atomic(index_path, index)
+            atomic_write_json(index_path, index, sort_keys=True)
         except OSError as exc:  # a read-only cache must not stop a load
             logger.debug("could not update %s: %s", index_path, exc)
     return sha
@@ -169,14 +152,14 @@ def build_entry(source_sha256: str, build: Callable[[Path], None], info: dict[st
     try:
         build(tmp)
         files = {
-            p.name: {"size": p.stat().st_size, "sha256": _hash_file(p)}
+            p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(tmp.iterdir())
             if p.is_file() and p.name != META_NAME
         }
         if not files:
             raise RuntimeError("conversion wrote no files")
         meta = {"format": ENTRY_FORMAT, "source_sha256": source_sha256, "files": files, **(info or {})}
-        _write_json_atomic(tmp / META_NAME, meta)
+        atomic_write_json(tmp / META_NAME, meta, sort_keys=True)
         if final.exists():
             if check_entry(final, source_sha256) is None:
                 logger.info("another process converted %s first; using its copy", source_sha256[:12])

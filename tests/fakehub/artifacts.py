@@ -57,6 +57,5 @@ def make_artifact(root: Path, variant: int = 0) -> Path:
     """Write a tiny artifact into ``root / f"art-{variant}"`` (replacing it) and return its path."""
     return write_artifact(
         Path(root) / f"art-{variant}", make_manifest(variant), _layers(variant),
-        recipe_yaml=f"name: tiny\nvariant: {variant}\n",
-        readme="# tiny oscar artifact (oscar export renders the full card)\n", overwrite=True,
+        recipe_yaml=f"name: tiny\nvariant: {variant}\n", overwrite=True,
     )
