@@ -223,8 +223,7 @@ def test_geometry_refusals_are_one_line() -> None:
 # ---------------------------------------------------------------------------- simulated vLLM vs reference cache
 P, HQ, HKV, D, S0, W = 16, 4, 2, 64, 16, 16
 ACT = torch.float16  # interpreter: fp16 operands (bf16 tl.dot is wrong there)
-CFG = ops.DecodeConfig(block_n=64 if DEV == "cuda" else 16, block_nb=16, num_warps=4, num_stages=1,
-                       magic=4 if DEV == "cuda" else 3)
+CFG = ops.DecodeConfig(block_n=64 if DEV == "cuda" else 16, block_nb=16, num_warps=4, num_stages=1)
 
 
 class TorchKernels:
