@@ -172,7 +172,7 @@ def test_update_manifest_rehashes_and_keeps_unknown_fields(tmp_path: Path) -> No
 
 
 def test_export_helpers_fixture_artifact_is_accepted(tmp_path: Path) -> None:
-    from fakehub import artifacts as fixtures  # tests/ is on sys.path (rootdir layout, no package)
+    from helpers.fakehub import artifacts as fixtures  # tests/ is on sys.path (conftest.py)
 
     path = fixtures.make_artifact(tmp_path, 0)
     art = open_artifact(path)

@@ -293,11 +293,9 @@ def test_bench_bad_kernel_option_is_a_usage_error() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; the GPU runs it in scripts/")
 @pytest.mark.parametrize(("paged", "page"), [(True, 64), (True, 128), (False, 64)], ids=["pages64", "pages128",
                                                                                        "contiguous"])
-def test_int2_plans_build_runnable_plans_with_kernel_overrides(monkeypatch: pytest.MonkeyPatch, paged: bool,
-                                                               page: int) -> None:
+def test_int2_plans_build_runnable_plans_with_kernel_overrides(paged: bool, page: int) -> None:
     """The plans every INT2 bench measurement is built on: rotating cases, the --kernel overrides, the page layout
     (token-quad rows of 64 tokens above 64-token pages and without pages), a run."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     from oscar_cli.bench.cases import int2_plans
     from oscar_cli.bench.config import BenchConfig
     from oscar_cli.bench.shapes import NAMED_SHAPES

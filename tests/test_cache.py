@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the Triton decode path runs in the interpreter on CPU (before any kernel import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-from tiny_models import tiny_llama
-from transformers import LlamaForCausalLM
+from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.errors import EvalError
 from oscar_cli.quant import LayerTransform, build_method, greedy_generate, oscar_method, parse_methods, use_method
@@ -19,15 +14,11 @@ from oscar_cli.quant.cache import Int2Cache, Int2Layer
 from oscar_cli.quant.generation import cache_kwarg, prefill
 from oscar_cli.quant.kivi import KiviLayer, dequantize_channels, quantize_channels
 from oscar_cli.quant.methods import METHOD_NAMES, bf16_method, kivi2_method, naive_int2_method
-from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate  # noqa: E402
+from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
 
 pytestmark = pytest.mark.unit
 
 H, D = 2, 16
-
-
-def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    return tiny_llama(seed, dtype)
 
 
 def random_orthogonal(n: int, d: int, seed: int) -> torch.Tensor:
@@ -187,7 +178,7 @@ def test_kivi_layer_rules_and_pad_exclusion() -> None:
 
 
 def test_bf16_through_cache_generates_like_plain_transformers() -> None:
-    model = tiny_model()
+    model = tiny_causal_lm()
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     with use_method(model, bf16_method()) as session:
@@ -205,7 +196,7 @@ def test_bf16_through_cache_generates_like_plain_transformers() -> None:
 
 def test_rotations_without_quantization_leave_the_model_unchanged() -> None:
     """method.md §15.11 + §15.15: one prefill chunk with random R_K/R_V (folded V) = the plain model."""
-    model = tiny_model()
+    model = tiny_causal_lm()
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         plain = model(ids).logits
@@ -227,7 +218,7 @@ def test_rotations_without_quantization_leave_the_model_unchanged() -> None:
 
 @pytest.mark.parametrize("name", ["naive-int2", "quarot-int2", "kivi-2"])
 def test_every_method_runs_through_the_model(name: str) -> None:
-    model = tiny_model()
+    model = tiny_causal_lm()
     ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
@@ -243,7 +234,7 @@ def test_method_names_and_errors() -> None:
     with pytest.raises(EvalError, match="valid methods: bf16, naive-int2"):
         parse_methods("bf16,fp8")
     with pytest.raises(EvalError, match="--artifact"):
-        build_method("oscar", tiny_model().config)
+        build_method("oscar", tiny_causal_lm().config)
     assert set(METHOD_NAMES) == {"bf16", "naive-int2", "quarot-int2", "kivi-2", "oscar"}
 
 
@@ -275,12 +266,12 @@ def _write_tiny_artifact(path, cfg, seed: int = 11):
 def test_oscar_method_from_artifact_and_refusal_for_another_model(tmp_path) -> None:
     from oscar_cli.errors import ArtifactError
 
-    cfg = tiny_model().config
+    cfg = tiny_causal_lm().config
     path, layers = _write_tiny_artifact(tmp_path / "art", cfg)
     meth = build_method("oscar", cfg, artifact=str(path))
     assert (meth.sink, meth.recent, meth.kind) == (8, 16, "int2")
     assert torch.equal(meth.layers[1].k_rotation, layers[1].k_rotation) and meth.layers[0].v_clip == pytest.approx(0.9)
-    other = tiny_model().config
+    other = tiny_causal_lm().config
     other.num_hidden_layers = 3
     with pytest.raises(ArtifactError, match="another model"):
         build_method("oscar", other, artifact=str(path))
@@ -313,7 +304,7 @@ def test_cuda_cache_matches_cpu_reference_bitwise() -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_bf16_method_generates_like_plain_model() -> None:
-    model = tiny_model(dtype=torch.bfloat16).cuda()
+    model = tiny_causal_lm(dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(5)).cuda()
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     with use_method(model, bf16_method()) as session:
@@ -325,7 +316,7 @@ def test_cuda_bf16_method_generates_like_plain_model() -> None:
 
 
 def _kernel_model_and_method():
-    model = tiny_llama(0, torch.float16, hidden_size=128, head_dim=64, num_hidden_layers=1)
+    model = tiny_causal_lm(dtype=torch.float16, head_dim=64, layers=1, hidden_size=128)
     g = torch.Generator().manual_seed(8)
     q, _ = torch.linalg.qr(torch.randn(1, 64, 64, generator=g, dtype=torch.float64))
     t = LayerTransform(
@@ -359,10 +350,9 @@ def _decode_logits(
 
 
 def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton decode kernel behind the same attention function (CPU: TRITON_INTERPRET=1, fp16)."""
+    """The Triton decode kernel behind the same attention function (CPU: TRITON_INTERPRET=1, fp16; conftest)."""
     if torch.cuda.is_available():
         pytest.skip("covered by the gpu variant on CUDA machines")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     import oscar_kernels.ops as ops
 
     calls = []
@@ -402,7 +392,7 @@ def test_triton_decode_path_matches_reference_on_cuda() -> None:
 def test_equal_window_override_applies_to_per_token_int2_methods() -> None:
     from oscar_cli.quant.methods import parse_windows
 
-    cfg = tiny_model().config
+    cfg = tiny_causal_lm().config
     naive = build_method("naive-int2", cfg, windows=(8, 16))
     assert (naive.sink, naive.recent) == (8, 16) and "+windows S0=8 W=16" in naive.source
     assert build_method("kivi-2", cfg, windows=(8, 16)).recent == 128  # KIVI keeps its own residual

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_capture import tiny_model
+from helpers.tiny import CharTokenizer, tiny_causal_lm
 from typer.testing import CliRunner
 
 from oscar_cli.artifact import open_artifact
@@ -40,7 +40,7 @@ def _recipe(**over: Any) -> Any:
     ],
 )
 def test_calibrate_tiny_models_end_to_end(tmp_path: Path, family: str, over: dict) -> None:
-    model = tiny_model(family, 6, 2, 16, 2)
+    model = tiny_causal_lm(family, heads=6)
     recipe = _recipe(**over)
     res = calibrate_model(model, None, recipe, reference=f"tiny-{family}", resolved=RESOLVED, out=tmp_path / "a")
     art = open_artifact(res.artifact_path, expect_architecture=res.manifest.architecture)
@@ -67,7 +67,7 @@ def test_calibrate_tiny_models_end_to_end(tmp_path: Path, family: str, over: dic
 @pytest.mark.unit
 def test_oscar_rotation_beats_identity_on_held_out_error(tmp_path: Path) -> None:
     """The calibrated rotation must lower the held-out INT2 attention error versus no rotation."""
-    model = tiny_model("llama", 4, 2, 16, 2)
+    model = tiny_causal_lm("llama")
     with torch.no_grad():  # give keys an outlier channel, as real models have
         for layer in model.model.layers:
             layer.self_attn.k_proj.weight[3::16] *= 8.0
@@ -85,7 +85,7 @@ def test_oscar_rotation_beats_identity_on_held_out_error(tmp_path: Path) -> None
 def test_global_clips_without_held_out_tokens_write_valid_json(tmp_path: Path) -> None:
     from oscar_cli.calibration import calibrate_model as lazy
 
-    model = tiny_model("llama")
+    model = tiny_causal_lm("llama")
     r = _recipe(clip={"mode": "global", "holdout_tokens": 0})
     res = lazy(model, None, r, reference="t", resolved=RESOLVED, out=tmp_path / "g")
     manifest = json.loads((res.artifact_path / "manifest.json").read_text(), parse_constant=lambda c: 1 / 0)
@@ -96,11 +96,11 @@ def test_global_clips_without_held_out_tokens_write_valid_json(tmp_path: Path) -
 
 @pytest.mark.unit
 def test_bad_input_is_refused_with_reasons(tmp_path: Path) -> None:
-    sliding = tiny_model("mistral")
+    sliding = tiny_causal_lm("mistral")
     sliding.config.sliding_window = 64
     with pytest.raises(UnsupportedModelError, match="sliding"):
         calibrate_model(sliding, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
-    odd = tiny_model("llama", 4, 2, 12)
+    odd = tiny_causal_lm("llama", head_dim=12)
     with pytest.raises(CalibrationError, match="head_dim 12 is not a power of two"):
         calibrate_model(odd, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
     res = calibrate_model(odd, None, _recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
@@ -118,7 +118,7 @@ def test_bad_input_is_refused_with_reasons(tmp_path: Path) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
 def test_interrupt_mid_run_leaves_no_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: type) -> None:
-    model = tiny_model("llama")
+    model = tiny_causal_lm("llama")
     calls = {"n": 0}
     real = run_mod.run_forward
 
@@ -133,17 +133,6 @@ def test_interrupt_mid_run_leaves_no_artifact(tmp_path: Path, monkeypatch: pytes
         calibrate_model(model, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "art")
     assert list(tmp_path.iterdir()) == []
     assert model.config._attn_implementation == "sdpa"
-
-
-class CharTokenizer:
-    """Bytes → ids < 128; enough for the data pipeline."""
-
-    eos_token_id = 0
-    pad_token_id = 0
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": [1 + (b % 127) for b in text.encode()]}
 
 
 @pytest.mark.unit
@@ -186,7 +175,7 @@ def test_hf_dataset_unavailable_offline_is_a_clear_error(monkeypatch: pytest.Mon
 
 @pytest.mark.unit
 def test_self_generation_without_tokenizer_reports_tokens_per_second() -> None:
-    model = tiny_model("llama")
+    model = tiny_causal_lm("llama")
     cfg = _recipe(data={"source": "self", "seq_len": 64, "gen_batch_size": 4, "gen_max_new_tokens": 40}).data
     data = prepare_data("self", cfg, model=model, tokenizer=None, device=torch.device("cpu"), n_seq=3)
     assert data.sequences.shape == (3, 64) and data.generated_tokens > 0 and data.tokens_per_second > 0
@@ -203,7 +192,7 @@ def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     import oscar_cli.model as models
     from oscar_cli.main import app
 
-    model = tiny_model("qwen3", 4, 2, 16, 2)
+    model = tiny_causal_lm("qwen3")
     ident = SimpleNamespace(reference="tiny-qwen3", resolved=RESOLVED)
     monkeypatch.setattr(models, "load_config", lambda ref, revision=None: (ident, model.config))
     monkeypatch.setattr(models, "load_model", lambda ref, **k: SimpleNamespace(model=model, tokenizer=None,

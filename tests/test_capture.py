@@ -6,36 +6,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from helpers.tiny import tiny_causal_lm
+from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
 
 pytestmark = pytest.mark.unit
-
-
-def tiny_model(family: str, h_q: int = 4, h_kv: int = 2, d: int = 16, layers: int = 2) -> Any:
-    """A random-initialised tiny model of ``family`` (no download)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    common = dict(
-        hidden_size=h_q * d,
-        intermediate_size=64,
-        num_attention_heads=h_q,
-        num_key_value_heads=h_kv,
-        head_dim=d,
-        num_hidden_layers=layers,
-        vocab_size=128,
-        max_position_embeddings=512,
-    )
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
-    cfg = cls(**common)
-    if family == "mistral":
-        cfg.sliding_window = None
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    return model
 
 
 class Recorder:
@@ -52,7 +30,7 @@ class Recorder:
     [("llama", 4, 2), ("llama", 4, 4), ("qwen2", 6, 2), ("qwen3", 8, 2), ("qwen3", 4, 1), ("mistral", 6, 3)],
 )
 def test_captured_keys_equal_cache_keys_and_logits_unchanged(family: str, h_q: int, h_kv: int) -> None:
-    model = tiny_model(family, h_q, h_kv)
+    model = tiny_causal_lm(family, heads=h_q, kv_heads=h_kv)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids, use_cache=True)
@@ -72,7 +50,7 @@ def test_captured_keys_equal_cache_keys_and_logits_unchanged(family: str, h_q: i
 
 
 def test_qwen3_keys_are_post_norm_and_post_rope() -> None:
-    model = tiny_model("qwen3")
+    model = tiny_causal_lm("qwen3")
     with torch.no_grad():
         model.model.layers[0].self_attn.k_norm.weight.mul_(3.0)  # make k_norm visible
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(2))
@@ -96,7 +74,7 @@ def test_qwen3_keys_are_post_norm_and_post_rope() -> None:
 
 
 def test_everything_is_removed_even_on_error() -> None:
-    model = tiny_model("llama")
+    model = tiny_causal_lm("llama")
     before_attn = set(AttentionInterface._global_mapping)
     before_mask = set(AttentionMaskInterface._global_mapping)
 
@@ -115,7 +93,7 @@ def test_everything_is_removed_even_on_error() -> None:
 
 
 def test_causal_mask_is_kept() -> None:
-    model = tiny_model("llama")
+    model = tiny_causal_lm("llama")
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     rec = Recorder()
     with torch.no_grad(), capture_attention(model, rec):
@@ -125,7 +103,7 @@ def test_causal_mask_is_kept() -> None:
 
 
 def test_run_forward_and_holdout_store() -> None:
-    model = tiny_model("qwen3", 8, 2)
+    model = tiny_causal_lm("qwen3", heads=8)
     store = HoldoutStore(num_layers=2, max_queries=5)
     with capture_attention(model, store):
         run_forward(model, torch.randint(0, 128, (1, 16)))

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import write_tiny_llama
 from typer.testing import CliRunner
 
 from oscar_cli import __version__
@@ -91,19 +90,12 @@ def test_oscar_error_is_one_line_plus_hint(capsys: pytest.CaptureFixture[str], m
     assert code == 1 and "Traceback (most recent call last)" in err and "ModelResolutionError" in err
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("cli") / "tiny"
-    write_tiny_llama(d)
-    return d
-
-
 @pytest.mark.unit
-def test_info_json_on_a_local_model(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_info_json_on_a_local_model(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from oscar_kernels.reference import bits_per_element
 
     monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path / "cache"))
-    r = CliRunner().invoke(app, ["--json", "info", str(tiny_model), "--ctx", "4k,32k", "-g", "16", "-g", "8"])
+    r = CliRunner().invoke(app, ["--json", "info", str(tiny_model_dir), "--ctx", "4k,32k", "-g", "16", "-g", "8"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["model"]["kind"] == "dir" and doc["model"]["resolved"].startswith("sha256:")
@@ -117,15 +109,15 @@ def test_info_json_on_a_local_model(tiny_model: Path, tmp_path: Path, monkeypatc
         assert x["bits_per_element"] == bpe
         assert x["kv_bytes_bf16"] == 2 * 2 * 2 * 16 * x["ctx"] * 2  # K+V, 2 layers, 2 KV heads, D 16, 2 bytes
     # The human table on stdout; config-only mode does not load weights.
-    r = CliRunner().invoke(app, ["info", str(tiny_model), "--no-load", "--ctx", "512"])
+    r = CliRunner().invoke(app, ["info", str(tiny_model_dir), "--no-load", "--ctx", "512"])
     assert r.exit_code == 0 and "BPE G=16" in r.stdout and "512*" in r.stdout  # 512 > the model's 256 positions
     assert "loaded" not in r.stdout
 
 
 @pytest.mark.unit
 def test_info_group_size_must_divide_head_dim(
-    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path / "cache"))
-    code, _, err = _run_main(["info", str(tiny_model), "--no-load", "-g", "12"], capsys)
+    code, _, err = _run_main(["info", str(tiny_model_dir), "--no-load", "-g", "12"], capsys)
     assert code == 1 and "group size 12 does not divide head_dim 16" in err

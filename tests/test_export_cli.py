@@ -9,9 +9,9 @@ import zlib
 from pathlib import Path
 
 import pytest
-from fakehub import FakeHub
-from fakehub.artifacts import make_artifact
-from fakehub.fixtures import READ_TOKEN, WRITE_TOKEN, fake_hub, hf_isolated  # noqa: F401 (fixtures)
+from helpers.fakehub import FakeHub
+from helpers.fakehub.artifacts import make_artifact
+from helpers.fakehub.fixtures import READ_TOKEN, WRITE_TOKEN
 
 from oscar_cli.main import main
 
@@ -48,7 +48,7 @@ def _tags(hub: FakeHub) -> dict[str, str]:
     return {t.name: t.target for t in hub.store.refs("model", REPO)[1]}
 
 
-def test_export_prints_the_pinned_ref(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+def test_export_prints_the_pinned_ref(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     art = make_artifact(tmp_path, 0)
     code, out, err = run_cli(capsys, "export", str(art), "--repo-id", REPO, "--tag", "v0.1.0",
                              "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint)
@@ -64,7 +64,7 @@ def test_export_prints_the_pinned_ref(fake_hub: FakeHub, tmp_path: Path, capsys:
     assert err == ""  # --json: nothing human on stderr
 
 
-def test_dry_run_lists_files_and_sends_nothing(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+def test_dry_run_lists_files_and_sends_nothing(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     art = make_artifact(tmp_path, 0)
     code, out, err = run_cli(capsys, "export", str(art), "--repo-id", REPO, "--tag", "v0.1.0", "--dry-run",
                              "--endpoint", fake_hub.endpoint)
@@ -85,7 +85,7 @@ def test_dry_run_lists_files_and_sends_nothing(fake_hub: FakeHub, tmp_path: Path
     ids=["bad-repo-id", "bad-token", "tag-exists", "read-only-token"],
 )
 def test_errors_are_one_line_plus_hint(
-    fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str  # noqa: F811
+    fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
     run_cli(capsys, "export", str(make_artifact(tmp_path, 0)), "--repo-id", REPO, "--tag", "v0.1.0",
             "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint)
@@ -100,7 +100,7 @@ def test_errors_are_one_line_plus_hint(
     assert _tags(fake_hub) == tags  # nothing (re)tagged
 
 
-def test_export_of_a_broken_artifact(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+def test_export_of_a_broken_artifact(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     art = make_artifact(tmp_path, 0)
     (art / "recipe.yaml").write_text("tampered: true\n")
     code, out, err = run_cli(capsys, "export", str(art), "--repo-id", REPO, "--token", WRITE_TOKEN,
@@ -111,7 +111,7 @@ def test_export_of_a_broken_artifact(fake_hub: FakeHub, tmp_path: Path, capsys: 
     assert fake_hub.requests == []
 
 
-def test_pull_prints_ref_and_path(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_isolated: Path) -> None:  # noqa: F811
+def test_pull_prints_ref_and_path(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_isolated: Path) -> None:
     run_cli(capsys, "export", str(make_artifact(tmp_path, 0)), "--repo-id", REPO, "--tag", "v0.1.0",
             "--token", WRITE_TOKEN, "--endpoint", fake_hub.endpoint)
     sha = _tags(fake_hub)["v0.1.0"]
@@ -145,7 +145,7 @@ def _leaks(token: str, root: Path) -> list[str]:
 
 
 def test_token_never_printed_logged_or_written(
-    fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     records: list[str] = []
 
@@ -204,7 +204,7 @@ def _summary(art: Path, resolved: str) -> dict:
     }
 
 
-def test_export_with_eval_summary(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+def test_export_with_eval_summary(fake_hub: FakeHub, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
 
     art = make_artifact(tmp_path, 0)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fakehub import FakeHub
-from fakehub.artifacts import make_artifact
-from fakehub.fixtures import READ_TOKEN, WRITE_TOKEN, fake_hub, hf_isolated  # noqa: F401 (fixtures)
+from helpers.fakehub import FakeHub
+from helpers.fakehub.artifacts import make_artifact
+from helpers.fakehub.fixtures import READ_TOKEN, WRITE_TOKEN
 
 from oscar_cli.artifact.hub import (
     HubRef,
@@ -71,7 +71,7 @@ def test_parse_hub_ref_rejects(ref: str) -> None:
 # -- publishing ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("pipelined", [False, True], ids=["single-commit", "pipelined-upload"])
 def test_first_push_creates_repo_commit_and_tag(
-    fake_hub: FakeHub, tmp_path: Path, pipelined: bool, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    fake_hub: FakeHub, tmp_path: Path, pipelined: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from huggingface_hub import constants
 
@@ -95,7 +95,7 @@ def test_first_push_creates_repo_commit_and_tag(
     assert _sha256_tree(art) == before  # the artifact directory itself is never modified
 
 
-def test_identical_repush_makes_no_commit(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_identical_repush_makes_no_commit(fake_hub: FakeHub, tmp_path: Path) -> None:
     art = make_artifact(tmp_path, 0)
     first = _push(fake_hub, art, tag="v0.1.0")
     count = fake_hub.store.commit_count("model", REPO)
@@ -108,7 +108,7 @@ def test_identical_repush_makes_no_commit(fake_hub: FakeHub, tmp_path: Path) -> 
     assert "commit" not in fake_hub.routes_called()
 
 
-def test_new_version_gets_new_commit_and_tag(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_new_version_gets_new_commit_and_tag(fake_hub: FakeHub, tmp_path: Path) -> None:
     v1 = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
     # a stray file on main must not survive into the next release: the repo mirrors the artifact
     fake_hub.store.commit("model", REPO, "main", adds={"stale.txt": b"old"}, summary="manual edit")
@@ -119,7 +119,7 @@ def test_new_version_gets_new_commit_and_tag(fake_hub: FakeHub, tmp_path: Path) 
     assert "stale.txt" not in paths and ".gitattributes" in paths
 
 
-def test_pull_by_tag_and_sha_give_identical_files(fake_hub: FakeHub, tmp_path: Path, hf_isolated: Path) -> None:  # noqa: F811
+def test_pull_by_tag_and_sha_give_identical_files(fake_hub: FakeHub, tmp_path: Path, hf_isolated: Path) -> None:
     art = make_artifact(tmp_path, 0)
     res = _push(fake_hub, art, tag="v0.1.0")
     _push(fake_hub, make_artifact(tmp_path, 1), tag="v0.2.0")  # main moves on; the tag must not
@@ -134,7 +134,7 @@ def test_pull_by_tag_and_sha_give_identical_files(fake_hub: FakeHub, tmp_path: P
         assert pulled[name] == local[name]
 
 
-def test_pull_offline_uses_the_cache(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_pull_offline_uses_the_cache(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 
     res = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
@@ -153,21 +153,21 @@ def test_pull_offline_uses_the_cache(fake_hub: FakeHub, tmp_path: Path, monkeypa
 
 
 # -- failures: one-line HubError, nothing half-published ----------------------------------------------------
-def test_bad_token_is_401_and_creates_nothing(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_bad_token_is_401_and_creates_nothing(fake_hub: FakeHub, tmp_path: Path) -> None:
     with pytest.raises(HubError, match="401") as exc:
         _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0", token="hf_not_a_valid_token")
     assert "\n" not in str(exc.value) and "hf_not_a_valid_token" not in str(exc.value) + str(exc.value.hint)
     assert not fake_hub.store.exists("model", REPO)
 
 
-def test_read_token_cannot_publish(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_read_token_cannot_publish(fake_hub: FakeHub, tmp_path: Path) -> None:
     _push(fake_hub, make_artifact(tmp_path, 0))
     with pytest.raises(HubError, match="403"):
         _push(fake_hub, make_artifact(tmp_path, 1), tag="v0.2.0", token=READ_TOKEN)
     assert _tags(fake_hub) == {}
 
 
-def test_missing_repo_and_revision_are_404(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_missing_repo_and_revision_are_404(fake_hub: FakeHub, tmp_path: Path) -> None:
     with pytest.raises(HubError, match="org/missing not found"):
         pull_artifact("hf://org/missing@v0.1.0")
     _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
@@ -175,7 +175,7 @@ def test_missing_repo_and_revision_are_404(fake_hub: FakeHub, tmp_path: Path) ->
         pull_artifact(f"hf://{REPO}@v0.9.0")
 
 
-def test_server_error_mid_upload_leaves_no_tag(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_server_error_mid_upload_leaves_no_tag(fake_hub: FakeHub, tmp_path: Path) -> None:
     v1 = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
     count = fake_hub.store.commit_count("model", REPO)
     fake_hub.fail("commit", 500)
@@ -189,7 +189,7 @@ def test_server_error_mid_upload_leaves_no_tag(fake_hub: FakeHub, tmp_path: Path
     assert _tags(fake_hub) == {"v0.1.0": v1.commit, "v0.2.0": retry.commit}
 
 
-def test_server_error_on_tag_names_the_commit_and_rerun_tags_it(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_server_error_on_tag_names_the_commit_and_rerun_tags_it(fake_hub: FakeHub, tmp_path: Path) -> None:
     art = make_artifact(tmp_path, 0)
     fake_hub.fail("tag", 503)
     with pytest.raises(HubError, match="but tagging it v0.1.0 failed") as exc:
@@ -202,7 +202,7 @@ def test_server_error_on_tag_names_the_commit_and_rerun_tags_it(fake_hub: FakeHu
     assert fake_hub.store.commit_count("model", REPO) == count
 
 
-def test_existing_tag_with_other_content_is_refused_before_upload(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_existing_tag_with_other_content_is_refused_before_upload(fake_hub: FakeHub, tmp_path: Path) -> None:
     v1 = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
     count = fake_hub.store.commit_count("model", REPO)
     fake_hub.requests.clear()
@@ -212,7 +212,7 @@ def test_existing_tag_with_other_content_is_refused_before_upload(fake_hub: Fake
     assert fake_hub.store.commit_count("model", REPO) == count and _tags(fake_hub) == {"v0.1.0": v1.commit}
 
 
-def test_network_down_is_one_line(tmp_path: Path, hf_isolated: Path) -> None:  # noqa: F811
+def test_network_down_is_one_line(tmp_path: Path, hf_isolated: Path) -> None:
     with socket.socket() as s:  # a port that nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -224,7 +224,7 @@ def test_network_down_is_one_line(tmp_path: Path, hf_isolated: Path) -> None:  #
 
 
 def test_export_while_offline_is_refused(
-    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from huggingface_hub import constants
 
@@ -234,7 +234,7 @@ def test_export_while_offline_is_refused(
     assert fake_hub.requests == []
 
 
-def test_invalid_inputs_fail_before_any_request(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_invalid_inputs_fail_before_any_request(fake_hub: FakeHub, tmp_path: Path) -> None:
     art = make_artifact(tmp_path, 0)
     with pytest.raises(HubError, match="invalid Hub repo id"):
         _push(fake_hub, art, repo_id="not a repo")
@@ -248,7 +248,7 @@ def test_invalid_inputs_fail_before_any_request(fake_hub: FakeHub, tmp_path: Pat
     assert fake_hub.requests == []
 
 
-def test_dry_run_touches_nothing(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_dry_run_touches_nothing(fake_hub: FakeHub, tmp_path: Path) -> None:
     art = make_artifact(tmp_path, 0)
     before = _sha256_tree(art)
     res = _push(fake_hub, art, tag="v0.1.0", dry_run=True, token=None)
@@ -258,7 +258,7 @@ def test_dry_run_touches_nothing(fake_hub: FakeHub, tmp_path: Path) -> None:  # 
     assert _sha256_tree(art) == before
 
 
-def test_private_repo_needs_a_token_to_pull(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_private_repo_needs_a_token_to_pull(fake_hub: FakeHub, tmp_path: Path) -> None:
     res = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0", private=True)
     assert fake_hub.store.is_private("model", REPO)
     with pytest.raises(HubError, match="not found"):
@@ -266,7 +266,7 @@ def test_private_repo_needs_a_token_to_pull(fake_hub: FakeHub, tmp_path: Path) -
     assert pull_artifact(f"hf://{REPO}@v0.1.0", token=READ_TOKEN).name == res.commit
 
 
-def test_open_artifact_accepts_hf_refs(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_open_artifact_accepts_hf_refs(fake_hub: FakeHub, tmp_path: Path) -> None:
     import torch
 
     from oscar_cli.artifact import load_artifact, open_artifact
@@ -283,7 +283,7 @@ def test_open_artifact_accepts_hf_refs(fake_hub: FakeHub, tmp_path: Path) -> Non
         open_artifact("hf://org/missing@v0.1.0")
 
 
-def test_concurrent_push_is_refused_not_interleaved(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_concurrent_push_is_refused_not_interleaved(fake_hub: FakeHub, tmp_path: Path) -> None:
     v1 = _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
     racer = lambda: fake_hub.store.commit("model", REPO, "main", adds={"other.txt": b"x"}, summary="racing push")  # noqa: E731
     fake_hub.before("commit", racer)  # main moves between our refs lookup and our commit
@@ -295,7 +295,7 @@ def test_concurrent_push_is_refused_not_interleaved(fake_hub: FakeHub, tmp_path:
 
 # -- model card ---------------------------------------------------------------------------------------------
 def test_model_card_metadata_and_determinism() -> None:
-    from fakehub.artifacts import make_manifest
+    from helpers.fakehub.artifacts import make_manifest
 
     from oscar_cli.artifact.card import render_model_card
 
@@ -321,7 +321,7 @@ def test_model_card_metadata_and_determinism() -> None:
     assert "base_model" not in yaml.safe_load(render_model_card(m, "org/x").split("---")[1])
 
 
-def test_token_from_the_hf_login_file(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_token_from_the_hf_login_file(fake_hub: FakeHub, tmp_path: Path) -> None:
     from huggingface_hub import constants
 
     token_file = Path(constants.HF_TOKEN_PATH)  # under tmp_path (hf_isolated), as `hf auth login` writes it
@@ -332,7 +332,7 @@ def test_token_from_the_hf_login_file(fake_hub: FakeHub, tmp_path: Path) -> None
 
 
 def test_unpinned_pull_fetches_main_and_warns(
-    fake_hub: FakeHub, tmp_path: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+    fake_hub: FakeHub, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _push(fake_hub, make_artifact(tmp_path, 0), tag="v0.1.0")
     v2 = _push(fake_hub, make_artifact(tmp_path, 1))
@@ -346,7 +346,7 @@ def test_unpinned_pull_fetches_main_and_warns(
     assert any("not pinned" in r.getMessage() for r in caplog.records)
 
 
-def test_republish_from_an_hf_ref(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_republish_from_an_hf_ref(fake_hub: FakeHub, tmp_path: Path) -> None:
     art = make_artifact(tmp_path, 0)
     src = _push(fake_hub, art, tag="v0.1.0")
     dst = _push(fake_hub, f"hf://{REPO}@{src.commit}", repo_id="other-org/mirror", tag="v0.1.0")  # type: ignore[arg-type]

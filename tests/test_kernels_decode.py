@@ -8,17 +8,13 @@ codes. CPU runs use the Triton interpreter (fp16 activations: bf16 ``tl.dot`` is
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from oscar_kernels import ops  # noqa: E402
-from oscar_kernels import reference as ref  # noqa: E402
+from oscar_kernels import ops
+from oscar_kernels import reference as ref
 
 CUDA = torch.cuda.is_available()
 # tiny tiles in the interpreter; on CUDA the smallest legal INT2 tile (the V dot reduces over block_n / 4 >= 16)

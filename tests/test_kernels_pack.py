@@ -8,16 +8,11 @@ CPU runs use the Triton interpreter on tiny grids; ``-m gpu`` adds bf16 inputs, 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from oscar_kernels import ops  # noqa: E402
-from oscar_kernels import reference as ref  # noqa: E402
+from oscar_kernels import ops
+from oscar_kernels import reference as ref
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

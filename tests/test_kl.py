@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from evalkit import as_loader, prose, tiny_loaded
+from helpers.evaldata import as_loader, prose
+from helpers.tiny import tiny_loaded
 from typer.testing import CliRunner
 
 import oscar_cli.model as models_mod

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakehub import FakeHub
-from fakehub.fixtures import WRITE_TOKEN, fake_hub, hf_isolated  # noqa: F401 (fixtures)
-from tiny_models import write_tiny_llama
+from helpers.fakehub import FakeHub
+from helpers.fakehub.fixtures import WRITE_TOKEN
+from helpers.tiny import write_tiny_model
 
 from oscar_cli import model as models
 from oscar_cli.errors import HubError, ModelResolutionError
@@ -15,8 +15,7 @@ from oscar_cli.errors import HubError, ModelResolutionError
 
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("hubsrc") / "tiny"
-    write_tiny_llama(d)
+    d = write_tiny_model(tmp_path_factory.mktemp("hubsrc") / "tiny")  # its own copy: the tests add files
     (d / "README.md").write_text("# tiny\n")
     return d
 
@@ -31,7 +30,7 @@ def _push(hub: FakeHub, folder: Path, message: str) -> str:
 
 @pytest.mark.unit
 def test_download_pin_and_offline_reuse(
-    fake_hub: FakeHub,  # noqa: F811
+    fake_hub: FakeHub,
     tiny_src: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -72,7 +71,7 @@ def test_download_pin_and_offline_reuse(
 
 
 @pytest.mark.unit
-def test_unknown_repo_and_revision(fake_hub: FakeHub, tiny_src: Path) -> None:  # noqa: F811
+def test_unknown_repo_and_revision(fake_hub: FakeHub, tiny_src: Path) -> None:
     _push(fake_hub, tiny_src, "v1")
     with pytest.raises(ModelResolutionError, match="no model repo org/absent on the Hub"):
         models.resolve_model("org/absent")

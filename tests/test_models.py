@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import write_tiny_llama
 
 from oscar_cli import model as models
 from oscar_cli.errors import MissingDependencyError, ModelResolutionError, OscarError, UnsupportedModelError
@@ -23,21 +22,6 @@ from oscar_cli.model import cache as model_cache
 from oscar_cli.model import load as model_load
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture
-def oscar_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private oscar cache directory (hash index, conversion entries)."""
-    d = tmp_path / "oscar-cache"
-    monkeypatch.setenv(model_cache.CACHE_ENV, str(d))
-    return d
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    write_tiny_llama(d)
-    return d
 
 
 def _fake_hub_cache(root: Path, tiny: Path, *, weights: bool = True) -> Path:
@@ -120,12 +104,12 @@ def test_local_paths_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_directory_identity_is_a_content_hash(tiny_dir: Path, tmp_path: Path, oscar_cache: Path) -> None:
+def test_directory_identity_is_a_content_hash(tiny_model_dir: Path, tmp_path: Path, oscar_cache: Path) -> None:
     copy = tmp_path / "copy"
     copy.mkdir()
-    for f in tiny_dir.iterdir():
+    for f in tiny_model_dir.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
-    a = models.resolve_model(str(tiny_dir))
+    a = models.resolve_model(str(tiny_model_dir))
     b = models.resolve_model(str(copy))
     assert a.kind == "dir" and a.resolved.startswith("sha256:") and a.resolved == b.resolved
     (copy / "README.md").write_text("a model card does not change the identity")
@@ -154,8 +138,8 @@ def test_gguf_file_and_single_gguf_directory(tmp_path: Path, oscar_cache: Path) 
 
 
 @pytest.mark.unit
-def test_hub_reference_resolves_through_the_local_cache(tiny_dir: Path, offline_hub: Path) -> None:
-    snap = _fake_hub_cache(offline_hub, tiny_dir)
+def test_hub_reference_resolves_through_the_local_cache(tiny_model_dir: Path, offline_hub: Path) -> None:
+    snap = _fake_hub_cache(offline_hub, tiny_model_dir)
     for ref, rev in [("org/tiny", None), ("org/tiny@main", None), ("hf://org/tiny", "main"), ("org/tiny", SHA)]:
         ident = models.resolve_model(ref, rev)
         assert (ident.kind, ident.resolved, ident.path) == ("hub", f"org/tiny@{SHA}", snap), ref
@@ -165,12 +149,12 @@ def test_hub_reference_resolves_through_the_local_cache(tiny_dir: Path, offline_
 
 
 @pytest.mark.unit
-def test_offline_and_not_cached_names_the_other_forms(tiny_dir: Path, offline_hub: Path) -> None:
+def test_offline_and_not_cached_names_the_other_forms(tiny_model_dir: Path, offline_hub: Path) -> None:
     with pytest.raises(ModelResolutionError) as e:
         models.resolve_model("org/absent")
     assert "offline" in str(e.value) and "not in the local Hugging Face cache" in str(e.value)
     assert e.value.hint is not None and "smollm2-135m" in e.value.hint and ".gguf" in e.value.hint
-    _fake_hub_cache(offline_hub, tiny_dir, weights=False)
+    _fake_hub_cache(offline_hub, tiny_model_dir, weights=False)
     with pytest.raises(ModelResolutionError, match="incomplete .*missing safetensors weights"):
         models.resolve_model("org/tiny")
     # Config-only resolution (load_config / oscar info --no-load) is satisfied by the same snapshot.
@@ -270,16 +254,16 @@ def test_architecture_fingerprint_and_support() -> None:
 
 
 @pytest.mark.unit
-def test_load_directory_model(tiny_dir: Path, oscar_cache: Path) -> None:
-    lm = models.load_model(str(tiny_dir), device="cpu")
+def test_load_directory_model(tiny_model_dir: Path, oscar_cache: Path) -> None:
+    lm = models.load_model(str(tiny_model_dir), device="cpu")
     assert lm.source == "directory" and lm.dtype == torch.float32 and lm.device == torch.device("cpu")
     assert not lm.model.training and next(lm.model.parameters()).dtype == torch.float32
-    assert lm.identity == models.resolve_model(str(tiny_dir))
+    assert lm.identity == models.resolve_model(str(tiny_model_dir))
     ids = lm.tokenizer("w1 w2 w3", return_tensors="pt").input_ids
     assert ids.tolist() == [[1, 2, 3]]
     with torch.no_grad():
         assert lm.model(ids).logits.shape == (1, 3, 128)
-    half = models.load_model(str(tiny_dir), dtype="bfloat16")
+    half = models.load_model(str(tiny_model_dir), dtype="bfloat16")
     assert next(half.model.parameters()).dtype == torch.bfloat16
 
 

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-from evalkit import CharTokenizer, prose
+from helpers.evaldata import prose
+from helpers.tiny import CharTokenizer
 
 from oscar_cli.errors import EvalError
 from oscar_cli.eval.niah import (

@@ -1,4 +1,4 @@
-"""pytest fixtures around :class:`FakeHub`; import them into a test module to use them.
+"""pytest fixtures around :class:`FakeHub` (registered for every test by tests/conftest.py).
 
 ``hf_isolated``: every ``huggingface_hub`` constant that was read at import (cache, token file, offline, Xet,
 endpoint) is pointed at ``tmp_path`` / safe values, and token variables are removed from the environment, so
