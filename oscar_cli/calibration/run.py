@@ -361,10 +361,20 @@ def calibrate(
     out: Path | str | None = None,
     overwrite: bool = False,
     report: Progress | None = None,
+    rope_scaling: str | None = None,
+    rope_factor: float | None = None,
 ) -> CalibrationResult:
-    """Load ``model_ref`` (:func:`oscar_cli.model.load_model`) and :func:`calibrate_model` it."""
+    """Load ``model_ref`` (:func:`oscar_cli.model.load_model`) and :func:`calibrate_model` it.
+
+    ``rope_scaling="yarn"`` with ``rope_factor`` calibrates under YaRN (:mod:`oscar_cli.model.rope`), as
+    ``oscar eval-ruler`` runs beyond the model's positions; the artifact's fingerprint then says ``yarn``.
+    """
     from oscar_cli.model import load_config, load_model
 
+    if (rope_scaling is None) != (rope_factor is None):
+        from oscar_cli.errors import RecipeError
+
+        raise RecipeError("calibrating under YaRN needs both --rope-scaling yarn and --rope-factor F")
     _, config = load_config(model_ref, revision=revision)
     geo = check_model(config, recipe)  # fail fast, before loading weights
     plan_budget(recipe, geo.head_dim)
@@ -372,7 +382,15 @@ def calibrate(
         from oscar_cli.errors import ArtifactError
 
         raise ArtifactError(f"artifact path {out} already exists", hint="pass --overwrite or choose --out")
+    if rope_scaling is not None:
+        from oscar_cli.model.rope import native_positions, plan_yarn
+
+        plan_yarn(native_positions(config), recipe.data.seq_len, rope_scaling, rope_factor, what="--seq-len")
     loaded = load_model(model_ref, device=device, dtype=dtype, revision=revision)
+    if rope_scaling is not None and rope_factor is not None:
+        from oscar_cli.model.rope import apply_yarn
+
+        apply_yarn(loaded.model, rope_factor)
     return calibrate_model(
         loaded.model,
         loaded.tokenizer,

@@ -21,6 +21,11 @@ def methods_callback(value: str) -> str:
     return value
 
 
+def methods_or_default_callback(value: str) -> str:
+    """``--methods`` whose empty default means "the command's default list" (decided once --artifact is known)."""
+    return methods_callback(value) if value else value
+
+
 def ctx_list_callback(value: str) -> str:
     """Validate a comma-separated ``--ctx`` list (``1k,2k``; empty → usage error)."""
     try:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from oscar_cli import _output
 from oscar_cli._options import DEFAULT_MODEL, DeviceOpt, DtypeOpt, ModelArg, RevisionOpt, parse_ctx
+from oscar_cli.commands._eval_options import RopeFactorOpt, RopeScalingOpt
 
 EXAMPLES = """
 [bold]Examples[/bold]
@@ -21,6 +22,7 @@ EXAMPLES = """
   oscar calibrate smollm2-135m --data hf:wikitext:wikitext-2-raw-v1   # Hub dataset
   oscar calibrate --recipe my.yaml --out artifacts/try1 --overwrite
   oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON
+  oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
 """
 
 
@@ -92,6 +94,8 @@ def calibrate(
     dtype: DtypeOpt = None,
     revision: RevisionOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing artifact at --out.")] = False,
+    rope_scaling: RopeScalingOpt = None,
+    rope_factor: RopeFactorOpt = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the result as JSON on stdout (same as oscar --json).")
     ] = False,
@@ -120,7 +124,8 @@ def calibrate(
                  f"{recipe_obj.data.tokens} tokens from {recipe_obj.data.source})")
     with _output.progress() as p:
         result = run_calibrate(model, recipe=recipe_obj, device=device, dtype=dtype, revision=revision, out=out,
-                               overwrite=overwrite, report=_progress_reporter(p))
+                               overwrite=overwrite, report=_progress_reporter(p), rope_scaling=rope_scaling,
+                               rope_factor=rope_factor)
     _output.emit(result.to_dict(), lambda _: _render(result))
 
 

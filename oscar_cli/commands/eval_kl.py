@@ -15,7 +15,7 @@ from oscar_cli.commands._eval_options import (
     Bf16WindowsOpt,
     ChunkSizeOpt,
     ctx_list_callback,
-    methods_callback,
+    methods_or_default_callback,
 )
 
 EXAMPLES = """
@@ -65,9 +65,13 @@ def eval_kl(
     methods: Annotated[
         str,
         typer.Option(
-            "--methods", help="Comma-separated methods (bf16 is always the reference).", callback=methods_callback
+            "--methods",
+            help="Comma-separated methods (bf16 is always the reference). Default: naive-int2, quarot-int2, kivi-2, "
+            "and oscar with --artifact.",
+            callback=methods_or_default_callback,
+            show_default=False,
         ),
-    ] = "naive-int2,quarot-int2,kivi-2,oscar",
+    ] = "",
     ctx: Annotated[
         str,
         typer.Option("--ctx", help="Context lengths before the scored tokens (k = 1024).", callback=ctx_list_callback),
@@ -89,7 +93,7 @@ def eval_kl(
     cfg = KLConfig(
         text=text,
         lengths=parse_ctx_list(ctx),
-        methods=parse_methods(methods),
+        methods=parse_methods(methods) if methods else [],
         tokens=tokens,
         windows=windows,
         model=model,

@@ -18,7 +18,7 @@ from oscar_cli.commands._eval_options import (
     RopeFactorOpt,
     RopeScalingOpt,
     ctx_list_callback,
-    methods_callback,
+    methods_or_default_callback,
 )
 from oscar_cli.errors import EvalError
 
@@ -43,11 +43,6 @@ def _tasks_callback(value: str) -> str:
     except EvalError as exc:
         raise typer.BadParameter(exc.message) from None
     return value
-
-
-def _methods_or_default(value: str) -> str:
-    """``--methods``: empty means the default list (decided once the artifact is known)."""
-    return methods_callback(value) if value else value
 
 
 def _fmt(x: float) -> str:
@@ -117,7 +112,7 @@ def eval_ruler(
             "--methods",
             help="Comma-separated: bf16, naive-int2, quarot-int2, kivi-2, oscar. Default: all five with --artifact, "
             "else all but oscar (it needs an artifact; a note says so).",
-            callback=_methods_or_default,
+            callback=methods_or_default_callback,
             show_default=False,
         ),
     ] = "",

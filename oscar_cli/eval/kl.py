@@ -15,15 +15,17 @@ This smooth metric is what calibration work tunes against (RULER scores saturate
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from oscar_cli.errors import EvalError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,7 +34,7 @@ class KLConfig:
 
     text: str
     lengths: list[int]
-    methods: list[str]
+    methods: list[str]  # empty: naive-int2, quarot-int2, kivi-2 and (with an artifact) oscar
     tokens: int = 64
     windows: int = 4
     model: str = "smollm2-135m"
@@ -60,7 +62,12 @@ class KLResult:
 
 
 def cut_windows(ids: list[int], length: int, tokens: int, windows: int) -> torch.Tensor:
-    """``windows`` evenly spaced slices of ``length + tokens`` ids -> ``[N, L + M]`` long."""
+    """``windows`` evenly spaced slices of ``length + tokens`` ids -> ``[N, L + M]`` long.
+
+    Raises:
+        EvalError: the text is shorter than one window, or so short for ``windows`` that the scored spans
+            (the last ``tokens`` of each window) would overlap: the same positions would be counted twice.
+    """
     need = length + tokens
     if len(ids) < need:
         raise EvalError(
@@ -68,6 +75,13 @@ def cut_windows(ids: list[int], length: int, tokens: int, windows: int) -> torch
             hint="use a longer --text file or a shorter --ctx",
         )
     last = len(ids) - need
+    most = 1 + last // tokens  # evenly spaced starts at least `tokens` apart
+    if windows > most:
+        raise EvalError(
+            f"--windows {windows} of {length} + {tokens} tokens do not fit in the text's {len(ids)} tokens without "
+            f"scoring the same positions twice; at most {most} fit",
+            hint=f"use --windows {most} or less, a shorter --ctx/--tokens, or a longer --text file",
+        )
     starts = [round(i * last / max(1, windows - 1)) for i in range(windows)] if windows > 1 else [0]
     return torch.tensor([ids[s : s + need] for s in starts], dtype=torch.long)
 
@@ -100,13 +114,17 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
     """Run the KL evaluation (``bf16`` is always computed first, as the reference)."""
     from oscar_cli._output import progress
     from oscar_cli.environment import environment
-    from oscar_cli.quant import build_method, use_method
+    from oscar_cli.eval.prepare import build_methods, check_backend, default_methods, read_text_file
+    from oscar_cli.quant import use_method
 
     if cfg.tokens < 1 or cfg.windows < 1:
         raise EvalError("--tokens and --windows must be at least 1")
-    path = Path(cfg.text)
-    if not path.is_file():
-        raise EvalError(f"--text {path}: no such file", hint="give a plain-text file of held-out prose")
+    if not cfg.methods:
+        cfg.methods, note = default_methods(cfg.artifact, reference=False)
+        if note:
+            logger.warning(note)
+    text = read_text_file(cfg.text)
+    check_backend(cfg.backend, cfg.device)
     t0 = time.perf_counter()
     if loaded is None:
         from oscar_cli.model import load_model
@@ -116,9 +134,13 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
     native = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if native and max(cfg.lengths) + cfg.tokens > native:
         raise EvalError(f"context {max(cfg.lengths)} + {cfg.tokens} tokens is beyond the model's {native} positions")
-    ids = list(tok(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"])
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
     names = ["bf16"] + [m for m in cfg.methods if m != "bf16"]
-    methods = {m: build_method(m, model.config, cfg.artifact, cfg.bf16_windows) for m in names}
+    for length in cfg.lengths:  # every length's windows are checked before any method runs
+        cut_windows(ids, length, cfg.tokens, cfg.windows)
+    methods, notes = build_methods(names, model.config, cfg.artifact, cfg.bf16_windows, resolved=loaded.identity.resolved)
+    for note in notes:
+        logger.warning(note)
     head_dim = loaded.geometry.head_dim
     metrics: dict[str, dict[int, dict[str, float]]] = {m: {} for m in names}
     with progress() as p:

@@ -1,0 +1,230 @@
+"""``oscar eval-ruler`` / ``eval-kl`` as users type them: one-line errors for bad input, progress and run-size lines
+off a terminal, the default method list without an artifact, and artifacts whose only difference is RoPE."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from evalkit import tiny_loaded
+
+import oscar_cli.model as models_mod
+from oscar_cli.calibration.run import calibrate_model
+from oscar_cli.eval.kl import cut_windows
+from oscar_cli.eval.progress import RunProgress, chunk_progress, fmt_seconds
+from oscar_cli.main import main
+from oscar_cli.model.rope import MAX_YARN_FACTOR, apply_yarn, plan_yarn
+from oscar_cli.recipe import load_recipe
+
+pytestmark = pytest.mark.unit
+
+TINY_RECIPE = {"data": {"source": "random", "tokens": 1536, "seq_len": 256, "batch_size": 2},
+               "clip": {"holdout_tokens": 256, "holdout_queries": 48}, "quant": {"sink": 8, "recent": 32}}  # fmt: skip
+
+
+def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run the console entry point; (exit code, stdout, stderr)."""
+    code: Any = 0
+    try:
+        main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return (code if isinstance(code, int) else 1), out, err
+
+
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The tiny model with 1024 positions; every load_model() call gets a fresh copy (YaRN changes it)."""
+    loaded = tiny_loaded(max_positions=1024)
+    monkeypatch.setattr(models_mod, "load_model", lambda *a, **k: tiny_loaded(max_positions=1024))
+    monkeypatch.delenv("OSCAR_DEBUG", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return loaded
+
+
+def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    code, _, err = _main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
+    return lines[0]
+
+
+def _text(path: Path, words: int) -> Path:
+    path.write_text(" ".join(f"w{i % 97}" for i in range(words)), encoding="utf-8")
+    return path
+
+
+RULER = ["eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "1k", "--samples", "1", "--methods", "bf16"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--out", "FILE"], "is a file, not a folder"),
+        (["--haystack-dir", "/nonexistent/prose"], "--haystack-dir /nonexistent/prose: no such folder"),
+        (["--haystack-dir", "FILE"], "is a file, not a folder"),
+        (["--backend", "triton", "--device", "cpu"], "--backend triton needs a CUDA device; this run is on cpu"),
+        (["--ctx", "64k"], "needs YaRN factor 64 over the model's 1024 positions; YaRN is supported up to factor 32"),
+        (["--ctx", "4k", "--rope-factor", "2"], "--ctx 4096 is beyond 1024 × 2 = 2048 positions of YaRN"),
+    ],
+)
+def test_eval_ruler_bad_input_is_one_line(
+    tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], needle: str
+) -> None:
+    afile = tmp_path / "a-file.txt"
+    afile.write_text("x")
+    extra = [str(afile) if e == "FILE" else e for e in extra]
+    argv = [*RULER, "--out", str(tmp_path / "out"), *extra]  # a repeated option: the last one counts
+    line = _one_line_error(argv, capsys)
+    assert needle in line, line
+    assert not (tmp_path / "out" / "samples.jsonl").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "needle"),
+    [
+        (b"\x7fELF\x02\x01\x01\0\0\0" + bytes(range(256)) * 20, [], "is a binary file"),
+        ("café ".encode("latin-1") * 500, [], "is not UTF-8 text (invalid byte at offset 3)"),
+        (None, ["--windows", "1000", "--ctx", "256", "--tokens", "16"], "--windows 1000 of 256 + 16 tokens do not fit"),
+        (None, ["--backend", "triton", "--device", "cpu"], "--backend triton needs a CUDA device"),
+    ],
+)
+def test_eval_kl_bad_input_is_one_line(
+    tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None, extra: list[str], needle: str
+) -> None:
+    text = tmp_path / "t.txt"
+    if content is None:
+        _text(text, 1700)  # ~5,000 characters: tokens of the character-level tokenizer
+    else:
+        text.write_bytes(content)
+    line = _one_line_error(["eval-kl", "tiny", "--text", str(text), "--methods", "kivi-2", *extra], capsys)
+    assert needle in line, line
+
+
+def test_windows_must_not_score_the_same_positions_twice() -> None:
+    ids = list(range(5000))
+    assert cut_windows(ids, 1000, 64, 62).shape == (62, 1064)  # starts 1 + (5000 - 1064) // 64 = 62 apart by >= 64
+    for windows in (63, 1000):
+        with pytest.raises(Exception, match="at most 62 fit"):
+            cut_windows(ids, 1000, 64, windows)
+
+
+def test_yarn_plan() -> None:
+    assert plan_yarn(32768, 131072, None, None) == 4.0  # Qwen2.5's documented factor for 128K
+    assert plan_yarn(8192, 131072, None, None) == 16.0
+    assert plan_yarn(32768, 32768, None, None) is None
+    assert plan_yarn(32768, 40000, None, None) == 2.0
+    assert plan_yarn(1024, 1024, "yarn", 4.0) == 4.0  # asked for explicitly
+    assert MAX_YARN_FACTOR == 32
+    with pytest.raises(Exception, match="unknown --rope-scaling 'ntk'"):
+        plan_yarn(1024, 2048, "ntk", None)
+    with pytest.raises(Exception, match="YaRN needs a factor above 1"):
+        plan_yarn(1024, 1024, "yarn", 1.0)
+
+
+def test_run_size_estimate_and_progress_lines_off_a_terminal(
+    tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--json", "eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "1k", "--samples", "3",
+            "--methods", "bf16,kivi-2", "--out", str(tmp_path), "--batch-size", "2", "--max-new-tokens", "2"]  # fmt: skip
+    code, out, err = _main(argv, capsys)
+    assert code == 0, err
+    json.loads(out)  # stdout holds only the result
+    lines = [ln for ln in err.splitlines() if ln.startswith("eval-ruler: ")]
+    assert "eval-ruler: 1 tasks × 3 samples × 1 lengths × 2 methods = 6 samples" in lines
+    assert any(ln.startswith("eval-ruler: on cpu this is about ") and "GFLOP/s measured here" in ln for ln in lines)
+    assert "eval-ruler: oscar is left out" not in err  # --methods was given
+    batches = [ln for ln in lines if " samples (" in ln and "elapsed" in ln]
+    assert [ln.split(" samples")[0] for ln in batches] == ["eval-ruler: 2/6", "eval-ruler: 3/6", "eval-ruler: 5/6",
+                                                           "eval-ruler: 6/6"]  # fmt: skip
+    assert "ETA" in batches[0] and "ETA" not in batches[-1]
+    assert sum(ln.startswith("eval-ruler: estimate: about ") for ln in lines) == 1
+    code, _, err = _main(argv, capsys)  # resumed: nothing left to run
+    assert code == 0 and "= 6 samples (6 already in" in err and "on cpu this is about" not in err
+
+
+def test_no_artifact_default_leaves_oscar_out_with_a_note(
+    tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--json", "eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "1k", "--samples", "1",
+            "--out", str(tmp_path), "--max-new-tokens", "1", "--batch-size", "1"]  # fmt: skip
+    code, out, err = _main(argv, capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["config"]["methods"] == ["bf16", "naive-int2", "quarot-int2", "kivi-2"]
+    assert any("oscar is left out: no --artifact given" in n for n in res["notes"])
+    assert "oscar is left out" in err
+
+
+def test_chunk_progress_inside_a_long_batch(tiny: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from oscar_cli.eval import progress as progress_mod
+    from oscar_cli.quant import greedy_generate, left_pad, use_method
+    from oscar_cli.quant.methods import bf16_method
+
+    report = RunProgress("eval-ruler", 1, 300)
+    progress_mod.LONG_BATCH_TOKENS, saved = 200, progress_mod.LONG_BATCH_TOKENS
+    try:
+        with use_method(tiny.model, bf16_method()) as session:
+            ids, mask = left_pad([[5 + i % 100 for i in range(300)]], 0, torch.device("cpu"))
+            with chunk_progress(tiny.model, report, ids.shape[1], "bf16 @ 300"):
+                greedy_generate(tiny.model, session.new_cache(), ids, mask, 3, [4], chunk_size=128)
+    finally:
+        progress_mod.LONG_BATCH_TOKENS = saved
+    err = capsys.readouterr().err
+    chunks = [ln.split(" tokens")[0] for ln in err.splitlines() if "prefill" in ln]
+    assert chunks == ["eval-ruler: bf16 @ 300: prefill 128/300", "eval-ruler: bf16 @ 300: prefill 256/300",
+                      "eval-ruler: bf16 @ 300: prefill 300/300"]  # fmt: skip; decode steps are not counted
+
+
+def test_fmt_seconds() -> None:
+    assert [fmt_seconds(s) for s in (4.2, 65, 7300)] == ["4 s", "1 min 05 s", "2 h 01 min"]
+
+
+def _artifact(tmp_path: Path, loaded: Any, resolved: str, yarn: float | None = None) -> Path:
+    import copy
+
+    model = copy.deepcopy(loaded.model)
+    if yarn:
+        apply_yarn(model, yarn)
+    res = calibrate_model(model, None, load_recipe(overrides=TINY_RECIPE), reference="tiny", resolved=resolved,
+                          out=tmp_path / f"art-{yarn}-{resolved[-4:]}")  # fmt: skip
+    return Path(res.artifact_path)
+
+
+def test_an_artifact_differing_only_in_rope_is_accepted_for_the_same_weights(
+    tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    same = _artifact(tmp_path, tiny, tiny.identity.resolved)
+    other = _artifact(tmp_path, tiny, "sha256:" + "2" * 64)
+    under_yarn = _artifact(tmp_path, tiny, tiny.identity.resolved, yarn=2.0)
+    base = ["--json", "eval-ruler", "tiny", "--tasks", "niah_single_1", "--samples", "1", "--methods", "oscar",
+            "--max-new-tokens", "1", "--batch-size", "1"]  # fmt: skip
+    code, out, err = _main([*base, "--ctx", "1536", "--artifact", str(same), "--out", str(tmp_path / "o1")], capsys)
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert any("was calibrated with default RoPE; using it under yarn RoPE (same weights" in n for n in notes), notes
+    line = _one_line_error([*base[1:], "--ctx", "1536", "--artifact", str(other), "--out", str(tmp_path / "o2")], capsys)
+    assert "was made for another model" in line and "rope_type" in line
+    code, out, err = _main([*base, "--ctx", "1536", "--artifact", str(under_yarn), "--out", str(tmp_path / "o3")], capsys)
+    assert code == 0 and not any("calibrated with" in n for n in json.loads(out)["notes"]), err
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--rope-scaling", "yarn"], "calibrating under YaRN needs both --rope-scaling yarn and --rope-factor F"),
+        (["--rope-factor", "4"], "calibrating under YaRN needs both"),
+    ],
+)
+def test_calibrate_rope_options_need_each_other(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, extra: list[str], needle: str
+) -> None:
+    monkeypatch.delenv("OSCAR_DEBUG", raising=False)
+    code, _, err = _main(["calibrate", "smollm2-135m", *extra], capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 1 and len(lines) == 1 and needle in lines[0], err
