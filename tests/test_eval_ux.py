@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from evalkit import tiny_loaded
+from helpers.tiny import tiny_loaded
 
 import oscar_cli.model as models_mod
 from oscar_cli.calibration.run import calibrate_model
