@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers.calib import random_transform
 from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.errors import EvalError
@@ -19,24 +20,6 @@ from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
 pytestmark = pytest.mark.unit
 
 H, D = 2, 16
-
-
-def random_orthogonal(n: int, d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
-
-
-def random_transform(seed: int, n: int = 1, clip: float = 0.9) -> LayerTransform:
-    g = torch.Generator().manual_seed(seed + 100)
-    return LayerTransform(
-        k_rotation=random_orthogonal(n, D, seed),
-        v_rotation=random_orthogonal(n, D, seed + 1),
-        k_mean=0.1 * torch.randn(n, D, generator=g),
-        v_mean=0.1 * torch.randn(n, D, generator=g),
-        k_clip=clip,
-        v_clip=clip,
-    )
 
 
 def feed(layer: Int2Layer | KiviLayer, k: torch.Tensor, v: torch.Tensor, chunks: list[int], decode: int) -> list:

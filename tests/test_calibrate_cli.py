@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.calib import RESOLVED, TINY_RECIPE, tiny_recipe
 from helpers.tiny import CharTokenizer, tiny_causal_lm
 from typer.testing import CliRunner
 
@@ -18,15 +19,6 @@ from oscar_cli.calibration.data import local_texts, pack, prepare_data
 from oscar_cli.calibration.run import calibrate_model, plan_budget
 from oscar_cli.errors import ArtifactError, CalibrationError, UnsupportedModelError
 from oscar_cli.recipe import load_recipe
-
-RESOLVED = "sha256:" + "0" * 64
-TINY = {"data": {"source": "random", "tokens": 1536, "seq_len": 256, "batch_size": 2},
-        "clip": {"holdout_tokens": 256, "holdout_queries": 48}, "quant": {"sink": 8, "recent": 32}}
-
-
-def _recipe(**over: Any) -> Any:
-    r = load_recipe(overrides=TINY)
-    return r.replace(over) if over else r
 
 
 @pytest.mark.unit
@@ -41,7 +33,7 @@ def _recipe(**over: Any) -> Any:
 )
 def test_calibrate_tiny_models_end_to_end(tmp_path: Path, family: str, over: dict) -> None:
     model = tiny_causal_lm(family, heads=6)
-    recipe = _recipe(**over)
+    recipe = tiny_recipe(**over)
     res = calibrate_model(model, None, recipe, reference=f"tiny-{family}", resolved=RESOLVED, out=tmp_path / "a")
     art = open_artifact(res.artifact_path, expect_architecture=res.manifest.architecture)
     n = 2 if recipe.rotation.grouping == "head" else 1
@@ -75,7 +67,7 @@ def test_oscar_rotation_beats_identity_on_held_out_error(tmp_path: Path) -> None
                                                                                      "center_values": False}}
     errs = {}
     for method in ("identity", "oscar"):
-        r = _recipe(method=method, **fixed)
+        r = tiny_recipe(method=method, **fixed)
         res = calibrate_model(model, None, r, reference="t", resolved=RESOLVED, out=tmp_path / method)
         errs[method] = sum(s.clip_error or 0.0 for s in res.layers)
     assert errs["oscar"] < errs["identity"]
@@ -86,7 +78,7 @@ def test_global_clips_without_held_out_tokens_write_valid_json(tmp_path: Path) -
     from oscar_cli.calibration import calibrate_model as lazy
 
     model = tiny_causal_lm("llama")
-    r = _recipe(clip={"mode": "global", "holdout_tokens": 0})
+    r = tiny_recipe(clip={"mode": "global", "holdout_tokens": 0})
     res = lazy(model, None, r, reference="t", resolved=RESOLVED, out=tmp_path / "g")
     manifest = json.loads((res.artifact_path / "manifest.json").read_text(), parse_constant=lambda c: 1 / 0)
     assert manifest["calibration"]["holdout_tokens"] == 0
@@ -99,19 +91,19 @@ def test_bad_input_is_refused_with_reasons(tmp_path: Path) -> None:
     sliding = tiny_causal_lm("mistral")
     sliding.config.sliding_window = 64
     with pytest.raises(UnsupportedModelError, match="sliding"):
-        calibrate_model(sliding, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
+        calibrate_model(sliding, None, tiny_recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
     odd = tiny_causal_lm("llama", head_dim=12)
     with pytest.raises(CalibrationError, match="head_dim 12 is not a power of two"):
-        calibrate_model(odd, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
-    res = calibrate_model(odd, None, _recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
+        calibrate_model(odd, None, tiny_recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "x")
+    res = calibrate_model(odd, None, tiny_recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
                           out=tmp_path / "plain")
     assert res.artifact_path.is_dir()
     with pytest.raises(CalibrationError, match="token budget 300 is too small"):
-        plan_budget(_recipe(data={"tokens": 300}), 16)
+        plan_budget(tiny_recipe(data={"tokens": 300}), 16)
     with pytest.raises(CalibrationError, match="no longer than sink"):
-        plan_budget(_recipe(quant={"sink": 200, "recent": 100}), 16)
+        plan_budget(tiny_recipe(quant={"sink": 200, "recent": 100}), 16)
     with pytest.raises(ArtifactError, match="already exists"):
-        calibrate_model(odd, None, _recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
+        calibrate_model(odd, None, tiny_recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
                         out=tmp_path / "plain")
 
 
@@ -130,7 +122,7 @@ def test_interrupt_mid_run_leaves_no_artifact(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(run_mod, "run_forward", flaky)
     with pytest.raises(exc):
-        calibrate_model(model, None, _recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "art")
+        calibrate_model(model, None, tiny_recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "art")
     assert list(tmp_path.iterdir()) == []
     assert model.config._attn_implementation == "sdpa"
 
@@ -142,7 +134,7 @@ def test_local_files_folder_and_jsonl(tmp_path: Path) -> None:
     (tmp_path / "d" / "b.jsonl").write_text("\n".join(json.dumps({"text": f"line {i} " * 10}) for i in range(20)))
     texts, ident = local_texts(str(tmp_path / "d"), "text")
     assert len(texts) == 21 and ident["files"] == 2 and len(ident["files_sha256"]) == 64
-    cfg = _recipe(data={"source": str(tmp_path / "d"), "seq_len": 64}).data
+    cfg = tiny_recipe(data={"source": str(tmp_path / "d"), "seq_len": 64}).data
     data = prepare_data(cfg.source, cfg, model=None, tokenizer=CharTokenizer(), device=torch.device("cpu"), n_seq=4)
     assert data.sequences.shape == (4, 64) and data.identity["tokens"] == 256
     again = prepare_data(cfg.source, cfg, model=None, tokenizer=CharTokenizer(), device=torch.device("cpu"), n_seq=4)
@@ -167,7 +159,7 @@ def test_hf_dataset_unavailable_offline_is_a_clear_error(monkeypatch: pytest.Mon
         raise ConnectionError("Couldn't reach 'nope/none' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    cfg = _recipe(data={"source": "hf:nope/none"}).data
+    cfg = tiny_recipe(data={"source": "hf:nope/none"}).data
     with pytest.raises(CalibrationError, match="cannot load the dataset 'nope/none'") as info:
         prepare_data(cfg.source, cfg, model=None, tokenizer=CharTokenizer(), device=torch.device("cpu"), n_seq=2)
     assert "cache" in (info.value.hint or "")
@@ -176,7 +168,7 @@ def test_hf_dataset_unavailable_offline_is_a_clear_error(monkeypatch: pytest.Mon
 @pytest.mark.unit
 def test_self_generation_without_tokenizer_reports_tokens_per_second() -> None:
     model = tiny_causal_lm("llama")
-    cfg = _recipe(data={"source": "self", "seq_len": 64, "gen_batch_size": 4, "gen_max_new_tokens": 40}).data
+    cfg = tiny_recipe(data={"source": "self", "seq_len": 64, "gen_batch_size": 4, "gen_max_new_tokens": 40}).data
     data = prepare_data("self", cfg, model=model, tokenizer=None, device=torch.device("cpu"), n_seq=3)
     assert data.sequences.shape == (3, 64) and data.generated_tokens > 0 and data.tokens_per_second > 0
 
@@ -198,7 +190,7 @@ def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(models, "load_model", lambda ref, **k: SimpleNamespace(model=model, tokenizer=None,
                                                                                identity=ident))
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(load_recipe(overrides=TINY).to_yaml())
+    recipe.write_text(load_recipe(overrides=TINY_RECIPE).to_yaml())
     out = tmp_path / "art"
     args = ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "1536", "--seq-len", "256", "--seed",
             "3", "--out", str(out), "--json"]

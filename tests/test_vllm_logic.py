@@ -4,23 +4,18 @@ and a prefill chunk) through the backend's core with the Triton interpreter, aga
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers.calib import RESOLVED, random_orthogonal, random_transform, tiny_recipe
+from helpers.tiny import tiny_causal_lm
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from test_cache import random_orthogonal, random_transform  # noqa: E402
-
-from oscar_cli.errors import OscarError, UnsupportedModelError  # noqa: E402
-from oscar_cli.quant.cache import Int2Layer  # noqa: E402
-from oscar_cli.quant.methods import LayerTransform, oscar_method  # noqa: E402
-from oscar_cli.vllm import layout, spec  # noqa: E402
-from oscar_cli.vllm.core import PagedInt2Layer, build_step, split_decodes  # noqa: E402
-from oscar_kernels import ops  # noqa: E402
-from oscar_kernels import reference as ref  # noqa: E402
+from oscar_cli.errors import OscarError, UnsupportedModelError
+from oscar_cli.quant.cache import Int2Layer
+from oscar_cli.quant.methods import LayerTransform, oscar_method
+from oscar_cli.vllm import layout, spec
+from oscar_cli.vllm.core import PagedInt2Layer, build_step, split_decodes
+from oscar_kernels import ops
+from oscar_kernels import reference as ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GB = 1 << 30
@@ -181,14 +176,11 @@ def test_carved_pages_partition_the_page_bytes(p: int, h_kv: int, d: int) -> Non
 @pytest.mark.unit
 @pytest.mark.parametrize("grouping", ["layer", "head"])
 def test_layer_tensors_from_a_calibrated_tiny_artifact(tmp_path, grouping: str) -> None:
-    from test_calibrate_cli import RESOLVED, _recipe
-    from test_capture import tiny_model
-
     from oscar_cli.calibration.run import calibrate_model
     from oscar_cli.quant.methods import oscar_from_artifact
 
-    model = tiny_model("qwen3", 4, 2, 16, 2)
-    res = calibrate_model(model, None, _recipe(rotation={"grouping": grouping}), reference="tiny", resolved=RESOLVED,
+    model = tiny_causal_lm("qwen3", intermediate=64, max_positions=512)
+    res = calibrate_model(model, None, tiny_recipe(rotation={"grouping": grouping}), reference="tiny", resolved=RESOLVED,
                           out=tmp_path / "a")
     meth = oscar_from_artifact(str(res.artifact_path), model.config)
     lts = layout.layer_tensors(meth, 2, 2, 16)

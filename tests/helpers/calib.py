@@ -1,0 +1,44 @@
+"""Calibration inputs for tests: seeded random rotations / layer transforms and a tiny recipe.
+
+``TINY_RECIPE``: recipe overrides that calibrate a tiny model in about a second (1,536 random tokens, sequences
+of 256, sink 8, recent 32); ``tiny_recipe(**over)`` loads it (``over``: further sections to replace).
+``RESOLVED``: a placeholder model identity for ``calibrate_model``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from oscar_cli.quant import LayerTransform
+from oscar_cli.recipe import load_recipe
+
+RESOLVED = "sha256:" + "0" * 64
+TINY_RECIPE = {"data": {"source": "random", "tokens": 1536, "seq_len": 256, "batch_size": 2},
+               "clip": {"holdout_tokens": 256, "holdout_queries": 48}, "quant": {"sink": 8, "recent": 32}}
+
+
+def tiny_recipe(**over: Any) -> Any:
+    r = load_recipe(overrides=TINY_RECIPE)
+    return r.replace(over) if over else r
+
+
+def random_orthogonal(n: int, d: int, seed: int) -> torch.Tensor:
+    """``n`` seeded random orthogonal ``d x d`` matrices (float32, QR with a sign fix)."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+
+def random_transform(seed: int, n: int = 1, clip: float = 0.9, d: int = 16) -> LayerTransform:
+    """A seeded random layer transform: ``n`` rotations of ``d x d``, small means, one clip ratio."""
+    g = torch.Generator().manual_seed(seed + 100)
+    return LayerTransform(
+        k_rotation=random_orthogonal(n, d, seed),
+        v_rotation=random_orthogonal(n, d, seed + 1),
+        k_mean=0.1 * torch.randn(n, d, generator=g),
+        v_mean=0.1 * torch.randn(n, d, generator=g),
+        k_clip=clip,
+        v_clip=clip,
+    )
