@@ -10,11 +10,12 @@ from helpers.calib import random_transform
 from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.errors import EvalError
+from oscar_cli.method_registry import METHOD_NAMES
 from oscar_cli.quant import LayerTransform, build_method, greedy_generate, oscar_method, parse_methods, use_method
 from oscar_cli.quant.cache import Int2Cache, Int2Layer
 from oscar_cli.quant.generation import cache_kwarg, prefill
 from oscar_cli.quant.kivi import KiviLayer, dequantize_channels, quantize_channels
-from oscar_cli.quant.methods import METHOD_NAMES, bf16_method, kivi2_method, naive_int2_method
+from oscar_cli.quant.methods import bf16_method, kivi2_method, naive_int2_method
 from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
 
 pytestmark = pytest.mark.unit
@@ -373,7 +374,7 @@ def test_triton_decode_path_matches_reference_on_cuda() -> None:
 
 
 def test_equal_window_override_applies_to_per_token_int2_methods() -> None:
-    from oscar_cli.quant.methods import parse_windows
+    from oscar_cli.method_registry import parse_windows
 
     cfg = tiny_causal_lm().config
     naive = build_method("naive-int2", cfg, windows=(8, 16))

@@ -11,14 +11,14 @@ from oscar_cli.errors import EvalError
 
 
 def methods_callback(value: str) -> str:
-    """Validate ``--methods`` early (usage error, exit 2, listing the valid names)."""
-    from oscar_cli.quant.methods import parse_methods
+    """Validate ``--methods`` once, early (usage error, exit 2, listing the valid names); returns the names
+    normalised (``"bf16,oscar"``: stripped, deduplicated) so commands split it without checking again."""
+    from oscar_cli.method_registry import parse_methods
 
     try:
-        parse_methods(value)
+        return ",".join(parse_methods(value))
     except EvalError as exc:
         raise typer.BadParameter(exc.message) from None
-    return value
 
 
 def methods_or_default_callback(value: str) -> str:

@@ -17,6 +17,7 @@ from oscar_cli.commands._eval_options import (
     ctx_list_callback,
     methods_or_default_callback,
 )
+from oscar_cli.method_registry import METHOD_NAMES
 
 EXAMPLES = """
 [bold]Examples[/bold]
@@ -66,8 +67,8 @@ def eval_kl(
         str,
         typer.Option(
             "--methods",
-            help="Comma-separated methods (bf16 is always the reference). Default: naive-int2, quarot-int2, kivi-2, "
-            "and oscar with --artifact.",
+            help=f"Comma-separated methods of {', '.join(METHOD_NAMES)} (bf16 is always the reference). "
+            "Default: naive-int2, quarot-int2, kivi-2, and oscar with --artifact.",
             callback=methods_or_default_callback,
             show_default=False,
         ),
@@ -86,14 +87,14 @@ def eval_kl(
 ) -> None:
     """KL divergence and top-1 agreement of each method's next-token distributions against BF16."""
     from oscar_cli.eval.kl import KLConfig, run_kl
-    from oscar_cli.quant.methods import parse_methods, parse_windows
+    from oscar_cli.method_registry import parse_windows
 
     if not text:
         raise typer.BadParameter("--text FILE is required (held-out prose)", param_hint="--text")
     cfg = KLConfig(
         text=text,
         lengths=parse_ctx_list(ctx),
-        methods=parse_methods(methods) if methods else [],
+        methods=methods.split(",") if methods else [],  # validated by methods_or_default_callback
         tokens=tokens,
         windows=windows,
         model=model,

@@ -21,6 +21,7 @@ from oscar_cli.commands._eval_options import (
     methods_or_default_callback,
 )
 from oscar_cli.errors import EvalError
+from oscar_cli.method_registry import METHOD_NAMES
 
 EXAMPLES = """
 [bold]Examples[/bold]
@@ -110,7 +111,7 @@ def eval_ruler(
         str,
         typer.Option(
             "--methods",
-            help="Comma-separated: bf16, naive-int2, quarot-int2, kivi-2, oscar. Default: all five with --artifact, "
+            help=f"Comma-separated: {', '.join(METHOD_NAMES)}. Default: all five with --artifact, "
             "else all but oscar (it needs an artifact; a note says so).",
             callback=methods_or_default_callback,
             show_default=False,
@@ -149,8 +150,8 @@ def eval_ruler(
     """Run RULER's NIAH tasks through each KV-cache method and score them (string_match_all)."""
     from oscar_cli.eval.niah import parse_tasks
     from oscar_cli.eval.ruler import RulerConfig, run_ruler
+    from oscar_cli.method_registry import parse_windows
     from oscar_cli.model import resolve_model
-    from oscar_cli.quant.methods import parse_methods, parse_windows
 
     lengths = parse_ctx_list(ctx)
     if no_rope_scaling and (rope_scaling or rope_factor):
@@ -162,7 +163,7 @@ def eval_ruler(
     cfg = RulerConfig(
         lengths=lengths,
         tasks=parse_tasks(tasks),
-        methods=parse_methods(methods) if methods else [],
+        methods=methods.split(",") if methods else [],  # validated by methods_callback
         samples=samples,
         model=model,
         artifact=artifact,

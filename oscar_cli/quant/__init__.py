@@ -9,18 +9,13 @@ Library entry points::
 
 from __future__ import annotations
 
+from oscar_cli.method_registry import METHOD_NAMES, build_method, parse_methods
 from oscar_cli.quant.attention import ATTN_NAME, register_attention
 from oscar_cli.quant.cache import Int2Cache, Int2Layer
 from oscar_cli.quant.generation import greedy_generate, left_pad, prefill
-from oscar_cli.quant.methods import (
-    METHOD_NAMES,
-    LayerTransform,
-    QuantMethod,
-    build_method,
-    oscar_method,
-    parse_methods,
-)
+from oscar_cli.quant.methods import QuantMethod, oscar_method
 from oscar_cli.quant.runtime import MethodSession, use_method
+from oscar_cli.transform import LayerTransform
 
 __all__ = [
     "ATTN_NAME",

@@ -22,7 +22,7 @@ method comes from an artifact (``oscar_cli.artifact.open_artifact``) or from an 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -32,8 +32,6 @@ from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.transform import LayerTransform
 
 MethodKind = Literal["dense", "int2", "kivi"]
-
-METHOD_NAMES: tuple[str, ...] = ("bf16", "naive-int2", "quarot-int2", "kivi-2", "oscar")
 
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
@@ -47,7 +45,7 @@ class QuantMethod:
     """A KV-cache method: how the cache stores each tier and which transforms it applies.
 
     Attributes:
-        name: one of :data:`METHOD_NAMES` (or a custom label).
+        name: a name of :data:`oscar_cli.method_registry.METHOD_NAMES` (or a custom label).
         kind: ``dense`` (no quantization), ``int2`` (per-token INT2 via the reference), ``kivi``.
         sink: BF16 sink tokens ``S0`` (absolute positions ``[0, S0)``).
         recent: BF16 recent window ``W`` (demotion in blocks of :data:`DEMOTION_BLOCK` when ``W > 0``).
@@ -193,60 +191,3 @@ def _short_hash(files: dict[str, str]) -> str:
     """The first 12 hex digits of the rotations file's sha256 (results resume only for the same tensors)."""
     sha = files.get("rotations.safetensors") or next(iter(sorted(files.values())), "")
     return sha[:12] or "unhashed"
-
-
-def build_method(
-    name: str, config: Any, artifact: str | None = None, windows: tuple[int, int] | None = None
-) -> QuantMethod:
-    """A method by name for a model ``config``; ``oscar`` needs ``artifact`` (path or ``hf://``).
-
-    ``windows = (S0, W)`` overrides the BF16 sink and recent window of the per-token INT2 methods
-    (``naive-int2``, ``quarot-int2``, ``oscar``) — an equal-window ablation; ``bf16`` and ``kivi-2`` keep
-    their own layout. The override is recorded in ``source`` (so resumed results never mix layouts).
-    """
-    if name == "bf16":
-        return bf16_method()
-    if name == "kivi-2":
-        return kivi2_method()
-    if name == "naive-int2":
-        meth = naive_int2_method()
-    elif name == "quarot-int2":
-        meth = quarot_int2_method(config)
-    elif name == "oscar":
-        if artifact is None:
-            raise EvalError(
-                "method oscar needs --artifact (a calibration artifact: local path or hf://ORG/NAME@REV)",
-                hint="run: oscar calibrate MODEL, or drop oscar from --methods",
-            )
-        meth = oscar_from_artifact(artifact, config)
-    else:
-        raise EvalError(f"unknown method {name!r}; valid methods: {', '.join(METHOD_NAMES)}")
-    if windows is None:
-        return meth
-    sink, recent = windows
-    if sink < 0 or recent < 0 or sink % 8 or recent % 8:
-        raise EvalError(f"--bf16-windows {sink},{recent}: sink and recent must be non-negative multiples of 8")
-    return replace(meth, sink=sink, recent=recent, source=f"{meth.source} +windows S0={sink} W={recent}")
-
-
-def parse_windows(text: str | None) -> tuple[int, int] | None:
-    """``"64,256"`` -> ``(64, 256)``; None/empty -> None."""
-    if not text:
-        return None
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise EvalError(f"--bf16-windows {text!r}: expected SINK,RECENT such as 64,256")
-    return int(parts[0]), int(parts[1])
-
-
-def parse_methods(text: str | list[str]) -> list[str]:
-    """``"bf16,oscar"`` -> ``["bf16", "oscar"]``; unknown names raise with the valid list."""
-    items = text.split(",") if isinstance(text, str) else [p for t in text for p in t.split(",")]
-    names = [i.strip() for i in items if i.strip()]
-    if not names:
-        raise EvalError(f"no methods given; valid methods: {', '.join(METHOD_NAMES)}")
-    bad = [n for n in names if n not in METHOD_NAMES]
-    if bad:
-        raise EvalError(f"unknown method {bad[0]!r}; valid methods: {', '.join(METHOD_NAMES)}")
-    return list(dict.fromkeys(names))
-
