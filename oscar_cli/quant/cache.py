@@ -41,8 +41,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from oscar_cli.quant.append import AppendLayer
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
 
 
@@ -53,27 +54,6 @@ def rotation_matrix(r: torch.Tensor | None) -> torch.Tensor | None:
     if r.dim() == 3 and r.shape[0] == 1:
         return r[0]
     return r
-
-
-class AppendLayer(CacheLayerMixin):
-    """What every oscar cache layer shares: an append-only, unbounded, full-attention layer whose length is
-    ``cumulative_length`` (``_layer_type`` unset on purpose: setting it would silently replace transformers'
-    DynamicLayer for every ``DynamicCache(config=...)`` in the process)."""
-
-    is_sliding = False
-    is_croppable = False
-    keys: torch.Tensor  # the dense view attention reads (set in lazy_initialization)
-    values: torch.Tensor
-    cumulative_length: int
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class Int2Layer(AppendLayer):

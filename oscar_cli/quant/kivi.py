@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from oscar_cli.quant.cache import AppendLayer
+from oscar_cli.quant.append import AppendLayer
 from oscar_cli.quant.methods import KIVI_GROUP, KIVI_RESIDUAL, QuantMethod
 
 
