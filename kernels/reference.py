@@ -65,6 +65,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
+
 __all__ = [
     "QuantizedRows",
     "attention_partial",
@@ -441,8 +443,8 @@ def bits_per_element(
     head_dim: int = 128,
     group_size: int | None = None,
     meta_bits: int = 16,
-    sink: int = 64,
-    recent: int = 256,
+    sink: int = DEFAULT_SINK,
+    recent: int = DEFAULT_RECENT,
     hp_bits: int = 16,
 ) -> float:
     """Average stored bits per K (or V) element at context length ``L`` (method.md §8).

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from oscar_cli.errors import RecipeError
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
 
 METHODS = ("oscar", "hadamard", "identity")
 K_TARGETS = ("qqt", "ktk")
@@ -92,8 +93,8 @@ class QuantConfig:
 
     group_size: int | None = None
     meta_dtype: str = "bfloat16"
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from oscar_cli.artifact.manifest import model_slug
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
@@ -64,8 +65,8 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
             head_dim=int(head_dim),
             group_size=quant.get("group_size") or None,
             meta_bits=meta_bits,
-            sink=int(quant.get("sink", 64)),
-            recent=int(quant.get("recent", 256)),
+            sink=int(quant.get("sink", DEFAULT_SINK)),
+            recent=int(quant.get("recent", DEFAULT_RECENT)),
         )
         out[f"{ctx // 1024}k"] = round(bpe, 4)
     return out

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from oscar_cli.model import DEFAULT_MODEL, ModelGeometry, load_config, load_model
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
 
 DEFAULT_CTX = (4096, 8192, 32768, 131072)
 # The serving defaults of the INT2 format (docs/DESIGN.md): BF16 sink and recent tiers, 16-bit scale/zero.
-SINK, RECENT, META_BITS = 64, 256, 16
+SINK, RECENT, META_BITS = DEFAULT_SINK, DEFAULT_RECENT, 16
 
 
 @dataclass(frozen=True)

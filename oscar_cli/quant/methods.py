@@ -30,12 +30,10 @@ import torch
 from oscar_cli.errors import ArtifactError, EvalError
 from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.transform import LayerTransform
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK
 
 MethodKind = Literal["dense", "int2", "kivi"]
 
-DEFAULT_SINK = 64
-DEFAULT_RECENT = 256
-DEMOTION_BLOCK = 8
 KIVI_GROUP = 128
 KIVI_RESIDUAL = 128
 

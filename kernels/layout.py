@@ -1,0 +1,12 @@
+"""Default sizes of the INT2 serving layout (docs/METHOD.md): the one place they are written down.
+
+Torch-free, so recipes and help texts can use them without importing torch.
+
+- ``DEFAULT_SINK`` (``S0``): the first tokens of a sequence, kept in BF16.
+- ``DEFAULT_RECENT`` (``W``): the newest tokens, kept in BF16; decode demotes ``DEMOTION_BLOCK`` at a time,
+  so the recent tier holds ``W .. W + DEMOTION_BLOCK - 1`` tokens.
+"""
+
+DEFAULT_SINK = 64
+DEFAULT_RECENT = 256
+DEMOTION_BLOCK = 8
