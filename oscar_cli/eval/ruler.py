@@ -157,7 +157,8 @@ def build_samples(
     return out
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every end-of-sequence id the generation config, tokenizer and model config name (sorted)."""
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), tokenizer, model.config):
         e = getattr(src, "eos_token_id", None)
@@ -190,8 +191,8 @@ def run_method_samples(
     from oscar_cli.quant import greedy_generate, left_pad, use_method
 
     model, tok = loaded.model, loaded.tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (_eos_ids(model, tok) or [0])[0]
-    eos = _eos_ids(model, tok)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids(model, tok) or [0])[0]
+    eos = eos_ids(model, tok)
     head_dim = loaded.geometry.head_dim
     rope = rope_tag(cfg)
     by_len: dict[int, list[tuple[NiahSample, list[int]]]] = defaultdict(list)
