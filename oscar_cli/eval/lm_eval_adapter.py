@@ -67,7 +67,7 @@ class OscarLM(LM):
         super().__init__()
         from oscar_cli.eval.prepare import build_methods, check_backend
         from oscar_cli.model import load_model
-        from oscar_cli.quant.methods import parse_methods
+        from oscar_cli.method_registry import parse_methods
 
         if unused:
             logger.warning("oscar model type: ignoring model_args %s", ", ".join(sorted(unused)))
