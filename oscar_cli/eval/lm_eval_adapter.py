@@ -66,8 +66,8 @@ class OscarLM(LM):
     ) -> None:
         super().__init__()
         from oscar_cli.eval.prepare import build_methods, check_backend
-        from oscar_cli.model import load_model
         from oscar_cli.method_registry import parse_methods
+        from oscar_cli.model import load_model
 
         if unused:
             logger.warning("oscar model type: ignoring model_args %s", ", ".join(sorted(unused)))
