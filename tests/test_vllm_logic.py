@@ -322,8 +322,9 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str) -> None:
     torch twin: across a demotion): the INT2 pages hold the reference cache's codes bitwise and every output is
     within fp16 attention error of the reference cache's (the Triton path runs in the interpreter on CPU: 4 steps)."""
     g = torch.Generator().manual_seed(3)
-    t = LayerTransform(random_orthogonal(HKV, D, 5), random_orthogonal(1, D, 6), 0.2 * torch.randn(HKV, D, generator=g),
-                       0.1 * torch.randn(1, D, generator=g), 0.92, 0.9)
+    t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),
+                       k_mean=0.2 * torch.randn(HKV, D, generator=g), v_mean=0.1 * torch.randn(1, D, generator=g),
+                       k_clip=0.92, v_clip=0.9)
     a = _Request("A", [40, 30], 10, [7, 3, 11, 2, 9, 14], 1, t)
     b = _Request("B", [20, 25], 9, [5, 13, 1, 8], 2, t)
     s = layout.Int2Settings(sink=S0, recent=W)
