@@ -53,7 +53,7 @@ def test_history_equals_reference_bitwise(n_rot: int) -> None:
     vr = rotate(v, r_v).to(torch.bfloat16)
     n_sink, n_hist, n_recent = layer.tier_sizes()
     assert n_sink == 8 and n_sink + n_hist + n_recent == total
-    for which, rows, mean, view in (("k", kr, t.k_mean, layer.keys), ("v", vr, t.v_mean, layer.values)):
+    for which, rows, mean, view in (("k", kr, t.k_mean, layer.stored()[0]), ("v", vr, t.v_mean, layer.stored()[1])):
         hist = layer.history(which)
         assert hist is not None
         ref = quantize_rows(rows[..., 8 : 8 + n_hist, :], None, mean, t.k_clip, None, torch.bfloat16)
@@ -80,22 +80,40 @@ def test_demotion_in_blocks_of_8_recent_between_w_and_w_plus_7() -> None:
     assert min(seen) == 16 and max(seen) == 23
 
 
-def test_value_quads_follow_the_history_incrementally() -> None:
-    """The kernel's value layout (token quads in rows of 64 tokens) tracks hist_v through odd prefill lengths,
-    demotions, a row boundary and reorders."""
-    from oscar_kernels.reference import rows_to_token_quads
+def assert_value_pages_match_history(layer: Int2Layer) -> None:
+    """Every value page (token quads) holds its row's history codes, packed by the reference (keys == values)."""
+    from oscar_kernels.reference import pack_token_quads, unpack_int2
 
+    pool = layer.pool
+    assert pool is not None and pool.v is not None
+    hist = layer.history("k")
+    assert hist is not None
+    codes, p = unpack_int2(hist[0]), pool.page
+    for b in range(pool.batch):
+        n = pool.lengths[b]
+        row = codes[b, :, codes.shape[2] - n :]
+        for i in range(pool.n_pages[b]):
+            want = pack_token_quads(row[:, i * p : min(n, (i + 1) * p)], min(p, 64))
+            assert torch.equal(pool.v.packed[int(pool.table[b, i])], want), f"row {b} page {i}"
+
+
+def test_value_pages_follow_the_history_incrementally() -> None:
+    """The kernel's value layout (token quads in pages) tracks the history through odd prefill lengths,
+    demotions, page boundaries, pool growth and reorders."""
     meth = oscar_method([LayerTransform()], sink=8, recent=16)
-    layer = Int2Layer(meth, LayerTransform())
+    layer = Int2Layer(meth, LayerTransform(), page_size=16)
     k = torch.randn(2, H, 120, D, generator=torch.Generator().manual_seed(4))
     layer.update(k[..., :47, :], k[..., :47, :])  # 23 history rows: the last quad is partial
-    assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0]))
-    for i in range(47, 120):  # the history crosses a 64-token row of the value layout
+    assert_value_pages_match_history(layer)
+    for i in range(47, 120):  # the history crosses several 16-token pages
         layer.update(k[..., i : i + 1, :], k[..., i : i + 1, :])
-        assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0])), f"after token {i}"
-    assert layer.tier_sizes()[1] > 64
+        assert_value_pages_match_history(layer)
+    assert layer.tier_sizes()[1] > 64 and layer.pool is not None and layer.pool.grows > 0
+    before = layer.history("k")
     layer.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(layer.value_quads(), rows_to_token_quads(layer.hist_v[0]))
+    assert_value_pages_match_history(layer)
+    after = layer.history("k")
+    assert before is not None and after is not None and torch.equal(after[0], before[0][[1, 0]])
 
 
 def test_new_tokens_attend_unquantized_and_nonfinal_chunk_has_no_recent() -> None:
@@ -340,13 +358,13 @@ def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest
     import oscar_kernels.ops as ops
 
     calls = []
-    real = ops.decode_attention_contiguous
+    real = ops.decode_attention
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "decode_attention_contiguous", counting)
+    monkeypatch.setattr(ops, "decode_attention", counting)
     model, meth = _kernel_model_and_method()
     caches: list = []
     ref = _decode_logits(model, meth, "reference", "cpu", 2, caches)

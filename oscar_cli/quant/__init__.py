@@ -5,6 +5,8 @@ Library entry points::
     from oscar_cli.quant import build_method, use_method, greedy_generate
     with use_method(model, build_method("oscar", model.config, artifact="artifacts/...")) as s:
         cache = s.new_cache()
+
+(``attach(model, method)`` is the same without the ``with``: the model stays modified until ``session.close()``.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from oscar_cli.quant.attention import ATTN_NAME, register_attention
 from oscar_cli.quant.cache import Int2Cache, Int2Layer
 from oscar_cli.quant.generation import greedy_generate, left_pad, prefill
 from oscar_cli.quant.methods import QuantMethod, oscar_method
-from oscar_cli.quant.runtime import MethodSession, use_method
+from oscar_cli.quant.runtime import MethodSession, attach, use_method
 from oscar_cli.transform import LayerTransform
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "LayerTransform",
     "MethodSession",
     "QuantMethod",
+    "attach",
     "build_method",
     "greedy_generate",
     "left_pad",

@@ -17,9 +17,14 @@ class AppendLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = False
-    keys: torch.Tensor  # the dense view attention reads (set in lazy_initialization)
+    keys: torch.Tensor  # dense layers (bf16, KIVI) keep their KV here; Int2Layer leaves them unset
     values: torch.Tensor
     cumulative_length: int
+    batch_size: int
+    device: torch.device
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -29,3 +34,27 @@ class AppendLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(beam_idx.to(self.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an oscar cache cannot be cropped (quantized history is not reversible)")
+
+    def kv_dims(self) -> tuple[int, int, int]:
+        """``(B, H_kv, D)`` of the stored KV."""
+        b, h, _, d = self.keys.shape
+        return int(b), int(h), int(d)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the KV tensors the layer holds (attributes that are tensors or lists of tensors)."""
+        total = 0
+        for value in vars(self).values():
+            items = value if isinstance(value, list) else [value]
+            total += sum(int(t.nbytes) for t in items if isinstance(t, torch.Tensor))
+        return total

@@ -1,17 +1,20 @@
-"""A transformers ``Cache`` whose layers really store the KV history as packed INT2 (serving-faithful).
+"""A transformers ``Cache`` whose INT2 layers hold the KV history only in the decode kernel's paged layout.
 
 Per decoder layer (:class:`Int2Layer`), keys and values live in three tiers (DESIGN.md "INT2 format v1"):
 
 - **sink**: slots ``[0, S)`` in the activation dtype, ``S = S0`` (+ the batch's largest left padding, see
-  :meth:`Int2Cache.set_padding`);
-- **history**: packed INT2 — ``packed uint8 [B, H_kv, T_h, D/4]``, ``scale``/``zero`` 16-bit
-  ``[B, H_kv, T_h, D/G]`` — written by :func:`oscar_kernels.reference.quantize_rows` (rotate → centre → clip →
-  quantize → pack);
-- **recent**: the newest ``W .. W+7`` tokens in the activation dtype.
+  :meth:`Int2Cache.set_padding`), one ``[B, H_kv, S, D]`` buffer allocated once;
+- **history**: packed INT2 pages from a :class:`~oscar_cli.quant.pages.PagePool` (keys quarter-packed rows,
+  values token quads, 16-bit ``scale``/``zero``, a ragged block table; pad tokens are never stored), written by
+  :func:`oscar_kernels.reference.quantize_rows` (reference path) or ``oscar_kernels.ops.quantize_write``
+  (Triton path), bitwise the same rows;
+- **recent**: the newest ``W .. W+7`` tokens in the activation dtype, one ``[B, H_kv, W + 8, D]`` buffer.
+
+Nothing else persists: no dense copy of the history exists between calls.
 
 All tiers hold **rotated** K (``k·R_K``, post-RoPE, computed here at run time in float32 and cast to the
 activation dtype: a key rotation cannot be folded into ``k_proj`` because RoPE sits between) and rotated V
-(``v·R_V``: folded into ``v_proj`` by :func:`oscar_cli.quant.runtime.use_method`, or applied here at run time
+(``v·R_V``: folded into ``v_proj`` by :func:`oscar_cli.quant.runtime.attach`, or applied here at run time
 when folding is off).
 
 Placement (method.md §7, §9.5):
@@ -22,20 +25,21 @@ Placement (method.md §7, §9.5):
   demoted to INT2 in one block, so recent oscillates between ``W`` and ``W + 7``. Without a recent window
   (``W = 0``) every token is quantized on arrival.
 
-What attention sees (``update`` returns it): the layer's earlier tokens as stored (sink and recent as is,
-history dequantized: ``zero + code·scale``, plus the centring mean, cast to the activation dtype) followed by
-the **new tokens unquantized** — so a chunk attends to earlier chunks through the quantized cache and to itself
-at full precision, and a decode step sees sink + INT2 history + recent.
+What attention sees:
 
-Reference-path note: the layer keeps ``view_k``/``view_v``, a dense copy of exactly that (the dequantized
-history is written once, when a token is demoted) so a step costs no re-dequantization; it is derived data,
-always equal to dequantizing the packed store (tests check it bitwise). :meth:`Int2Layer.storage_bytes`
-counts only what a server stores: sink + packed history + metadata + recent.
+- **reference path** (and every prefill chunk): ``update`` returns the layer's earlier tokens as stored (sink and
+  recent as is, history dequantized: ``zero + code·scale`` plus the centring mean, cast to the activation dtype)
+  followed by the **new tokens unquantized**. That dense tensor is transient: built from the pages for this call
+  and freed when the layer's attention returns (peak: one layer's ``[B, H_kv, T, D]`` K and V, DESIGN.md);
+- **Triton path** decode step: ``update`` returns only the new tokens and the registered attention function runs
+  ``oscar_kernels.ops.decode_attention`` on the pages and tiers (:meth:`Int2Layer.kernel_attention`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,8 +47,19 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from oscar_cli.errors import OscarError
 from oscar_cli.quant.append import AppendLayer
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
+from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "reference", "triton")
+_current = threading.local()  # the Int2Layer whose decode step the next attention call runs through the kernel
+
+
+def current_kernel_layer() -> Int2Layer | None:
+    """The layer that just stored a decode step for the Triton path (read by the attention function), or None."""
+    return getattr(_current, "layer", None)
 
 
 def rotation_matrix(r: torch.Tensor | None) -> torch.Tensor | None:
@@ -56,79 +71,180 @@ def rotation_matrix(r: torch.Tensor | None) -> torch.Tensor | None:
     return r
 
 
-class Int2Layer(AppendLayer):
-    """One decoder layer's tiered cache (dense or per-token INT2). See the module docstring."""
+def _flat_mean(m: torch.Tensor | None) -> torch.Tensor | None:
+    """``[N, D]`` -> ``[D]`` (N = 1) or ``[H_kv, D]`` float32 contiguous, as the kernels take it."""
+    if m is None:
+        return None
+    return (m.reshape(-1) if m.shape[0] == 1 else m).float().contiguous()
 
-    def __init__(
-        self, method: QuantMethod, transform: LayerTransform, rotate_values: bool = True, backend: str = "reference"
-    ) -> None:
+
+def kernel_unsupported(method: QuantMethod, x: torch.Tensor, interpreter_ok: bool = True) -> str | None:
+    """Why the Triton path cannot serve this layer (None: it can)."""
+    d = int(x.shape[-1])
+    interp = interpreter_ok and os.environ.get("TRITON_INTERPRET") == "1"
+    if not (x.is_cuda or interp):
+        return f"the Triton kernels need a CUDA device, the model is on {x.device}"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"the decode kernel takes bfloat16/float16 activations, the model runs {x.dtype}"
+    if d not in (64, 128):
+        return f"the decode kernel takes head_dim 64 or 128, the model has {d}"
+    if method.group_size not in (None, d):
+        return f"the decode kernel needs group size G = head_dim, the method has G = {method.group_size}"
+    return None
+
+
+class DenseLayer(AppendLayer):
+    """The ``bf16`` method: every token kept in the activation dtype (transformers' DynamicLayer, appended)."""
+
+    def __init__(self, method: QuantMethod) -> None:
         super().__init__()
         self.method = method
-        self.backend = backend  # "triton": the write path uses oscar_kernels.ops.quantize_rows (bitwise twin)
-        self.transform = transform
+        self.cumulative_length = 0
+        self.final_chunk = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        self.batch_size = int(key_states.shape[0])
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], -2)
+        self.values = torch.cat([self.values, value_states], -2)
+        self.cumulative_length += int(key_states.shape[-2])
+        return self.keys, self.values
+
+    def tier_sizes(self) -> tuple[int, int, int]:
+        return 0, 0, self.cumulative_length
+
+    def storage_bytes(self) -> int:
+        return int(self.keys.nbytes + self.values.nbytes) if self.is_initialized else 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[indices], self.values[indices]
+        self.batch_size = int(self.keys.shape[0])
+
+    def reset(self) -> None:
+        self.__init__(self.method)  # type: ignore[misc]
+
+
+class Int2Layer(AppendLayer):
+    """One decoder layer's tiered, paged INT2 cache. See the module docstring.
+
+    Args:
+        method: the per-token INT2 method (``kind == "int2"``).
+        transform: the layer's rotations, means and clips.
+        rotate_values: rotate values with ``R_V`` here (True when ``R_V`` is not folded into ``v_proj``).
+        backend: ``reference`` (torch), ``triton`` (kernels; an error where they cannot run) or ``auto``
+            (triton on CUDA where the kernels apply, else reference).
+        layer_idx: the decoder layer index (the attention function checks it).
+        page_size: tokens per history page.
+    """
+
+    def __init__(
+        self,
+        method: QuantMethod,
+        transform: LayerTransform,
+        rotate_values: bool = True,
+        backend: str = "reference",
+        *,
+        layer_idx: int = 0,
+        page_size: int = DEFAULT_PAGE,
+    ) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.method, self.transform, self.backend = method, transform, backend
+        self.rotate_values, self.layer_idx, self.page_size = rotate_values, layer_idx, page_size
         self.k_rot = rotation_matrix(transform.k_rotation)
         self.v_rot = rotation_matrix(transform.v_rotation) if rotate_values else None
         self.cumulative_length = 0
         self.sink_slots = method.sink
         self.pads: list[int] = []  # left padding per row (set by Int2Cache.set_padding)
         self.final_chunk = True
-        self.quantize = method.kind == "int2"
-        self.n_sink = 0
-        self.n_hist = 0
-        self.sink_k: torch.Tensor | None = None
-        self.sink_v: torch.Tensor | None = None
-        self.recent_k: torch.Tensor | None = None
-        self.recent_v: torch.Tensor | None = None
-        self.k_mean: torch.Tensor | None = None  # on the cache's device, set in lazy_initialization
+        self.quantize = True
+        self.path = "reference"  # resolved at the first update: "reference" or "triton"
+        self.n_sink = 0  # sink slots filled (pad slots included)
+        self.hist_slots = 0  # slots [S, S + hist_slots) are history (each row stores its real tokens)
+        self.n_recent = 0  # slots [L - n_recent, L) are recent
+        self.kernel_step = False  # the last update was a decode step for the Triton path
+        self.pool: PagePool | None = None
+        self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
+        self.k_mean: torch.Tensor | None = None
         self.v_mean: torch.Tensor | None = None
-        self.hist_k: list[torch.Tensor] = []  # [packed, scale, zero] once non-empty
-        self.hist_v: list[torch.Tensor] = []
-        self._v_quads: torch.Tensor | None = None  # hist_v codes in token quads (the decode kernel's layout)
-        self._v_quads_len = 0
 
     # ---------------------------------------------------------------- transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
         b, h, _, d = key_states.shape
-        empty = key_states.new_zeros(b, h, 0, d)
-        self.keys = empty
-        self.values = value_states.new_zeros(b, h, 0, value_states.shape[-1])
-        self.sink_k, self.sink_v = empty, self.values
-        self.recent_k, self.recent_v = empty, self.values
-        self.batch_size = b
-        self.is_initialized = True
-        dev = key_states.device  # move the transforms once, not on every call
+        self.device, self.dtype, self.batch_size = key_states.device, key_states.dtype, int(b)
+        self.dims = (int(b), int(h), int(d))
+        self.path = self._resolve_path(key_states)
+        pads = self.pads or [0] * int(b)
+        if len(pads) != b:
+            raise ValueError(f"set_padding got {len(pads)} rows, the batch has {b}")
+        self.pads = pads
+        dev = key_states.device
         self.k_rot = None if self.k_rot is None else self.k_rot.to(dev)
         self.v_rot = None if self.v_rot is None else self.v_rot.to(dev)
         self.k_mean = None if self.transform.k_mean is None else self.transform.k_mean.to(dev)
         self.v_mean = None if self.transform.v_mean is None else self.transform.v_mean.to(dev)
+        s_cap = max(1, self.sink_slots)
+        r_cap = self.method.recent + self.method.demotion_block
+        self.sink_k = key_states.new_zeros(b, h, s_cap, d)
+        self.sink_v = value_states.new_zeros(b, h, s_cap, d)
+        self.recent_k = key_states.new_zeros(b, h, r_cap, d)
+        self.recent_v = value_states.new_zeros(b, h, r_cap, d)
+        self.pool = PagePool(
+            int(b), int(h), int(d), page_size=self.page_size, group_size=self.method.group_size,
+            meta_dtype=self.method.meta_dtype, device=dev,
+        )
+        self.is_initialized = True
+
+    def _resolve_path(self, x: torch.Tensor) -> str:
+        if self.backend == "reference":
+            return "reference"
+        reason = kernel_unsupported(self.method, x, interpreter_ok=self.backend == "triton")
+        if reason is not None and self.backend == "triton":
+            raise OscarError(f"backend triton: {reason}", hint="use --backend reference (torch) or auto")
+        path = "reference" if reason else "triton"
+        if self.layer_idx == 0:
+            log.info("%s cache: %s path%s", self.method.name, path, f" ({reason})" if reason else "")
+        return path
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens (placement + demotion) and return ``[stored earlier tokens | new tokens]``.
+        """Store the new tokens (placement + demotion) and return what attention reads.
 
         Args:
             key_states: post-RoPE keys ``[B, H_kv, T_new, D]`` (unrotated).
             value_states: ``[B, H_kv, T_new, D]`` (already rotated when ``R_V`` is folded into ``v_proj``).
 
         Returns:
-            keys, values ``[B, H_kv, T_prev + T_new, D]`` in the activation dtype, rotated.
+            ``[stored earlier tokens | new tokens]`` ``[B, H_kv, T_prev + T_new, D]`` (rotated, activation dtype),
+            or, for a decode step on the Triton path, the new tokens alone (the kernel reads the pages).
         """
+        k, v = self.append(key_states, value_states)
+        prior = self.cumulative_length - int(k.shape[-2])
+        self.kernel_step = self.path == "triton" and k.shape[-2] == 1
+        _current.layer = self if self.kernel_step else None
+        if self.kernel_step:
+            return k, v
+        return self.stored(prior, k, v)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate and store new tokens without building attention's view; returns the rotated new ``(k, v)``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         k = self._rotate(key_states, self.k_rot)
         v = self._rotate(value_states, self.v_rot)
-        prior = self.cumulative_length
-        n = k.shape[-2]
-        self.keys = torch.cat([self.keys, k], dim=-2)
-        self.values = torch.cat([self.values, v], dim=-2)
-        self.cumulative_length += n
-        first_quantized = self._place(k, v, decode=n == 1)
-        if first_quantized is not None and first_quantized < prior + n:
-            return torch.cat([self.keys[..., :prior, :], k], -2), torch.cat([self.values[..., :prior, :], v], -2)
-        return self.keys, self.values
+        self.cumulative_length += int(k.shape[-2])
+        self._place(k, v, decode=k.shape[-2] == 1)
+        return k, v
 
     # ---------------------------------------------------------------- placement
     def _rotate(self, x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
@@ -138,177 +254,281 @@ class Int2Layer(AppendLayer):
 
         return rotate(x, r).to(x.dtype)
 
-    def _place(self, k: torch.Tensor, v: torch.Tensor, decode: bool) -> int | None:
-        """Put new rotated tokens in their tiers; return the first slot demoted to INT2 (None: none)."""
+    def _place(self, k: torch.Tensor, v: torch.Tensor, decode: bool) -> None:
+        """Put new rotated tokens in their tiers (sink first, then recent), demoting to INT2 as method.md says."""
         assert self.sink_k is not None and self.sink_v is not None
         assert self.recent_k is not None and self.recent_v is not None
-        if not self.quantize:
-            return None
-        take = max(0, min(self.sink_slots - self.n_sink, k.shape[-2]))
+        n = int(k.shape[-2])
+        take = max(0, min(self.sink_slots - self.n_sink, n))
         if take:
-            self.sink_k = torch.cat([self.sink_k, k[..., :take, :]], -2)
-            self.sink_v = torch.cat([self.sink_v, v[..., :take, :]], -2)
+            self.sink_k[..., self.n_sink : self.n_sink + take, :] = k[..., :take, :]
+            self.sink_v[..., self.n_sink : self.n_sink + take, :] = v[..., :take, :]
             self.n_sink += take
-        self.recent_k = torch.cat([self.recent_k, k[..., take:, :]], -2)
-        self.recent_v = torch.cat([self.recent_v, v[..., take:, :]], -2)
+        rest_k, rest_v = k[..., take:, :], v[..., take:, :]
+        total = self.n_recent + n - take
         w, block = self.method.recent, self.method.demotion_block
-        n_recent = self.recent_k.shape[-2]
         if decode:
-            demote = ((n_recent - w) // block) * block if n_recent >= w + block else 0
+            demote = ((total - w) // block) * block if total >= w + block else 0
         else:
-            demote = max(0, n_recent - w) if self.final_chunk else n_recent
-        if demote <= 0:
-            return None
-        first = self.n_sink + self.n_hist
-        self._demote(demote)
-        return first
+            demote = max(0, total - w) if self.final_chunk else total
+        old = min(demote, self.n_recent)  # demoted from the stored recent tier, then from the new tokens
+        new = demote - old
+        if demote:
+            rows_k = torch.cat([self.recent_k[..., :old, :], rest_k[..., :new, :]], -2)
+            rows_v = torch.cat([self.recent_v[..., :old, :], rest_v[..., :new, :]], -2)
+            self._demote(rows_k, rows_v)
+        kept = self.n_recent - old
+        if old and kept:  # shift the surviving recent tokens to the front (at most W + 7 rows)
+            self.recent_k[..., :kept, :] = self.recent_k[..., old : self.n_recent, :].clone()
+            self.recent_v[..., :kept, :] = self.recent_v[..., old : self.n_recent, :].clone()
+        add = n - take - new
+        if kept + add > self.recent_k.shape[-2]:
+            raise AssertionError(f"recent tier overflow: {kept + add} > {self.recent_k.shape[-2]}")
+        self.recent_k[..., kept : kept + add, :] = rest_k[..., new:, :]
+        self.recent_v[..., kept : kept + add, :] = rest_v[..., new:, :]
+        self.n_recent = kept + add
 
-    def _demote(self, m: int) -> None:
-        """Quantize the ``m`` oldest recent tokens into the INT2 history (reference write path)."""
-        from oscar_kernels.reference import QuantizedRows, dequantize_rows
+    def _demote(self, rows_k: torch.Tensor, rows_v: torch.Tensor) -> None:
+        """Quantize ``m`` slots ``[S + hist_slots, + m)`` (``[B, H_kv, m, D]``) into each row's history pages."""
+        assert self.pool is not None
+        b, h, m, d = rows_k.shape
+        first = self.sink_slots + self.hist_slots
+        pads = torch.tensor(self.pads, dtype=torch.long)
+        row_start = pads.clamp(min=self.sink_slots)  # each row's first real history slot
+        start = first - row_start  # history position of slot `first` per row (negative: pad slots)
+        added = (first + m - torch.maximum(row_start, torch.tensor(first))).clamp(min=0, max=m)
+        self.pool.extend([int(a) for a in added])
+        slots = self.pool.slots(start, m)
+        self.hist_slots += m
+        t, meth = self.transform, self.method
+        if self.path == "triton":
+            flat_k = rows_k.permute(0, 2, 1, 3).reshape(b * m, h, d)
+            flat_v = rows_v.permute(0, 2, 1, 3).reshape(b * m, h, d)
+            self.pool.write_kernel(
+                flat_k, flat_v, slots, (_flat_mean(self.k_mean), _flat_mean(self.v_mean)), (t.k_clip, t.v_clip)
+            )
+            return
+        from oscar_kernels.reference import QuantizedRows, quantize_rows
 
+        def flat(q: QuantizedRows) -> QuantizedRows:
+            return QuantizedRows(*(x.permute(0, 2, 1, 3).reshape(b * m, h, -1) for x in (q.packed, q.scale, q.zero)))
+
+        qk = quantize_rows(rows_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype)
+        qv = quantize_rows(rows_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype)
+        self.pool.write(flat(qk), flat(qv), slots)
+
+    # ---------------------------------------------------------------- what attention reads
+    def stored(
+        self, upto: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored slots ``[0, upto)`` as dense rotated K and V in the activation dtype (history dequantized
+        plus the centring mean), followed by ``k_new``/``v_new``. Transient: built from the tiers on each call."""
+        from oscar_kernels.reference import dequantize_rows
+
+        assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
         assert self.recent_k is not None and self.recent_v is not None
-        t = self.transform
-        start = self.n_sink + self.n_hist
-        for name, rows, mean, clip in (
-            ("k", self.recent_k[..., :m, :], self.k_mean, t.k_clip),
-            ("v", self.recent_v[..., :m, :], self.v_mean, t.v_clip),
-        ):
-            mean_d = mean
-            q = self._quantize(rows, mean_d, clip)
-            store = self.hist_k if name == "k" else self.hist_v
-            if store:
-                store[:] = [torch.cat([a, b], -2) for a, b in zip(store, (q.packed, q.scale, q.zero), strict=True)]
-            else:
-                store[:] = [q.packed, q.scale, q.zero]
-            deq = dequantize_rows(QuantizedRows(q.packed, q.scale, q.zero), torch.float32)
-            if mean_d is not None:
-                deq = deq + (mean_d.float().unsqueeze(-2) if mean_d.dim() == 2 else mean_d.float())
-            view = self.keys if name == "k" else self.values
-            view[..., start : start + m, :] = deq.to(view.dtype)
-        self.recent_k = self.recent_k[..., m:, :]
-        self.recent_v = self.recent_v[..., m:, :]
-        self.n_hist += m
+        length = self.cumulative_length
+        upto = length if upto is None else upto
+        s = min(self.n_sink, upto)
+        ks, vs = [self.sink_k[..., :s, :]], [self.sink_v[..., :s, :]]
+        width = max(0, min(self.hist_slots, upto - self.n_sink))
+        if width:
+            qk, qv = self.pool.rows(self.hist_slots, width)
+            for out, q, mean in ((ks, qk, self.k_mean), (vs, qv, self.v_mean)):
+                deq = dequantize_rows(q, torch.float32)
+                if mean is not None:
+                    deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
+                out.append(deq.to(self.dtype))
+        r = max(0, upto - (length - self.n_recent))
+        ks.append(self.recent_k[..., :r, :])
+        vs.append(self.recent_v[..., :r, :])
+        if k_new is not None and v_new is not None:
+            ks.append(k_new)
+            vs.append(v_new)
+        return torch.cat(ks, -2), torch.cat(vs, -2)
 
-    def _quantize(self, rows: torch.Tensor, mean: torch.Tensor | None, clip: float) -> Any:
-        """Reference write path, or its Triton twin (``backend="triton"``, CUDA or ``TRITON_INTERPRET=1``)."""
-        from oscar_kernels.reference import quantize_rows
+    def kernel_attention(
+        self, query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """One decode step through ``oscar_kernels.ops.decode_attention`` on the pages: ``query [B, H_q, 1, D]``
+        (post-RoPE, unrotated: the kernel applies ``R_K``) -> ``o + mu_V`` ``[B, H_q, 1, D]`` in the rotated value
+        space (``R_Vᵀ`` follows in the folded ``o_proj``).
 
-        meth = self.method
-        kernel_ok = rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        if self.backend == "triton" and kernel_ok and rows.shape[-1] % 16 == 0:
-            from oscar_kernels import ops
-
-            m = None if mean is None else (mean.reshape(-1) if mean.shape[0] == 1 else mean).float().contiguous()
-            return ops.quantize_rows(rows.contiguous(), None, m, clip, meth.group_size, meth.meta_dtype)
-        return quantize_rows(rows, None, mean, clip, meth.group_size, meth.meta_dtype)
-
-    def value_quads(self) -> torch.Tensor:
-        """The packed value history in token quads ``uint8 [B, H_kv, ⌈T/64⌉·D, 16]`` (rows of 64 tokens; what the
-        decode kernel reads).
-
-        The serving layout of values (``oscar_kernels.reference.pack_token_quads``), kept next to the row layout
-        this cache stores and converted incrementally: only the 64-token rows touched since the last call are rebuilt.
+        The BF16 tiers are passed **centred** like the INT2 rows. In a left-padded batch each row's real sink
+        (and, without a sink, recent) tokens are gathered to the front and the lengths exclude the pads. When the
+        new token was demoted on arrival (``W = 0``) it is attended unquantized from the recent tier and left out
+        of the history, as on the reference path.
         """
-        from oscar_kernels.reference import TOKEN_QUAD_ROW, rows_to_token_quads
+        from oscar_kernels.ops import decode_attention
 
-        packed = self.hist_v[0]
-        n = packed.shape[-2]
-        if self._v_quads is None or n < self._v_quads_len:
-            self._v_quads, self._v_quads_len = rows_to_token_quads(packed), n
-        elif n > self._v_quads_len:
-            keep = self._v_quads_len // TOKEN_QUAD_ROW  # whole rows already final
-            tail = rows_to_token_quads(packed[..., TOKEN_QUAD_ROW * keep :, :])
-            d = 4 * int(packed.shape[-1])
-            self._v_quads = torch.cat([self._v_quads[..., : keep * d, :], tail], -2)
-            self._v_quads_len = n
-        return self._v_quads
+        assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
+        assert self.recent_k is not None and self.recent_v is not None
+        dev, length = query.device, self.cumulative_length
+        pads = torch.tensor(self.pads, dtype=torch.long, device=dev)
+        sink_pad = pads.clamp(max=self.n_sink)
+        sink_k, sink_v = _front(self.sink_k, sink_pad), _front(self.sink_v, sink_pad)
+        hist_len = self.pool.device_lengths()
+        if self.n_recent == 0:  # the new token went to INT2 on arrival: attend to it unquantized
+            recent_k, recent_v, recent_len = k_new, v_new, torch.ones_like(hist_len)
+            hist_len = hist_len - 1
+        else:
+            rec_pad = (pads - (length - self.n_recent)).clamp(min=0, max=self.n_recent)
+            recent_k, recent_v = _front(self.recent_k, rec_pad), _front(self.recent_v, rec_pad)
+            recent_len = (self.n_recent - rec_pad).to(torch.int32)
+        rot = self.transform.k_rotation
+        out = decode_attention(
+            query[:, :, 0].contiguous(),
+            self.pool.k,
+            self.pool.v,
+            self.pool.device_table(),
+            hist_len,
+            _centred(sink_k, self.k_mean),
+            _centred(sink_v, self.v_mean),
+            (self.n_sink - sink_pad).to(torch.int32),
+            _centred(recent_k, self.k_mean),
+            _centred(recent_v, self.v_mean),
+            recent_len,
+            rotation_k=None if rot is None else rotation_matrix(rot).to(dev).float().contiguous(),  # type: ignore[union-attr]
+            mean_v=None if self.v_mean is None else _flat_mean(self.v_mean),
+            sm_scale=scaling,
+        )
+        return out.unsqueeze(2)
 
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The packed history ``(packed, scale, zero)`` of keys (``"k"``) or values (``"v"``), or None."""
-        store = self.hist_k if which == "k" else self.hist_v
-        return (store[0], store[1], store[2]) if store else None
+        """The packed history ``(packed [B, H_kv, T_h, D/4], scale, zero)`` of keys (``"k"``) or values (``"v"``)
+        in the row layout (rows right-aligned, zeros left of a padded row's first token), or None when empty."""
+        if self.pool is None or self.hist_slots == 0:
+            return None
+        q = self.pool.rows(self.hist_slots)[0 if which == "k" else 1]
+        return q.packed, q.scale, q.zero
 
     def tier_sizes(self) -> tuple[int, int, int]:
-        """``(sink, history, recent)`` token counts (dense layers report everything as recent)."""
-        if not self.quantize:
-            return 0, 0, self.cumulative_length
-        n_recent = 0 if self.recent_k is None else self.recent_k.shape[-2]
-        return self.n_sink, self.n_hist, n_recent
+        """``(sink, history, recent)`` slot counts."""
+        return self.n_sink, self.hist_slots, self.n_recent
+
+    def kv_dims(self) -> tuple[int, int, int]:
+        return self.dims
 
     def storage_bytes(self) -> int:
-        """Bytes a server stores for this layer: sink + packed history + scale/zero + recent (K and V)."""
-        if not self.is_initialized:
+        """Bytes the tiers hold in use: sink and recent slots, each row's packed history + scale/zero (K and V)."""
+        if not self.is_initialized or self.pool is None:
             return 0
-        if not self.quantize:
-            assert self.keys is not None and self.values is not None
-            return int(self.keys.nbytes + self.values.nbytes)
-        tensors = [self.sink_k, self.sink_v, self.recent_k, self.recent_v, *self.hist_k, *self.hist_v]
-        return int(sum(x.nbytes for x in tensors if x is not None))
+        b, h, d = self.dims
+        act = torch.finfo(self.dtype).bits // 8
+        md = torch.finfo(self.method.meta_dtype).bits // 8
+        groups = d // (self.method.group_size or d)
+        per_hist = d // 4 + 2 * groups * md
+        dense = (self.n_sink + self.n_recent) * b * d * act
+        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist))
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the layer holds: sink and recent buffers (capacity), the page pool, block table."""
+        if not self.is_initialized or self.pool is None:
+            return 0
+        bufs = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
+        return int(sum(t.nbytes for t in bufs if t is not None) + self.pool.allocated_bytes())
 
     # ---------------------------------------------------------------- batch operations
-    def _tensors(self) -> list[str]:
-        return ["keys", "values", "sink_k", "sink_v", "recent_k", "recent_v"]
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for name in self._tensors():
-            x = getattr(self, name)
-            if x is not None:
-                setattr(self, name, x[indices, ...])
-        self.hist_k = [x[indices, ...] for x in self.hist_k]
-        self.hist_v = [x[indices, ...] for x in self.hist_v]
-        self._v_quads, self._v_quads_len = None, 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            self.batch_select_indices(beam_idx.to(self.device))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        for name in self._tensors():
-            x = getattr(self, name)
-            if x is not None:
-                setattr(self, name, x.repeat_interleave(repeats, dim=0))
-        self.hist_k = [x.repeat_interleave(repeats, dim=0) for x in self.hist_k]
-        self.hist_v = [x.repeat_interleave(repeats, dim=0) for x in self.hist_v]
-        self._v_quads, self._v_quads_len = None, 0
+        assert self.pool is not None
+        idx = [int(i) for i in indices.tolist()]
+        sel = torch.tensor(idx, device=self.device)
+        for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
+            setattr(self, name, getattr(self, name)[sel].contiguous())
+        self.pool = self.pool.select(idx)
+        self.pads = [self.pads[i] for i in idx]
+        self.batch_size = len(idx)
+        self.dims = (len(idx), *self.dims[1:])
 
     def reset(self) -> None:
-        self.__init__(self.method, self.transform, self.v_rot is not None, self.backend)  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            self.method, self.transform, self.rotate_values, self.backend, layer_idx=self.layer_idx,
+            page_size=self.page_size,
+        )
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("an INT2 cache cannot be cropped (quantized history is not reversible)")
+
+def _front(tier: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """Per row ``b`` drop the first ``skip[b]`` slots of ``tier [B, H, T, D]`` (shift the rest to the front)."""
+    if not bool((skip > 0).any()):
+        return tier
+    t = tier.shape[2]
+    idx = (skip[:, None] + torch.arange(t, device=tier.device)[None, :]).clamp(max=t - 1)
+    return tier.gather(2, idx[:, None, :, None].expand(-1, tier.shape[1], -1, tier.shape[3]))
+
+
+def _centred(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+    if mean is None:
+        return x.contiguous()
+    m = mean.unsqueeze(-2) if mean.dim() == 2 else mean
+    return (x.float() - m).to(x.dtype).contiguous()
 
 
 class Int2Cache(Cache):
-    """``Cache(layers=[...])`` with one :class:`Int2Layer` (or KIVI layer) per decoder layer.
+    """``Cache(layers=[...])`` with one :class:`Int2Layer` (or KIVI / dense layer) per decoder layer.
 
     Args:
         method: the :class:`QuantMethod` every layer follows.
         num_layers: decoder layers of the model.
         rotate_values: True when ``R_V`` is applied here at run time (not folded into ``v_proj``).
+        backend: ``reference``, ``triton`` or ``auto`` (see :class:`Int2Layer`).
+        page_size: tokens per INT2 history page.
+        max_positions: the model's position limit (an update beyond it raises, naming the limit).
     """
 
     def __init__(
-        self, method: QuantMethod, num_layers: int, rotate_values: bool = False, backend: str = "reference"
+        self,
+        method: QuantMethod,
+        num_layers: int,
+        rotate_values: bool = False,
+        backend: str = "reference",
+        *,
+        page_size: int = DEFAULT_PAGE,
+        max_positions: int | None = None,
     ) -> None:
         layers: list[Any]
         if method.kind == "kivi":
             from oscar_cli.quant.kivi import KiviLayer
 
             layers = [KiviLayer(method) for _ in range(num_layers)]
+        elif method.kind == "dense":
+            layers = [DenseLayer(method) for _ in range(num_layers)]
         else:
-            layers = [Int2Layer(method, method.layer(i), rotate_values, backend) for i in range(num_layers)]
+            layers = [
+                Int2Layer(method, method.layer(i), rotate_values, backend, layer_idx=i, page_size=page_size)
+                for i in range(num_layers)
+            ]
         super().__init__(layers=layers)
         self.method = method
+        self.max_positions = max_positions
+        self.padding_set = False
         self.oscar_layers: list[Any] = layers  # the same objects, typed for our own attributes
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0 and self.max_positions:
+            total = self.get_seq_length() + int(key_states.shape[-2])
+            if total > self.max_positions:
+                raise OscarError(
+                    f"context of {total} tokens is beyond the model's {self.max_positions} positions",
+                    hint="shorten the prompt or generate fewer tokens",
+                )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def path(self) -> str:
+        """``triton`` or ``reference`` (INT2 layers after their first update), or the method kind otherwise."""
+        first = self.oscar_layers[0]
+        return str(getattr(first, "path", self.method.kind)) if self.method.kind == "int2" else self.method.kind
 
     def set_padding(self, left_pad: list[int] | torch.Tensor | None) -> None:
         """Declare per-row left padding before the first forward of a batch.
 
         The BF16 sink then spans slots ``[0, S0 + max_pad)``: every row keeps at least its first ``S0`` real
         tokens in BF16 (a row with less padding keeps up to ``max_pad`` more). With batch 1 the layout is
-        exactly method.md's. KIVI layers use the padding to keep pad slots out of the per-channel ranges.
+        exactly method.md's. Pad tokens are never stored in the INT2 pages. KIVI layers use the padding to keep
+        pad slots out of the per-channel ranges.
         """
         pads = [] if left_pad is None else [int(p) for p in left_pad]
         for layer in self.oscar_layers:
@@ -317,6 +537,7 @@ class Int2Cache(Cache):
             elif isinstance(layer, Int2Layer):
                 layer.sink_slots = self.method.sink + (max(pads) if pads and self.method.sink > 0 else 0)
                 layer.pads = pads
+        self.padding_set = True
 
     @contextmanager
     def chunk(self, final: bool) -> Iterator[None]:
@@ -330,14 +551,19 @@ class Int2Cache(Cache):
                 layer.final_chunk = True
 
     def storage_bytes(self) -> int:
-        """Bytes stored over all layers (what a server would hold)."""
+        """Bytes stored over all layers (tiers in use)."""
         return sum(layer.storage_bytes() for layer in self.oscar_layers)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the cache holds (buffer and pool capacity included)."""
+        return sum(layer.allocated_bytes() for layer in self.oscar_layers)
 
     def measured_bits_per_element(self) -> float:
         """Stored bits per K/V element: ``8 · bytes / (2 · layers · B · H_kv · T · D)``."""
         first = self.oscar_layers[0]
         if not first.is_initialized or self.get_seq_length() == 0:
             return float("nan")
-        b, h, _, d = first.keys.shape
+        b, h, d = first.kv_dims()
         elements = 2 * len(self.oscar_layers) * b * h * self.get_seq_length() * d
         return 8.0 * self.storage_bytes() / elements
+

@@ -1,6 +1,7 @@
 """Attach a :class:`~oscar_cli.quant.methods.QuantMethod` to a loaded transformers model, and take it off.
 
-``with use_method(model, method) as session:`` does, for every decoder layer:
+``session = attach(model, method)`` (or ``with use_method(model, method) as session:``) does, for every decoder
+layer, **in place**:
 
 - **fold** ``R_V`` into the weights (exact per-head block fold, computed in float32, cast back to the weight
   dtype): ``v_proj`` rows of KV head ``h``: ``W_v[h] <- R_V[h]ᵀ·W_v[h]`` (bias ``b_v[h] <- b_v[h]·R_V[h]``),
@@ -11,41 +12,66 @@
 - set ``module._oscar_runtime`` with ``R_K`` per query head: ``q·R_K`` runs at **run time** in the
   attention function (RoPE sits between ``k_proj`` and the rotation, so ``R_K`` cannot be folded; keys are
   rotated at run time by the cache);
-- switch the model to the registered ``oscar_int2`` attention.
+- switch the model to the registered ``oscar_int2`` attention;
+- add a forward pre-hook that reads a batch's left padding off the attention mask when ``model.generate``
+  starts on a fresh cache (so the BF16 sink covers it, as with :func:`oscar_cli.quant.generation.prefill`).
 
-On exit the original weights (kept as copies of ``v_proj``/``o_proj``) and attention implementation are
-restored, so one loaded model serves every method in turn.
+``session.close()`` (the end of the ``with`` block) restores the original weights (kept as copies of
+``v_proj``/``o_proj``), removes the hook and the transforms and restores the attention implementation, so one
+loaded model serves every method in turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
+from oscar_cli.errors import OscarError
 from oscar_cli.quant.attention import LayerRuntime, register_attention
-from oscar_cli.quant.cache import Int2Cache
+from oscar_cli.quant.cache import BACKENDS, Int2Cache
 from oscar_cli.quant.methods import QuantMethod
+from oscar_cli.quant.pages import DEFAULT_PAGE
 
 
 @dataclass
 class MethodSession:
-    """A model with a method attached: makes caches that match the attached transforms."""
+    """A model with a method attached: makes caches that match the attached transforms; :meth:`close` detaches."""
 
     model: Any
     method: QuantMethod
     rotate_values: bool
-    backend: str = "reference"
+    backend: str = "auto"
+    page_size: int = DEFAULT_PAGE
     active: Int2Cache | None = None
+    _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def new_cache(self) -> Int2Cache:
-        """A fresh, empty cache for one batch (also the one the Triton decode path reads)."""
-        n_layers = self.model.config.num_hidden_layers
-        self.active = Int2Cache(self.method, n_layers, rotate_values=self.rotate_values, backend=self.backend)
+        """A fresh, empty cache for one batch (prefill + decode; ``model.generate(past_key_values=...)``)."""
+        cfg = self.model.config
+        self.active = Int2Cache(
+            self.method,
+            int(cfg.num_hidden_layers),
+            rotate_values=self.rotate_values,
+            backend=self.backend,
+            page_size=self.page_size,
+            max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 0) or None,
+        )
         return self.active
+
+    @property
+    def attached(self) -> bool:
+        return getattr(self.model, "_oscar_session", None) is self
+
+    def close(self) -> None:
+        """Restore the model: unfold ``R_V`` (original weights), drop the run-time transforms, the padding hook
+        and the attention implementation. Idempotent."""
+        while self._restore:
+            self._restore.pop()()
 
 
 def decoder_attention_modules(model: Any) -> list[Any]:
@@ -88,24 +114,47 @@ def _set_attn(model: Any, name: str) -> None:
         model.config._attn_implementation = name
 
 
-@contextmanager
-def use_method(
-    model: Any, method: QuantMethod, *, fold_values: bool = True, backend: str = "reference"
-) -> Iterator[MethodSession]:
-    """Attach ``method`` to ``model`` for the duration of the block (see the module docstring).
+def _padding_hook(module: Any, args: tuple, kwargs: dict) -> None:
+    """Before a forward on a fresh :class:`Int2Cache` that nobody gave padding (``model.generate``): read the left
+    padding off the 2-D attention mask (the BF16 sink then covers it, exactly as in :func:`prefill`)."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    mask = kwargs.get("attention_mask")
+    if not isinstance(cache, Int2Cache) or cache.padding_set or cache.get_seq_length() or mask is None:
+        return
+    if mask.dim() != 2:
+        return
+    pads = (mask.shape[1] - mask.long().sum(-1)).tolist()
+    left = torch.arange(mask.shape[1], device=mask.device)[None, :] >= torch.tensor(pads, device=mask.device)[:, None]
+    if not torch.equal(mask.bool(), left):
+        raise OscarError(
+            "the oscar cache needs left-padded batches (the attention mask has padding on the right)",
+            hint="set tokenizer.padding_side = 'left'",
+        )
+    cache.set_padding(pads if any(pads) else None)
 
-    ``backend="triton"`` routes decode steps of INT2 layers through ``oscar_kernels.ops`` where it applies
-    (:func:`oscar_cli.quant.attention.kernel_decode`); everything else stays on the torch reference path.
+
+def attach(model: Any, method: QuantMethod, *, fold_values: bool = True, backend: str = "auto") -> MethodSession:
+    """Attach ``method`` to ``model`` **in place** until :meth:`MethodSession.close` (see the module docstring).
+
+    ``backend``: ``reference`` (torch), ``triton`` (INT2 writes and decode steps through ``oscar_kernels.ops``;
+    an error where the kernels cannot run) or ``auto`` (triton on CUDA where they apply, else reference).
     """
-    if backend not in ("reference", "triton"):
-        raise ValueError(f"backend: expected 'reference' or 'triton', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    other = getattr(model, "_oscar_session", None)
+    if other is not None:
+        raise OscarError(
+            f"the model already has method {other.method.name} attached", hint="close that session first"
+        )
     session = MethodSession(model, method, rotate_values=not fold_values, backend=backend)
     name = register_attention()
     cfg = model.config
     n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     attns = decoder_attention_modules(model)
-    saved: list[tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
     previous = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    undo = session._restore
+    model._oscar_session = session
+    undo.append(lambda: delattr(model, "_oscar_session"))
     try:
         for i, attn in enumerate(attns):
             t = method.layer(i)
@@ -114,15 +163,7 @@ def use_method(
             out_rot = None
             if t.v_rotation is not None:
                 if fold_values:
-                    bias = attn.v_proj.bias
-                    saved.append(
-                        (
-                            attn,
-                            attn.v_proj.weight.data.clone(),
-                            None if bias is None else bias.data.clone(),
-                            attn.o_proj.weight.data.clone(),
-                        )
-                    )
+                    undo.append(_weights_restorer(attn))
                     _fold_values(attn, t.v_rotation, n_kv, n_q, d)
                 else:
                     out_rot = _per_head(t.v_rotation.float(), n_q).transpose(-1, -2).contiguous()
@@ -130,18 +171,42 @@ def use_method(
             attn._oscar_runtime = LayerRuntime(
                 q_rotation=None if q_rot is None else q_rot.to(dev),
                 out_rotation=None if out_rot is None else out_rot.to(dev),
-                backend=backend,
                 session=session,
             )
+            undo.append(partial(delattr, attn, "_oscar_runtime"))
+        hook = model.register_forward_pre_hook(_padding_hook, with_kwargs=True)
+        undo.append(hook.remove)
         _set_attn(model, name)
+        undo.append(lambda: _set_attn(model, previous))
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+def _weights_restorer(attn: Any) -> Callable[[], None]:
+    """Copies of ``v_proj``/``o_proj`` weights and a function that puts them back."""
+    wv = attn.v_proj.weight.data.clone()
+    bias = attn.v_proj.bias
+    bv = None if bias is None else bias.data.clone()
+    wo = attn.o_proj.weight.data.clone()
+
+    def restore() -> None:
+        attn.v_proj.weight.data.copy_(wv)
+        if bv is not None:
+            attn.v_proj.bias.data.copy_(bv)
+        attn.o_proj.weight.data.copy_(wo)
+
+    return restore
+
+
+@contextmanager
+def use_method(
+    model: Any, method: QuantMethod, *, fold_values: bool = True, backend: str = "auto"
+) -> Iterator[MethodSession]:
+    """:func:`attach` for the duration of the block; the model is restored on exit."""
+    session = attach(model, method, fold_values=fold_values, backend=backend)
+    try:
         yield session
     finally:
-        for attn, wv, bv, wo in saved:
-            attn.v_proj.weight.data.copy_(wv)
-            if bv is not None:
-                attn.v_proj.bias.data.copy_(bv)
-            attn.o_proj.weight.data.copy_(wo)
-        for attn in attns:
-            if hasattr(attn, "_oscar_runtime"):
-                del attn._oscar_runtime
-        _set_attn(model, previous)
+        session.close()
