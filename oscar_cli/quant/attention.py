@@ -80,8 +80,7 @@ def oscar_attention(
 
     rt: LayerRuntime | None = getattr(module, "_oscar_runtime", None)
     layer = current_kernel_layer()
-    if layer is not None and layer.kernel_step and layer.layer_idx == getattr(module, "layer_idx", None):
-        layer.kernel_step = False
+    if layer is not None and layer.kernel_step and key is layer.kernel_key:
         out = layer.kernel_attention(query, key, value, scaling).transpose(1, 2)  # [B, 1, H_q, D]
         if rt is not None and rt.out_rotation is not None:
             out = rotate_heads(out, rt.out_rotation, head_axis=2)

@@ -172,6 +172,7 @@ class Int2Layer(AppendLayer):
         self.hist_slots = 0  # slots [S, S + hist_slots) are history (each row stores its real tokens)
         self.n_recent = 0  # slots [L - n_recent, L) are recent
         self.kernel_step = False  # the last update was a decode step for the Triton path
+        self.kernel_key: torch.Tensor | None = None  # the key tensor that update returned for it
         self.pool: PagePool | None = None
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
         self.k_mean: torch.Tensor | None = None
@@ -232,6 +233,7 @@ class Int2Layer(AppendLayer):
         prior = self.cumulative_length - int(k.shape[-2])
         self.kernel_step = self.path == "triton" and k.shape[-2] == 1
         _current.layer = self if self.kernel_step else None
+        self.kernel_key = k if self.kernel_step else None  # attention runs the kernel only for this very tensor
         if self.kernel_step:
             return k, v
         return self.stored(prior, k, v)
@@ -361,6 +363,7 @@ class Int2Layer(AppendLayer):
         """
         from oscar_kernels.ops import decode_attention
 
+        self.kernel_step, self.kernel_key = False, None
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
         assert self.recent_k is not None and self.recent_v is not None
         dev, length = query.device, self.cumulative_length
