@@ -182,7 +182,7 @@ def test_chunk_progress_inside_a_long_batch(tiny: Any, capsys: pytest.CaptureFix
 
 
 def test_fmt_seconds() -> None:
-    assert [fmt_seconds(s) for s in (4.2, 65, 7300)] == ["4 s", "1 min 05 s", "2 h 01 min"]
+    assert [fmt_seconds(s) for s in (4.2, 65, 7300, 5.7e7)] == ["4 s", "1 min 05 s", "2 h 01 min", "660 days"]
 
 
 def _artifact(tmp_path: Path, loaded: Any, resolved: str, yarn: float | None = None) -> Path:

@@ -21,13 +21,15 @@ LONG_BATCH_TOKENS = 65536
 
 
 def fmt_seconds(s: float) -> str:
-    """``42 s``, ``3 min 05 s``, ``2 h 10 min``."""
+    """``42 s``, ``3 min 05 s``, ``2 h 10 min``, ``665 days``."""
     s = max(0.0, s)
     if s < 60:
         return f"{s:.0f} s"
     if s < 3600:
         return f"{int(s // 60)} min {int(s % 60):02d} s"
-    return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+    if s < 172800:
+        return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+    return f"{s / 86400:.0f} days"
 
 
 class RunProgress:

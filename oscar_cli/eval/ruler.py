@@ -141,19 +141,19 @@ def _append(path: Path, records: list[dict[str, Any]]) -> None:
 def build_samples(
     cfg: RulerConfig, tokenizer: Any, progress_cb: Callable[[str], None] | None = None
 ) -> dict[tuple[str, int], list[tuple[NiahSample, list[int]]]]:
-    """Every requested sample with its prompt ids, per ``(task, length)``."""
+    """Every requested sample with its prompt ids, per ``(task, length)``; ``progress_cb`` after each."""
     builder = PromptBuilder(tokenizer)
     needs_essay = any(TASKS[t].haystack == "essay" for t in cfg.tasks)
     essay = load_essay_words(cfg.haystack_dir) if needs_essay else None
     out: dict[tuple[str, int], list[tuple[NiahSample, list[int]]]] = {}
     for length in cfg.lengths:
         for task in cfg.tasks:
-            if progress_cb:
-                progress_cb(f"{task} @ {length}")
             n_hay = fit_haystack(TASKS[task], length, builder, essay, cfg.seed)
             out[(task, length)] = [
                 make_sample(task, length, i, n_hay, builder, essay, cfg.seed) for i in range(cfg.samples)
             ]
+            if progress_cb:
+                progress_cb(f"{task} @ {length}")
     return out
 
 
@@ -372,25 +372,36 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     path = out / SAMPLES_FILE
     done = {_key(r) for r in read_records(path)}
     rope = rope_tag(cfg)
+    wanted = [
+        (length, m, t, i) for length in cfg.lengths for m in cfg.methods for t in cfg.tasks for i in range(cfg.samples)
+    ]
+    pending_keys = {k for k in wanted if (k[1], sources[k[1]], rope, k[2], k[0], k[3]) not in done}
+    pending_lengths = [k[0] for k in wanted if k in pending_keys]
+    total, resumed = len(wanted), len(wanted) - len(pending_keys)
+    _announce(
+        f"{len(cfg.tasks)} tasks × {cfg.samples} samples × {len(cfg.lengths)} lengths × {len(cfg.methods)} "
+        f"methods = {total} samples" + (f" ({resumed} already in {path})" if resumed else "")
+    )
+    if pending_lengths and loaded.device.type != "cuda":
+        _announce(_cost_note(loaded, pending_lengths))
     with progress() as p:
         gen_task = p.add_task("building prompts", total=len(cfg.tasks) * len(cfg.lengths))
-        samples = build_samples(cfg, loaded.tokenizer, lambda _what: p.advance(gen_task))
-        todo: dict[tuple[int, str], list[tuple[NiahSample, list[int]]]] = {}
-        for length in cfg.lengths:
-            for m in cfg.methods:
-                items = [it for t in cfg.tasks for it in samples[(t, length)]]
-                todo[(length, m)] = [
-                    it for it in items if (m, sources[m], rope, it[0].task, length, it[0].index) not in done
-                ]
-        total = len(cfg.tasks) * cfg.samples * len(cfg.lengths) * len(cfg.methods)
-        pending_lengths = [L for (L, _m), items in todo.items() for _ in items]
-        resumed = total - len(pending_lengths)
-        _announce(
-            f"{len(cfg.tasks)} tasks × {cfg.samples} samples × {len(cfg.lengths)} lengths × {len(cfg.methods)} "
-            f"methods = {total} samples" + (f" ({resumed} already in {path})" if resumed else "")
-        )
-        if pending_lengths and loaded.device.type != "cuda":
-            _announce(_cost_note(loaded, pending_lengths))
+        _announce(f"building {len(cfg.tasks) * len(cfg.lengths) * cfg.samples} prompts")
+        t_build = time.perf_counter()
+
+        def built(what: str) -> None:
+            p.advance(gen_task)
+            if not progress_enabled():
+                _announce(f"building prompts: {what} ({fmt_seconds(time.perf_counter() - t_build)})")
+
+        samples = build_samples(cfg, loaded.tokenizer, built)
+        todo = {
+            (length, m): [
+                it for t in cfg.tasks for it in samples[(t, length)] if (length, m, t, it[0].index) in pending_keys
+            ]
+            for length in cfg.lengths
+            for m in cfg.methods
+        }
         report = RunProgress("eval-ruler", len(pending_lengths), sum(pending_lengths), p if progress_enabled() else None)
         evaluated = 0
         complete = True
