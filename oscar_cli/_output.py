@@ -89,6 +89,11 @@ def emit_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def emit_error(kind: str, message: str, hint: str | None) -> None:
+    """The JSON document of a failed command (under ``--json``): ``{"error": {"type", "message", "hint"}}``."""
+    emit_json({"error": {"type": kind, "message": message, "hint": hint}})
+
+
 def emit(result: Any, render: Callable[[Any], None]) -> None:
     """A command's result: one JSON document under ``--json``, else ``render(result)`` for people."""
     if SETTINGS.json:

@@ -181,6 +181,9 @@ def test_bench_replot_draws_a_saved_record_without_a_gpu(tmp_path: Path, capsys:
     r = CliRunner().invoke(app, ["bench", "--replot", str(record), "--plot", str(tmp_path / "b.png")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    r = CliRunner().invoke(app, ["--json", "bench", "--replot", str(record), "--plot", str(tmp_path / "j.png")])
+    assert r.exit_code == 0 and json.loads(r.stdout) == {"record": str(record), "plot": str(tmp_path / "j.png"),
+                                                          "cells": 2}, r.output
     r = CliRunner().invoke(app, ["bench", "--replot", str(record)])
     assert r.exit_code == 2 and "--replot needs --plot" in r.output
     bad = tmp_path / "bad.json"

@@ -74,6 +74,41 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run_main(argv, capsys)
     assert code == 2 and out == ""
+    code, out, err = _run_main(["--json", *argv], capsys)
+    doc = json.loads(out)
+    assert code == 2 and set(doc) == {"error"} and set(doc["error"]) == {"type", "message", "hint"}, out
+    assert doc["error"]["message"][:12] in err  # the human message (a rich panel) is still on stderr
+    assert doc["error"]["hint"].startswith("see 'oscar")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("args", [["--json"], ["-v"], ["-vv"], ["--verbose"], ["--json", "-v"]], ids=str)
+def test_global_options_are_accepted_after_every_subcommand(args: list[str]) -> None:
+    """``oscar CMD --json`` = ``oscar --json CMD`` for every registered command (parsed, not run)."""
+    import typer.main
+
+    from oscar_cli._output import SETTINGS
+    from oscar_cli.main import hoist_global_options
+
+    root = typer.main.get_command(app)
+    for name in root.commands:  # type: ignore[attr-defined]
+        for argv in ([name, *args, "--help"], [*args, name, "--help"]):
+            r = CliRunner().invoke(app, argv)
+            assert r.exit_code == 0 and "Usage" in r.stdout, (argv, r.output)
+        ctx = root.make_context("oscar", hoist_global_options([name, *args]), resilient_parsing=False)
+        assert ctx.params["json_out"] == ("--json" in args) == SETTINGS.json
+        assert ctx.params["verbose"] == sum(a.count("v") if a != "--verbose" else 1 for a in args if a != "--json")
+    assert hoist_global_options(["info", "x", "--json", "--", "--json", "-v"]) == ["--json", "info", "x", "--",
+                                                                                   "--json", "-v"]
+
+
+@pytest.mark.unit
+def test_json_after_the_subcommand_runs_the_command_in_json_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run_main(["info", "no-such-model", "--json", "-v"], capsys)
+    assert code == 1 and json.loads(out)["error"]["type"] == "ModelResolutionError"
+    code, out, _ = _run_main(["info", "--no-load", "--bogus", "--json"], capsys)
+    assert code == 2 and json.loads(out)["error"] == {"type": "NoSuchOption", "message": "No such option: --bogus",
+                                                       "hint": "see 'oscar info --help'"}
 
 
 @pytest.mark.unit
@@ -81,7 +116,10 @@ def test_oscar_error_is_one_line_plus_hint(capsys: pytest.CaptureFixture[str], m
     monkeypatch.delenv("OSCAR_DEBUG", raising=False)
     code, out, err = _run_main(["--json", "info", "no-such-model"], capsys)
     lines = err.strip().splitlines()
-    assert code == 1 and out == "" and len(lines) == 2, err
+    assert code == 1 and len(lines) == 2, err
+    doc = json.loads(out)  # under --json the error is also one JSON document on stdout
+    assert doc == {"error": {"type": "ModelResolutionError", "message": lines[0].removeprefix("error: "),
+                             "hint": lines[1].removeprefix("hint: ")}}
     assert lines[0].startswith("error: unknown model reference 'no-such-model'")
     assert "ORG/NAME[@REV]" in lines[0]  # rich markup in messages is escaped, not swallowed
     assert lines[1].startswith("hint: ") and "OSCAR_DEBUG=1" in lines[1]
@@ -121,3 +159,19 @@ def test_info_group_size_must_divide_head_dim(
     monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path / "cache"))
     code, _, err = _run_main(["info", str(tiny_model_dir), "--no-load", "-g", "12"], capsys)
     assert code == 1 and "group size 12 does not divide head_dim 16" in err
+
+
+@pytest.mark.unit
+def test_calibrate_checks_the_data_file_before_the_budget_and_names_seq_len(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    missing = str(tmp_path / "nonexistent.txt")
+    code, _, err = _run_main(["calibrate", str(tiny_model_dir), "--data", missing, "--tokens", "1k"], capsys)
+    assert code == 1 and f"error: calibration data {missing} not found" in err and "token budget" not in err
+    code, out, err = _run_main(["calibrate", str(tiny_model_dir), "--tokens", "1k", "--json"], capsys)
+    doc = json.loads(out)["error"]
+    assert code == 1 and doc["type"] == "CalibrationError" and doc["message"].startswith("token budget 1024")
+    assert "lower --seq-len" in doc["hint"] and f"hint: {doc['hint']}" in err
+    assert not (tmp_path / "artifacts").exists()

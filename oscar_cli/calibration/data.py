@@ -123,12 +123,20 @@ def _texts_from_json(path: Path, text_field: str) -> Iterator[str]:
                                    hint="set data.text_field in the recipe to the field holding the text")
 
 
-def local_texts(source: str, text_field: str) -> tuple[list[str], dict[str, Any]]:
-    """Texts from a file or folder, and their identity (``files``, ``files_sha256`` over sorted bytes)."""
-    root = Path(source).expanduser()
-    if not root.exists():
+def check_source(source: str) -> None:
+    """Raise CalibrationError when ``source`` names a local file or folder that does not exist (checked before
+    any budget or model work, so the first error is the one to fix)."""
+    if source in ("self", "random") or source.startswith("hf:"):
+        return
+    if not Path(source).expanduser().exists():
         raise CalibrationError(f"calibration data {source} not found",
                                hint="use self, a text/JSON(L) file or folder, or hf:<dataset id>")
+
+
+def local_texts(source: str, text_field: str) -> tuple[list[str], dict[str, Any]]:
+    """Texts from a file or folder, and their identity (``files``, ``files_sha256`` over sorted bytes)."""
+    check_source(source)
+    root = Path(source).expanduser()
     suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes) if root.is_dir() else [root]
     if not files:

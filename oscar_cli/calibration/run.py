@@ -30,7 +30,7 @@ from oscar_cli.artifact import Manifest, build_manifest, model_slug, write_artif
 from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
 from oscar_cli.calibration.clipping import ClipChoice, LayerClipProblem, evaluate_clip, search_clip
 from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
-from oscar_cli.calibration.data import CalibrationData, prepare_data
+from oscar_cli.calibration.data import CalibrationData, check_source, prepare_data
 from oscar_cli.calibration.rotation import build_rotations, is_power_of_two, orthogonality_error
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
@@ -101,13 +101,13 @@ def plan_budget(recipe: Recipe, head_dim: int) -> tuple[int, int]:
             f"token budget {d.tokens} is too small: the statistics need at least {min_stats} tokens "
             f"(whole sequences of {d.seq_len}) besides {hold * d.seq_len} held-out tokens",
             hint=f"raise --tokens to at least {(math.ceil(min_stats / d.seq_len) + hold) * d.seq_len} "
-            "or lower data.seq_len",
+            "or lower --seq-len (recipe data.seq_len)",
         )
     if hold and c.mode == "search" and d.seq_len <= q.sink + q.recent:
         raise CalibrationError(
             f"held-out sequences of {d.seq_len} tokens are no longer than sink + recent "
             f"({q.sink} + {q.recent}): nothing would be INT2 in the clip search",
-            hint="raise data.seq_len, or use clip.mode: global",
+            hint="raise --seq-len (recipe data.seq_len), or use clip.mode: global",
         )
     return stats, hold
 
@@ -375,6 +375,7 @@ def calibrate(
         from oscar_cli.errors import RecipeError
 
         raise RecipeError("calibrating under YaRN needs both --rope-scaling yarn and --rope-factor F")
+    check_source(recipe.data.source)  # a missing --data file is the first thing to fix
     _, config = load_config(model_ref, revision=revision)
     geo = check_model(config, recipe)  # fail fast, before loading weights
     plan_budget(recipe, geo.head_dim)

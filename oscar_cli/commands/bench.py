@@ -76,7 +76,8 @@ def _replot(record: Path, plot: Path | None) -> None:
         report.save_plot(res, plot)
     except OSError as exc:
         raise OscarError(f"cannot write the plot to {plot}: {exc.strerror}") from exc
-    _output.info(f"plot of {record} ({len(res.cells)} cells) written to {plot}")
+    doc = {"record": str(record), "plot": str(plot), "cells": len(res.cells)}
+    _output.emit(doc, lambda d: _output.info(f"plot of {record} ({d['cells']} cells) written to {plot}"))
 
 
 def bench(

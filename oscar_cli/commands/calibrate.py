@@ -15,14 +15,17 @@ from oscar_cli.commands._eval_options import RopeFactorOpt, RopeScalingOpt
 EXAMPLES = """
 [bold]Examples[/bold]
 
-  oscar calibrate                              # embedded smollm2-135m, 16K self-generated tokens
-  oscar calibrate smollm2-135m --tokens 4k --seq-len 1024   # small budget, short sequences (demo)
+  oscar calibrate                              # embedded smollm2-135m, its recipe: 24K self-generated tokens (3 x 8K)
+  oscar calibrate smollm2-135m --tokens 4k --seq-len 1024   # small budget, short sequences (the README demo)
   oscar calibrate Qwen/Qwen3-8B --device cuda  # recipes/qwen3-8b.yaml, bf16 on the GPU
   oscar calibrate ./my-model --data ./corpus/  # local text/JSON(L) files or folder
   oscar calibrate smollm2-135m --data hf:wikitext:wikitext-2-raw-v1   # Hub dataset
   oscar calibrate --recipe my.yaml --out artifacts/try1 --overwrite
-  oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON
+  oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON on stdout
   oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
+
+Writes [bold]artifacts/<model>/<recipe>-<hash>[/bold] unless --out says otherwise, e.g.
+artifacts/smollm2-135m/smollm2-135m-e1fda680 (the hash covers the model, the recipe and the data).
 """
 
 
@@ -88,7 +91,8 @@ def calibrate(
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="Artifact directory (default: artifacts/<model>/<recipe>-<hash>)."),
+        typer.Option("--out", help="Artifact directory (default: artifacts/<model>/<recipe>-<hash>, e.g. "
+                     "artifacts/smollm2-135m/smollm2-135m-e1fda680)."),
     ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -96,13 +100,8 @@ def calibrate(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing artifact at --out.")] = False,
     rope_scaling: RopeScalingOpt = None,
     rope_factor: RopeFactorOpt = None,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print the result as JSON on stdout (same as oscar --json).")
-    ] = False,
 ) -> None:
     """Calibrate OSCAR rotations, centering means and clip ratios for MODEL; write a versioned artifact."""
-    if json_out:
-        _output.SETTINGS.json = True
     from oscar_cli.artifact import model_slug
     from oscar_cli.calibration.run import calibrate as run_calibrate
     from oscar_cli.recipe import load_recipe, recipe_for_model
