@@ -26,13 +26,16 @@ from oscar_cli.method_registry import METHOD_NAMES
 EXAMPLES = """
 [bold]Examples[/bold]
 
-  oscar eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 4 --methods bf16,oscar \\
-      --artifact artifacts/smollm2-135m/oscar-1a2b3c        # the README demo (CPU, about a minute)
+  oscar eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 3 --methods bf16,oscar \\
+      --artifact artifacts/demo/smollm2-135m --out runs/demo-ruler   # the README demo (CPU, 1-2 minutes)
   oscar eval-ruler smollm2-135m --artifact ART --haystack-dir ~/prose --ctx 1k,2k,4k,8k --samples 50
   oscar eval-ruler qwen2.5-coder-1.5b --artifact ART --ctx 4k,32k,128k    # 128K runs under YaRN x4 (a note says so)
   oscar eval-ruler --ctx 128k                       # the default model under YaRN x16; no artifact: oscar is left out
   oscar --json eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 2 --methods bf16
   # rerunning the same command resumes: finished samples in OUT/samples.jsonl are skipped
+
+Writes samples.jsonl, summary.json and heatmap.png to --out, by default [bold]ruler-results/<model>[/bold]
+(e.g. ruler-results/smollm2-135m).
 """
 
 
@@ -91,7 +94,7 @@ def render(res: dict[str, Any]) -> None:
     out.print(
         f"{res['evaluated']} samples evaluated, {res['resumed']} resumed from {res['files']['samples']}; "
         f"{res['seconds']:.0f} s. Heatmap: {res['files']['heatmap']}. BPE: stored bits per K/V element "
-        "(method.md §8 formula at the nominal length; 16-bit BF16 tiers)."
+        "(docs/METHOD.md §9 formula at the nominal length; 16-bit BF16 tiers)."
     )
 
 
@@ -125,7 +128,8 @@ def eval_ruler(
             help="Folder of .txt prose for the essay haystacks (default: two public-domain books shipped with oscar).",
         ),
     ] = None,
-    out: Annotated[str, typer.Option("--out", help="Output folder (samples.jsonl, summary.json, heatmap.png).")] = "",
+    out: Annotated[str, typer.Option("--out", help="Output folder (samples.jsonl, summary.json, heatmap.png); default: "
+                              "ruler-results/<model>, e.g. ruler-results/smollm2-135m.", show_default=False)] = "",
     rope_scaling: RopeScalingOpt = None,
     rope_factor: RopeFactorOpt = None,
     no_rope_scaling: Annotated[

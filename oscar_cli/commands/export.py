@@ -14,7 +14,7 @@ from oscar_cli._output import SETTINGS, emit_json, info, stdout
 EXAMPLES = """
 [bold]Examples[/bold]
 
-  oscar export artifacts/smollm2-135m/oscar-1a2b3c4d --repo-id my-org/smollm2-135m-oscar --tag v0.1.0
+  oscar export artifacts/smollm2-135m/smollm2-135m-e1fda680 --repo-id my-org/smollm2-135m-oscar --tag v0.1.0
   oscar export ARTIFACT --repo-id my-org/NAME --dry-run       # list what would be uploaded; touches nothing
   oscar --json export ARTIFACT --repo-id my-org/NAME --tag v0.2.0 --private
   oscar export ARTIFACT --repo-id my-org/NAME --tag v0.2.0 --eval-summary ruler-results/summary.json
