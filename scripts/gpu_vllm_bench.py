@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""vLLM end to end on one GPU: BF16 (vLLM's default FlashAttention), TurboQuant and oscar INT2 (docs/VLLM.md).
+
+One engine per call (an engine start is about 2 minutes), so each stage fits a 10-minute device call; results
+merge into one JSON file (``--out``, key ``MODEL/BACKEND/STAGE[/CTX]``).
+
+Stages:
+  smoke       a tiny Qwen3-shaped engine (random weights, or --model/--artifact) generates 8 tokens for 2 prompts
+              with oscar INT2 and with BF16, printing both (run this first: it exercises plugin registration, the
+              page spec, quantize-on-write, chunked prefill through the INT2 history, decode and CUDA graphs)
+  capacity    the KV-cache capacity vLLM reports (blocks x block size, tokens) at --gpu-mem
+  throughput  output tokens/s for a batch of --ctx-token prompts (random ids), 256 output tokens each; the batch is
+              as many as the backend's KV capacity holds (at most --max-num-seqs)
+  tpot        time per output token at batch 1 for each --ctx (4k,32k,128k): (t(257 tokens) - t(1 token)) / 256
+
+Backends: bf16, tq3 (turboquant_3bit_nc), tqk3v4 (turboquant_k3v4_nc), oscar (CUSTOM + --artifact; for the
+random-weight Qwen3-8B model a data-free Hadamard artifact is written when --artifact is not given).
+
+Models: qwen3-8b-dummy (36 layers, 32 q / 8 KV heads, head_dim 128, random bf16 weights, load_format=dummy) or a
+local HF model directory.
+
+GPU machine (vLLM from staged wheels; see scripts/ and ../shared/tools/README.md):
+  export PYTHONPATH=/tmp/vsite:$PWD
+  python3 scripts/gpu_vllm_bench.py --stage smoke --out $OUT/vllm.json
+  python3 scripts/gpu_vllm_bench.py --stage capacity --backend oscar --out $OUT/vllm.json
+  python3 scripts/gpu_vllm_bench.py --stage throughput --backend bf16 --ctx 32k --out $OUT/vllm.json
+  python3 scripts/gpu_vllm_bench.py --stage tpot --backend oscar --ctx 4k,32k,128k --out $OUT/vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+KV_DTYPES = {"bf16": None, "tq3": "turboquant_3bit_nc", "tqk3v4": "turboquant_k3v4_nc", "oscar": None}
+QWEN3_8B = dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936)
+TINY = dict(num_hidden_layers=2, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=128, vocab_size=4096)
+
+
+def parse_ctx(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        out.append(int(p[:-1]) * 1024 if p.endswith("k") else int(p))
+    return out
+
+
+def write_qwen3_config(out: Path, shape: dict[str, int], max_pos: int) -> Path:
+    """A Qwen3ForCausalLM config directory (no weights: vLLM's load_format=dummy fills them at random)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", torch_dtype="bfloat16", rms_norm_eps=1e-6,
+               rope_theta=1_000_000.0, max_position_embeddings=max_pos, tie_word_embeddings=False,
+               hidden_act="silu", attention_bias=False, bos_token_id=1, eos_token_id=2, **shape)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def write_hadamard_artifact(model_dir: Path, out: Path) -> Path:
+    """A data-free oscar artifact (Sylvester Hadamard rotations, no centring, no clipping; S0 = 64, W = 256) for the
+    model's architecture: speed does not depend on the values, and a random-weight model has nothing to calibrate."""
+    import torch
+    from transformers import AutoConfig
+
+    from oscar_cli.artifact import Manifest, write_artifact
+    from oscar_cli.model import architecture_fingerprint
+    from oscar_cli.transform import LayerTransform
+    from oscar_kernels.reference import hadamard
+
+    if (out / "manifest.json").exists():
+        return out
+    cfg = AutoConfig.from_pretrained(model_dir)
+    d, h = int(cfg.head_dim), int(cfg.num_key_value_heads)
+    r = hadamard(d, torch.float32).unsqueeze(0)
+    layers = [LayerTransform(k_rotation=r.clone(), v_rotation=r.clone(), k_mean=torch.zeros(h, d),
+                             v_mean=torch.zeros(h, d), k_eigenvalues=torch.zeros(1, d),
+                             v_eigenvalues=torch.zeros(1, d), k_clip=0.0, v_clip=0.0)
+              for _ in range(int(cfg.num_hidden_layers))]  # own tensors: safetensors refuses shared storage
+    m = Manifest(oscar_version="0.1.0", model={"reference": str(model_dir), "resolved": "sha256:" + "0" * 64},
+                 architecture=architecture_fingerprint(cfg), method="hadamard", recipe={},
+                 quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 64, "recent": 256}, data={}, seed=0)
+    return write_artifact(out, m, layers, "{}\n")
+
+
+def expose_plugin() -> None:
+    """Make the ``vllm.general_plugins`` entry point visible to every vLLM process when oscar-kv is not installed
+    (a repo checkout on PYTHONPATH): a minimal dist-info directory on PYTHONPATH, inherited by the engine core."""
+    names = {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    if "oscar" in names:
+        return
+    site = Path(tempfile.gettempdir()) / "oscar-vllm-plugin"
+    info = site / "oscar_kv_vllm_plugin-0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: oscar-kv-vllm-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\noscar = oscar_cli.vllm.plugin:register\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+
+
+def engine(model: str, dummy: bool, backend: str, artifact: str | None, args: argparse.Namespace,
+           max_model_len: int, gpu_mem: float) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                              gpu_memory_utilization=gpu_mem, max_model_len=max_model_len,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.chunk,
+                              enable_prefix_caching=False, enforce_eager=args.eager, block_size=args.block_size)
+    if dummy:
+        kw["load_format"] = "dummy"
+    if KV_DTYPES[backend]:
+        kw["kv_cache_dtype"] = KV_DTYPES[backend]
+    if backend == "oscar":
+        if artifact is None:
+            raise SystemExit("--backend oscar needs --artifact for a model with real weights")
+        kw.update(attention_backend="CUSTOM", additional_config={"oscar_artifact": artifact})
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    print(f"[{backend}] engine start {time.perf_counter() - t:.0f} s", flush=True)
+    return llm
+
+
+def engine_facts(llm: Any) -> dict[str, Any]:
+    cfg = llm.llm_engine.vllm_config
+    blocks = int(cfg.cache_config.num_gpu_blocks or 0)
+    return {"kv_blocks": blocks, "block_size": int(cfg.cache_config.block_size),
+            "kv_tokens": blocks * int(cfg.cache_config.block_size),
+            "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+            "attention_backend": str(cfg.attention_config.backend), "kv_cache_dtype": cfg.cache_config.cache_dtype}
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(seed)
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(100, vocab - 100) for _ in range(length)]) for _ in range(n)]
+
+
+def generate(llm: Any, ps: list[Any], tokens: int) -> tuple[float, list[list[int]]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    t = time.perf_counter()
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def shutdown(llm: Any) -> None:
+    import torch
+
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def save(out: Path, key: str, value: dict[str, Any]) -> None:
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data[key] = value
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out)
+    print(json.dumps({key: value}), flush=True)
+
+
+def smoke(args: argparse.Namespace, model: str, dummy: bool, artifact: str | None) -> None:
+    ps = prompts(1, 700, args.vocab, 1) + prompts(1, 100, args.vocab, 2)  # one past S0 + W, one shorter
+    args.chunk = 256  # the 700-token prompt prefills in 3 chunks: later ones attend through the INT2 history
+    res = {}
+    for backend in ("oscar", "bf16"):
+        llm = engine(model, dummy, backend, artifact, args, 2048, 0.3)
+        _, toks = generate(llm, ps, 8)
+        res[backend] = {"tokens": toks, **engine_facts(llm)}
+        print(f"[{backend}] {toks}  kv_tokens={res[backend]['kv_tokens']} graphs={res[backend]['cudagraph_mode']}")
+        shutdown(llm)
+    agree = [sum(a == b for a, b in zip(x, y, strict=True)) for x, y in zip(res["oscar"]["tokens"],
+                                                                             res["bf16"]["tokens"], strict=True)]
+    res["agreement"] = {"matching_tokens": agree, "of": 8}
+    print(f"oscar vs bf16: {agree} of 8 tokens equal per prompt (random weights: near-ties flip easily)")
+    save(args.out, f"{args.model_name}/smoke", res)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", required=True, choices=["smoke", "capacity", "throughput", "tpot"])
+    ap.add_argument("--backend", choices=sorted(KV_DTYPES), default="oscar")
+    ap.add_argument("--model", default="qwen3-8b-dummy", help="qwen3-8b-dummy or a local HF model directory")
+    ap.add_argument("--artifact", help="oscar artifact (path or hf://); default for dummy models: a Hadamard one")
+    ap.add_argument("--ctx", default="32k", help="prompt lengths, e.g. 32k or 4k,32k,128k")
+    ap.add_argument("--out-tokens", type=int, default=256)
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=0, help="default: the largest --ctx + out tokens + 64")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (diagnosis only: no CUDA graphs)")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "oscar-vllm-bench")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    expose_plugin()
+    ctxs = parse_ctx(args.ctx)
+    dummy = args.model == "qwen3-8b-dummy" or args.stage == "smoke" and not Path(args.model).is_dir()
+    max_len = args.max_model_len or max(ctxs) + args.out_tokens + 64
+    if dummy:
+        shape = TINY if args.stage == "smoke" else QWEN3_8B
+        name = "qwen3-tiny-dummy" if args.stage == "smoke" else "qwen3-8b-dummy"
+        model_dir = write_qwen3_config(args.work / name, shape, max(262144, max_len))
+        args.vocab = shape["vocab_size"]
+    else:
+        model_dir, name = Path(args.model), Path(args.model).name
+        args.vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    args.model_name = name
+    artifact = args.artifact
+    if artifact is None and dummy:
+        artifact = str(write_hadamard_artifact(model_dir, args.work / f"{name}-hadamard"))
+    if args.stage == "smoke":
+        smoke(args, str(model_dir), dummy, artifact)
+        return
+    llm = engine(str(model_dir), dummy, args.backend, artifact, args, max_len, args.gpu_mem)
+    facts = engine_facts(llm) | {"gpu_memory_utilization": args.gpu_mem, "max_num_seqs": args.max_num_seqs,
+                                 "chunk": args.chunk, "max_model_len": max_len}
+    base = f"{name}/{args.backend}"
+    if args.stage == "capacity":
+        save(args.out, f"{base}/capacity", facts)
+    elif args.stage == "throughput":
+        for ctx in ctxs:
+            n = max(1, min(args.max_num_seqs, facts["kv_tokens"] // (ctx + args.out_tokens)))
+            wall, toks = generate(llm, prompts(n, ctx, args.vocab, ctx), args.out_tokens)
+            out_tok = sum(len(t) for t in toks)
+            save(args.out, f"{base}/throughput/{ctx}", facts | {"batch": n, "prompt_tokens": ctx, "wall_s": wall,
+                                                                "output_tokens": out_tok,
+                                                                "output_tok_per_s": out_tok / wall})
+    else:
+        for ctx in ctxs:
+            p = prompts(1, ctx, args.vocab, ctx)
+            generate(llm, prompts(1, 64, args.vocab, 7), 8)  # warm-up
+            t1, _ = generate(llm, p, 1)
+            t2, toks = generate(llm, p, args.out_tokens + 1)
+            tpot = (t2 - t1) / args.out_tokens
+            save(args.out, f"{base}/tpot/{ctx}", facts | {"prompt_tokens": ctx, "ttft_s": t1, "total_s": t2,
+                                                          "tpot_ms": 1e3 * tpot, "output_tokens": len(toks[0])})
+    shutdown(llm)
+
+
+if __name__ == "__main__":
+    main()
