@@ -121,9 +121,10 @@ def test_time_budget_stops_early_and_a_rerun_completes(tmp_path: Path, monkeypat
 
     import oscar_cli.eval.ruler as ruler_mod
 
-    clock = iter(range(0, 10_000, 100))  # every perf_counter() call in ruler advances 100 s: one batch fits
+    clock = iter(range(0, 10_000, 100))  # every perf_counter() call in ruler advances 100 s: 4 calls before the
+    # first batch (start, prompt building and its two tasks), 3 per batch: a 450 s budget lets exactly one batch start
     monkeypatch.setattr(ruler_mod, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    partial = _run(tmp_path, monkeypatch, "--time-budget", "150")
+    partial = _run(tmp_path, monkeypatch, "--time-budget", "450")
     assert partial["complete"] is False and 0 < partial["evaluated"] < 8
     monkeypatch.undo()
     rest = _run(tmp_path, monkeypatch)
