@@ -80,6 +80,8 @@ EXAMPLES = """
   oscar --version
   oscar info smollm2-135m                       # resolve + load the embedded model, print identity and BPE table
   oscar --json info smollm2-135m                # the same as JSON on stdout
+  oscar info smollm2-135m --json -v             # --json and -v also work after the command
+  oscar --json info no/such-model               # an error: one line on stderr, {"error": {...}} on stdout, exit 1
   OSCAR_DEBUG=1 oscar info no/such-model        # full traceback instead of the one-line error
 """
 

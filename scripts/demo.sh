@@ -11,7 +11,7 @@ oscar info smollm2-135m   # first run converts the GGUF once (~30 s); later runs
 
 stage "2/4 calibrate: OSCAR rotations, means and per-layer clip ratios for the embedded model (4K self-generated tokens, ~1 min)"
 # --data self (the offline default): the model writes its own calibration text from diverse seed prompts.
-# 4K tokens keeps the demo short; the recipe default is 16K (docs/BENCHMARKS.md "Calibration").
+# 4K tokens in 1K sequences keep the demo short; the smollm2-135m recipe default is 24K in 8K sequences.
 oscar calibrate smollm2-135m --tokens 4k --seq-len 1024 --out artifacts/demo/smollm2-135m --overwrite
 python -c 'from oscar_cli.artifact import open_artifact as o; a = o("artifacts/demo/smollm2-135m")
 print("verified:", a.path, a.method, len(a.layers), "layers, k_rotation", tuple(a.layers[0].k_rotation.shape))'

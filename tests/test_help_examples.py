@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 import typer.main
 from rich.text import Text
-from typer.testing import CliRunner
 
-from oscar_cli.main import app
+from oscar_cli.main import app, main
 
 ROOT = typer.main.get_command(app)
 _EXAMPLE = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*oscar(?:\s|$)")
@@ -196,11 +195,13 @@ def test_the_examples_called_the_readme_demo_are_the_demo(command: str) -> None:
 RUNNABLE: dict[str, int] = {
     "oscar --version": 0,
     "oscar info no/such-model": 1,  # OSCAR_DEBUG=1: the traceback, then the one-line error
+    "oscar --json info no/such-model": 1,  # the error as JSON on stdout
     "oscar pull my-org/NAME@v0.1.0": 1,  # HF_HUB_OFFLINE=1 and nothing cached: a one-line error
 }
 RUNNABLE_EMBEDDED: dict[str, int] = {
     "oscar info": 0,
     "oscar --json info smollm2-135m": 0,
+    "oscar info smollm2-135m --json -v": 0,
 }
 _BY_LINE = {e.line: e for e in EXAMPLES}
 
@@ -211,7 +212,9 @@ def test_the_runnable_examples_are_shown_in_help() -> None:
     assert missing == [], f"examples no longer in any --help: {missing}"
 
 
-def _run(line: str, tmp_path: Path, cache: Path | None, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+def _run(line: str, tmp_path: Path, cache: Path | None, monkeypatch: pytest.MonkeyPatch,
+         capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run the example through the console entry point (``oscar_cli.main.main``); (exit status, stdout, stderr)."""
     from huggingface_hub import constants
 
     example = _BY_LINE[line]
@@ -224,30 +227,36 @@ def _run(line: str, tmp_path: Path, cache: Path | None, monkeypatch: pytest.Monk
     monkeypatch.delenv("OSCAR_DEBUG", raising=False)
     for key, value in example.env:
         monkeypatch.setenv(key, value)
-    r = CliRunner().invoke(app, list(example.argv))
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        from oscar_cli.errors import OscarError
-
-        assert isinstance(r.exception, OscarError), f"`{line}` raised {r.exception!r}"
-        return r.exception.exit_code, r.stdout, r.stderr
-    return r.exit_code, r.stdout, r.stderr
+    capsys.readouterr()
+    code: object = 0
+    try:
+        main(list(example.argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return (code if isinstance(code, int) else 0 if code is None else 1), out, err
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("line", RUNNABLE)
-def test_runnable_example_runs(line: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    code, out, _ = _run(line, tmp_path, tmp_path / "oscar-cache", monkeypatch)
-    assert code == RUNNABLE[line], out
+def test_runnable_example_runs(line: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(line, tmp_path, tmp_path / "oscar-cache", monkeypatch, capsys)
+    assert code == RUNNABLE[line], out + err
+    if code:
+        assert err.count("error: ") == 1 and "hint: " in err  # the one-line error (after any OSCAR_DEBUG traceback)
     if "--version" in line:
         assert out.startswith("oscar ")
+    if "--json" in _BY_LINE[line].argv:
+        assert set(json.loads(out)) == {"error"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("line", RUNNABLE_EMBEDDED)
-def test_runnable_example_on_the_embedded_model_runs(line: str, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runnable_example_on_the_embedded_model_runs(line: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("gguf")
-    code, out, err = _run(line, tmp_path, None, monkeypatch)
+    code, out, err = _run(line, tmp_path, None, monkeypatch, capsys)
     assert code == RUNNABLE_EMBEDDED[line], err
     if "--json" in _BY_LINE[line].argv:
         assert json.loads(out)["model"]["reference"] == "smollm2-135m"

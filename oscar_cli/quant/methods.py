@@ -144,7 +144,8 @@ def oscar_method(
 ) -> QuantMethod:
     """OSCAR from per-layer transforms (rotations, means, clip ratios) with the BF16 sink and recent window."""
     if sink % 8 or recent % 8:
-        raise EvalError(f"sink ({sink}) and recent ({recent}) must be multiples of 8 (method.md §7.1)")
+        raise EvalError(f"sink ({sink}) and recent ({recent}) must be multiples of 8 (tokens move to INT2 in blocks "
+                        "of 8; docs/METHOD.md §7)")
     return QuantMethod(
         name="oscar",
         kind="int2",
