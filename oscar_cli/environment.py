@@ -24,7 +24,7 @@ def _version(dist: str) -> str | None:
 
 def software_versions() -> dict[str, str | None]:
     """Versions of oscar, Python, torch (and its CUDA), transformers and triton (None when not installed)."""
-    from oscar_cli import __version__
+    from oscar_cli._version import __version__
 
     return {
         "oscar": __version__,

@@ -23,8 +23,8 @@ from rich.markup import escape
 from typer import _click as click  # typer vendors click: its Context and exceptions are these
 from typer.core import TyperGroup
 
-from oscar_cli import __version__
 from oscar_cli._output import SETTINGS, configure_logging, emit_error, stderr
+from oscar_cli._version import __version__
 from oscar_cli.errors import OscarError
 
 _VERBOSE = re.compile(r"^(-v+|--verbose)$")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from oscar_cli import __version__
+from oscar_cli._version import __version__
 from oscar_cli.artifact.manifest import Manifest
 from oscar_cli.environment import environment
 from oscar_cli.recipe import Recipe

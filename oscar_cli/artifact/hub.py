@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oscar_cli import __version__
 from oscar_cli._files import sha256_file
+from oscar_cli._version import __version__
 from oscar_cli.artifact.card import render_model_card
 from oscar_cli.artifact.hub_errors import TOKEN_HINT, hub_errors, quiet_hub_logs
 from oscar_cli.artifact.io import verify_artifact

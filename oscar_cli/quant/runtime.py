@@ -48,6 +48,7 @@ class MethodSession:
     backend: str = "auto"
     page_size: int = DEFAULT_PAGE
     active: Int2Cache | None = None
+    api_key: Any = None  # what :func:`oscar_cli.api.attach` attached (it reuses a session with the same key)
     _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def new_cache(self) -> Int2Cache:
