@@ -13,8 +13,16 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+# How an artifact serves each layer (manifest ``calibration.layers[i].scheme``) -> the cache storage it needs.
+# ``oscar``: the calibrated transform; ``identity`` / ``hadamard``: per-token INT2 after no rotation / a
+# Sylvester Hadamard (the layer's tensors hold that transform); ``kivi``: KIVI-style per-channel keys with its
+# own BF16 residual; ``bf16``: the layer is not quantized. Artifacts without the field are ``oscar`` everywhere.
+LayerStorage = Literal["dense", "int2", "kivi"]
+LAYER_SCHEMES: dict[str, LayerStorage] = {"oscar": "int2", "identity": "int2", "hadamard": "int2", "kivi": "kivi", "bf16": "dense"}
 
 TRANSFORM_FIELDS = ("k_rotation", "v_rotation", "k_mean", "v_mean", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")
 

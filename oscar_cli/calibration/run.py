@@ -7,7 +7,10 @@ Phases and what they produce:
 2. **capture**: one unpadded forward per batch through :func:`capture.capture_attention`; per-layer streaming
    statistics (:mod:`covariance`), then the held-out q/k/v (:class:`capture.HoldoutStore`).
 3. **solve**: per layer (or per KV head) targets → ``R = U·H·P`` (:mod:`rotation`), rotated means.
-4. **clip**: per-layer ratio search on the held-out tokens (:mod:`clipping`), or the global ratios.
+4. **clip**: per-layer ratio search on the held-out tokens (:mod:`clipping`), or the global ratios; then each
+   layer is scored against simple schemes on the same tokens and a failed layer is served by one of them
+   (:mod:`schemes`; ``manifest.calibration.layers[i].scheme``), with a warning (``strict``: an error) when the
+   artifact is worse than the KIVI baseline.
 5. **write**: the artifact, atomically (:func:`oscar_cli.artifact.write_artifact`).
 """
 
@@ -32,6 +35,15 @@ from oscar_cli.calibration.clipping import ClipChoice, LayerClipProblem, evaluat
 from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
 from oscar_cli.calibration.data import CalibrationData, check_source, prepare_data
 from oscar_cli.calibration.rotation import build_rotations, is_power_of_two, orthogonality_error
+from oscar_cli.calibration.schemes import (
+    LayerScheme,
+    SchemeReport,
+    check_fallback,
+    choose_schemes,
+    scheme_bpe,
+    score_layer,
+    served_transform,
+)
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.recipe import Recipe
@@ -54,6 +66,8 @@ class LayerSummary:
     k_clip: float
     v_clip: float
     clip_error: float | None  # held-out relative output error at the chosen clips (None: not evaluated)
+    scheme: str = "oscar"  # how the artifact serves the layer (calibration.schemes)
+    scheme_errors: dict[str, float] = field(default_factory=dict)  # held-out error per scheme (empty: not scored)
 
 
 @dataclass
@@ -67,6 +81,7 @@ class CalibrationResult:
     data: dict[str, Any]
     generation_tokens_per_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    schemes: SchemeReport | None = None  # the per-layer fallback (None: layers not scored)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +93,7 @@ class CalibrationResult:
             "generation_tokens_per_s": round(self.generation_tokens_per_s, 1),
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
             "layers": [vars(s) for s in self.layers],
+            "schemes": self.schemes.to_dict() if self.schemes else None,
         }
 
 
@@ -201,9 +217,12 @@ def _solve(stats: list[LayerStatistics], recipe: Recipe, report: Progress) -> li
     return out
 
 
-def _clip(solved: list[LayerTransform], store: HoldoutStore, recipe: Recipe, report: Progress) -> list[ClipChoice]:
+def _clip(
+    solved: list[LayerTransform], store: HoldoutStore, recipe: Recipe, report: Progress
+) -> tuple[list[ClipChoice], list[LayerScheme]]:
+    """Per layer: the clip choice and, where it was scored, the errors of the fallback schemes (:mod:`schemes`)."""
     c, q = recipe.clip, recipe.quant
-    choices = []
+    choices, scored = [], []
     for i, s in enumerate(solved):
         problems = [
             LayerClipProblem(
@@ -229,9 +248,13 @@ def _clip(solved: list[LayerTransform], store: HoldoutStore, recipe: Recipe, rep
             choices.append(search_clip(problems, c.k_grid, c.v_grid))
         else:
             choices.append(evaluate_clip(problems, c.k_ratio, c.v_ratio))
+        err = choices[-1].error
+        if err is not None and recipe.method == "oscar":
+            scored.append(score_layer(i, store.layers[i], err, store.scaling, q.sink, q.recent, q.group_size,
+                                      q.meta_dtype))
         store.layers[i] = []  # free as we go
         report("clip", i + 1, len(solved))
-    return choices
+    return choices, scored
 
 
 def default_output(
@@ -253,10 +276,13 @@ def calibrate_model(
     overwrite: bool = False,
     report: Progress | None = None,
     geometry: ModelGeometry | None = None,
+    strict: bool = False,
 ) -> CalibrationResult:
     """Calibrate a loaded model (any device/dtype) and write its artifact. See the module docstring.
 
     ``geometry``: the model's geometry already passed through :func:`check_model` (None: checked here).
+    ``strict``: raise CalibrationError (and write nothing) when the artifact's held-out error is worse than the
+    baseline's (:mod:`oscar_cli.calibration.schemes`); without it a warning is logged.
     """
     report = report or _noop
     geo = geometry if geometry is not None else check_model(model.config, recipe)
@@ -291,16 +317,23 @@ def calibrate_model(
         del stats
         timings["solve"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        choices = _clip(solved, store, recipe, report)
+        choices, scored = _clip(solved, store, recipe, report)
     _sync(device)
     timings["clip"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    # the fallback applies to calibrated artifacts whose every layer was scored (identity / hadamard recipes
+    # are baselines by choice; without held-out scores there is nothing to choose from)
+    use_fallback = recipe.method == "oscar" and len(scored) == len(solved)
+    fallback = choose_schemes(scored, scheme_bpe(recipe, d)) if use_fallback else None
+    schemes = [x.scheme for x in fallback.layers] if fallback else ["oscar"] * len(solved)
+    check_fallback(fallback, strict)
     layers, summaries = [], []
-    for i, (s, ch) in enumerate(zip(solved, choices, strict=True)):
-        layers.append(replace(s, k_clip=ch.k_ratio, v_clip=ch.v_ratio))
+    for i, (s, ch, scheme) in enumerate(zip(solved, choices, schemes, strict=True)):
+        layers.append(served_transform(scheme, replace(s, k_clip=ch.k_ratio, v_clip=ch.v_ratio), d))
         summaries.append(
-            LayerSummary(i, _spread(s.k_eigenvalues), _spread(s.v_eigenvalues), ch.k_ratio, ch.v_ratio, ch.error)
+            LayerSummary(i, _spread(s.k_eigenvalues), _spread(s.v_eigenvalues), ch.k_ratio, ch.v_ratio, ch.error,
+                         scheme, fallback.layers[i].errors if fallback else {})
         )
     manifest = build_manifest(
         recipe,
@@ -318,12 +351,16 @@ def calibrate_model(
         device=device,
         dtype=next(model.parameters()).dtype,
     )
+    if fallback is not None:
+        manifest = replace(manifest, calibration={**manifest.calibration, "schemes": fallback.to_dict(),
+                                                  "layers": [x.to_dict() for x in fallback.layers]})
     path = Path(out) if out is not None else default_output(reference, recipe, resolved, data.identity["sha256"])
     write_artifact(path, manifest, layers, recipe.to_yaml(), overwrite=overwrite)
     timings["write"] = time.perf_counter() - t0
     report("write", 1, 1)
     logger.info("wrote %s", path)
-    return CalibrationResult(path, manifest, summaries, timings, data.identity, data.tokens_per_second)
+    return CalibrationResult(path, manifest, summaries, timings, data.identity, data.tokens_per_second,
+                             schemes=fallback)
 
 
 def _spread(lam: torch.Tensor | None) -> float:
@@ -363,6 +400,7 @@ def calibrate(
     report: Progress | None = None,
     rope_scaling: str | None = None,
     rope_factor: float | None = None,
+    strict: bool = False,
 ) -> CalibrationResult:
     """Load ``model_ref`` (:func:`oscar_cli.model.load_model`) and :func:`calibrate_model` it.
 
@@ -392,6 +430,7 @@ def calibrate(
         from oscar_cli.model.rope import apply_yarn
 
         apply_yarn(loaded.model, rope_factor)
+        geo = ModelGeometry.from_config(loaded.model.config)  # the fingerprint records the YaRN RoPE
     return calibrate_model(
         loaded.model,
         loaded.tokenizer,
@@ -402,4 +441,5 @@ def calibrate(
         overwrite=overwrite,
         report=report,
         geometry=geo,
+        strict=strict,
     )

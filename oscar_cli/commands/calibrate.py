@@ -66,6 +66,24 @@ def _render(result: Any) -> None:
         table.add_row(str(row["index"]), f"{row['k_spread']:.2f}", f"{row['v_spread']:.2f}",
                       f"{row['k_clip']:g}", f"{row['v_clip']:g}", "-" if err is None else f"{err:.4f}")
     out.print(table)
+    _render_schemes(d.get("schemes"), d["layers"])
+
+
+def _render_schemes(schemes: dict[str, Any] | None, layers: list[dict[str, Any]]) -> None:
+    """One line per layer the artifact serves with another scheme, and the comparison with the baseline (a
+    worse artifact is also warned about on stderr by the library, under --json too)."""
+    if not schemes:
+        return
+    out = _output.stdout
+    for row in layers:
+        if row["scheme"] != "oscar":
+            errors = ", ".join(f"{k} {v:.4f}" for k, v in row["scheme_errors"].items())
+            out.print(f"layer {row['index']}: served as {row['scheme']} (held-out error {errors})")
+    bpe = schemes["bits_per_element"]
+    out.print(f"held-out error (mean over layers): artifact {schemes['artifact_error']:.4f}, oscar alone "
+              f"{schemes['oscar_error']:.4f}, {schemes['baseline']} baseline {schemes['baseline_error']:.4f}; "
+              f"bits per element at {schemes['bpe_context'] // 1024}K: {bpe['artifact']:.3f} "
+              f"(all INT2 {bpe['all_int2']:.3f})")
 
 
 def calibrate(
@@ -100,6 +118,10 @@ def calibrate(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing artifact at --out.")] = False,
     rope_scaling: RopeScalingOpt = None,
     rope_factor: RopeFactorOpt = None,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Fail (and write nothing) when the artifact's held-out error is worse "
+                           "than the KIVI baseline's on the same tokens.")
+    ] = False,
 ) -> None:
     """Calibrate OSCAR rotations, centering means and clip ratios for MODEL; write a versioned artifact."""
     from oscar_cli.artifact import model_slug
@@ -124,7 +146,7 @@ def calibrate(
     with _output.progress() as p:
         result = run_calibrate(model, recipe=recipe_obj, device=device, dtype=dtype, revision=revision, out=out,
                                overwrite=overwrite, report=_progress_reporter(p), rope_scaling=rope_scaling,
-                               rope_factor=rope_factor)
+                               rope_factor=rope_factor, strict=strict)
     _output.emit(result.to_dict(), lambda _: _render(result))
 
 

@@ -489,18 +489,17 @@ class Int2Cache(Cache):
         page_size: int = DEFAULT_PAGE,
         max_positions: int | None = None,
     ) -> None:
-        layers: list[Any]
-        if method.kind == "kivi":
-            from oscar_cli.quant.kivi import KiviLayer
+        from oscar_cli.quant.kivi import KiviLayer
 
-            layers = [KiviLayer(method) for _ in range(num_layers)]
-        elif method.kind == "dense":
-            layers = [DenseLayer(method) for _ in range(num_layers)]
-        else:
-            layers = [
-                Int2Layer(method, method.layer(i), rotate_values, backend, layer_idx=i, page_size=page_size)
-                for i in range(num_layers)
-            ]
+        layers: list[Any] = []
+        for i in range(num_layers):  # a layer may be stored differently from the method (QuantMethod.for_layer)
+            m = method.for_layer(i)
+            if m.kind == "kivi":
+                layers.append(KiviLayer(m))
+            elif m.kind == "dense":
+                layers.append(DenseLayer(m))
+            else:
+                layers.append(Int2Layer(m, method.layer(i), rotate_values, backend, layer_idx=i, page_size=page_size))
         super().__init__(layers=layers)
         self.method = method
         self.max_positions = max_positions

@@ -22,17 +22,17 @@ method comes from an artifact (``oscar_cli.artifact.open_artifact``) or from an 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from oscar_cli.errors import ArtifactError, EvalError
 from oscar_cli.model.geometry import ModelGeometry
-from oscar_cli.transform import LayerTransform
+from oscar_cli.transform import LAYER_SCHEMES, LayerStorage, LayerTransform
 from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK
 
-MethodKind = Literal["dense", "int2", "kivi"]
+MethodKind = LayerStorage
 
 KIVI_GROUP = 128
 KIVI_RESIDUAL = 128
@@ -51,6 +51,9 @@ class QuantMethod:
         meta_dtype: scale/zero storage dtype (16-bit by default).
         layers: per-layer transforms (empty tuple = identity everywhere).
         source: where the transforms came from (artifact path, "hadamard", ...), for reports.
+        layer_kinds: per-layer storage overriding ``kind`` (empty = ``kind`` everywhere): an artifact may keep
+            a layer in BF16 (``dense``) or serve it KIVI-style (``kivi``) where OSCAR's INT2 failed on it;
+            see :meth:`for_layer`.
     """
 
     name: str
@@ -62,12 +65,25 @@ class QuantMethod:
     layers: tuple[LayerTransform, ...] = ()
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    layer_kinds: tuple[MethodKind, ...] = ()
 
     def layer(self, idx: int) -> LayerTransform:
         """The transforms of decoder layer ``idx`` (identity when the method has none)."""
         if not self.layers:
             return LayerTransform()
         return self.layers[idx]
+
+    def for_layer(self, idx: int) -> QuantMethod:
+        """The method as decoder layer ``idx`` is served: itself, or (with ``layer_kinds``) a ``dense`` copy, or a
+        ``kivi`` copy with KIVI's own layout (no sink, a BF16 residual of :data:`KIVI_RESIDUAL`)."""
+        if not self.layer_kinds:
+            return self
+        kind = self.layer_kinds[idx]
+        if kind == self.kind:
+            return replace(self, layer_kinds=())
+        if kind == "kivi":
+            return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, layers=(), layer_kinds=())
+        return replace(self, kind=kind, layer_kinds=())
 
     @property
     def demotion_block(self) -> int:
@@ -79,9 +95,14 @@ class QuantMethod:
 
         ``int2``: method.md §8 ``BPE(L)``; ``kivi``: keys ``(L - L mod 128)`` tokens at
         ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at ``2 + 2·b/G`` plus 128 BF16,
-        averaged over K and V; ``dense``: 16.
+        averaged over K and V; ``dense``: 16. With ``layer_kinds``: the mean over layers (each layer stores as
+        many elements).
         """
         from oscar_kernels.reference import bits_per_element
+
+        if self.layer_kinds:
+            n = len(self.layer_kinds)
+            return sum(self.for_layer(i).bits_per_element(context_len, head_dim) for i in range(n)) / n
 
         b = torch.finfo(self.meta_dtype).bits
         if self.kind == "dense":
@@ -176,14 +197,38 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     if len(art.layers) != n_layers:
         raise ArtifactError(f"artifact {ref} has {len(art.layers)} layers, the model {n_layers}")
     quant = dict(art.manifest.quant)
-    return oscar_method(
-        art.layers,
+    schemes = artifact_schemes(art.manifest.calibration, n_layers, ref)
+    kinds = tuple(LAYER_SCHEMES[s] for s in schemes)
+    layers = [t if LAYER_SCHEMES[s] == "int2" and s != "identity" else LayerTransform()
+              for t, s in zip(art.layers, schemes, strict=True)]
+    fixed = sum(s != "oscar" for s in schemes)
+    meth = oscar_method(
+        layers,
         sink=int(quant.get("sink", DEFAULT_SINK)),
         recent=int(quant.get("recent", DEFAULT_RECENT)),
         group_size=quant.get("group_size"),
         meta_dtype=_META.get(str(quant.get("meta_dtype", "bfloat16")), torch.bfloat16),
         source=f"{ref} ({art.manifest.method}, rotations {_short_hash(art.manifest.files)})",
     )
+    return replace(meth, layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
+                   extra={"schemes": schemes} if fixed else {})
+
+
+def artifact_schemes(calibration: dict[str, Any], n_layers: int, ref: str) -> list[str]:
+    """Per-layer schemes of an artifact's ``calibration.layers`` (absent: ``oscar`` everywhere)."""
+    rows = calibration.get("layers")
+    if rows is None:
+        return ["oscar"] * n_layers
+    if not isinstance(rows, list) or len(rows) != n_layers:
+        raise ArtifactError(f"artifact {ref}: calibration.layers must list {n_layers} layers")
+    out = []
+    for i, row in enumerate(rows):
+        scheme = row.get("scheme") if isinstance(row, dict) else None
+        if scheme not in LAYER_SCHEMES:
+            raise ArtifactError(f"artifact {ref}: calibration.layers[{i}].scheme {scheme!r} is not one of "
+                                f"{', '.join(LAYER_SCHEMES)}")
+        out.append(str(scheme))
+    return out
 
 
 def _short_hash(files: dict[str, str]) -> str:
