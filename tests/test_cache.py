@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from helpers.calib import random_transform
+from helpers.layers import feed
 from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.errors import EvalError
@@ -21,20 +22,6 @@ from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
 pytestmark = pytest.mark.unit
 
 H, D = 2, 16
-
-
-def feed(layer: Int2Layer | KiviLayer, k: torch.Tensor, v: torch.Tensor, chunks: list[int], decode: int) -> list:
-    """Prefill ``chunks`` (sizes; last is final) then ``decode`` single tokens; return every update's output."""
-    outs, s = [], 0
-    for i, c in enumerate(chunks):
-        layer.final_chunk = i == len(chunks) - 1
-        outs.append(layer.update(k[..., s : s + c, :], v[..., s : s + c, :]))
-        s += c
-    layer.final_chunk = True
-    for _ in range(decode):
-        outs.append(layer.update(k[..., s : s + 1, :], v[..., s : s + 1, :]))
-        s += 1
-    return outs
 
 
 @pytest.mark.parametrize("n_rot", [1, H], ids=["shared-R", "per-head-R"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from helpers.calib import random_transform
+from helpers.layers import feed
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar_cli.quant import LayerTransform, oscar_method
@@ -70,16 +71,7 @@ def run_layer(layer: Int2Layer, k: torch.Tensor, v: torch.Tensor, pads: list[int
     layer.pads = list(pads)
     if layer.method.sink and pads:
         layer.sink_slots = layer.method.sink + max(pads)
-    outs, s = [], 0
-    for i, c in enumerate(chunks):
-        layer.final_chunk = i == len(chunks) - 1
-        outs.append(layer.update(k[..., s : s + c, :], v[..., s : s + c, :]))
-        s += c
-    layer.final_chunk = True
-    for _ in range(decode):
-        outs.append(layer.update(k[..., s : s + 1, :], v[..., s : s + 1, :]))
-        s += 1
-    return outs
+    return feed(layer, k, v, chunks, decode)
 
 
 def chunked(total: int, chunk: int) -> list[int]:
