@@ -16,6 +16,7 @@ COMMANDS: list[str] = [
     "eval_kl",
     "eval_ruler",
     "export",
+    "generate",
     "info",
     "pull",
 ]
