@@ -114,15 +114,19 @@ def _reference_recent(chunks: list[int], decodes: int, sink: int, recent: int) -
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("chunks", "sink", "recent"), [([40, 30], 16, 16), ([5], 8, 16), ([3, 9], 8, 8),
-                                                        ([1], 8, 16), ([20], 8, 0), ([8, 100, 4], 8, 32)])
+                                                        ([1], 8, 16), ([20], 8, 0), ([8, 100, 4], 8, 32),
+                                                        ([40, 1], 16, 16), ([8, 100, 1], 8, 32)])
 def test_next_recent_len_follows_the_reference_placement(chunks: list[int], sink: int, recent: int) -> None:
     s = layout.Int2Settings(sink=sink, recent=recent)
     want = _reference_recent(chunks, 30, sink, recent)
-    r = torch.tensor([7], dtype=torch.int32)  # stale state of a row's previous owner: a new sequence ignores it
+    state = torch.tensor([[7, 3]], dtype=torch.int32)  # a previous owner's state: a new sequence ignores it
+    rows = torch.tensor([0])
     got, seq = [], 0
-    for n in chunks + [1] * 30:
+    for i, n in enumerate(chunks + [1] * 30):
         seq += n
-        r = layout.next_recent_len(r, torch.tensor([n]), torch.tensor([seq]), s)
+        args = (state, rows, torch.tensor([n]), torch.tensor([seq]), s, torch.tensor([i < len(chunks)]))
+        r = layout.advance_recent(*args)
+        assert torch.equal(layout.advance_recent(*args), r)  # the same step built twice does not advance twice
         got.append(int(r))
     # after a non-final chunk the reference holds no recent tier; the backend cannot tell a chunk is not the last,
     # and nothing reads that value (the next step of that sequence is another chunk, which ignores it)
@@ -264,7 +268,7 @@ class _Request:
         self.q = torch.randn(total, HQ, D, generator=g).to(ACT)
         self.k = (torch.randn(total, HKV, D, generator=g) * 1.5 + 0.3).to(ACT)
         self.v = torch.randn(total, HKV, D, generator=g).to(ACT)
-        self.blocks, self.done, self.name = blocks, 0, name
+        self.blocks, self.done, self.name, self.prompt = blocks, 0, name, sum(prompt)
         meth = oscar_method([t], sink=S0, recent=W)
         self.ref = Int2Layer(meth, meth.layer(0))
         self.t = t
@@ -300,8 +304,9 @@ def _step(layer: PagedInt2Layer, kv: torch.Tensor, rows: layout.SequenceRows, st
     slot_t = torch.tensor(slots + [-1] * pad, dtype=torch.int64)
     new = [r.done == 0 for r, _, _ in batch]
     row_ids = rows.assign([r.blocks[0] for r, _, _ in batch], new)
+    prefilling = torch.tensor([r.done < r.prompt for r, _, _ in batch])  # vLLM's is_prefilling (before the step)
     st = build_step(torch.tensor(qsl, dtype=torch.int32), qsl, torch.tensor(seq, dtype=torch.int32), seq,
-                    torch.tensor(table, dtype=torch.int32), slot_t, qsl[-1], row_ids, state, layer.s)
+                    torch.tensor(table, dtype=torch.int32), slot_t, qsl[-1], row_ids, state, layer.s, prefilling)
     kp, vp = layout.carve_pages(kv, D)
     out = torch.full((q.shape[0], HQ, D), float("nan"), dtype=ACT)
     layer.forward(q, k, v, kp, vp, st, out)
@@ -334,7 +339,7 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str) -> None:
     layer = PagedInt2Layer(layout.layer_tensors(oscar_method([t], sink=S0, recent=W), 1, HKV, D)[0], s, 4, HQ, HKV, D,
                            P, ACT, DEV, kernels=kern or TritonKernels(CFG))  # type: ignore[arg-type]
     kv = torch.zeros(16, P, HKV, spec.slot_bytes(D), dtype=torch.uint8)
-    rows, state = layout.SequenceRows(4), torch.zeros(5, dtype=torch.int32)
+    rows, state = layout.SequenceRows(4), torch.zeros(5, 2, dtype=torch.int32)
     batches = [[(a, 40, False)], [(a, 30, True), (b, 20, False)], [(a, 1, True), (b, 25, True)],
                [(a, 1, True), (b, 1, True)]]
     if kernels == "torch":  # B's recent tier reaches W + 8 at its 8th decode, A's at its 8th
@@ -349,8 +354,10 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str) -> None:
         n_hist = r.ref.tier_sizes()[1]
         pos = torch.arange(S0, S0 + n_hist)
         blocks = torch.tensor(r.blocks)[pos // P]
-        assert torch.equal(kp.packed[blocks, :, pos % P], r.ref.hist_k[0][0].transpose(0, 1))
-        assert torch.equal(kp.scale[blocks, :, pos % P], r.ref.hist_k[1][0].transpose(0, 1))
+        hk, hv = r.ref.history("k"), r.ref.history("v")
+        assert hk is not None and hv is not None
+        assert torch.equal(kp.packed[blocks, :, pos % P], hk[0][0].transpose(0, 1))
+        assert torch.equal(kp.scale[blocks, :, pos % P], hk[1][0].transpose(0, 1))
         vcodes = torch.stack([ref.unpack_token_quads(vp.packed[pg], P, D)[:, o] for pg, o in
                               zip(blocks, pos % P, strict=True)], 1)
-        assert torch.equal(vcodes, ref.unpack_int2(r.ref.hist_v[0][0]))
+        assert torch.equal(vcodes, ref.unpack_int2(hv[0][0]))

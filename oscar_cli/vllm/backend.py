@@ -182,7 +182,7 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         rt = runtime(vllm_config, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
         self.settings = rt.settings
         self.rows = layout.SequenceRows(rt.num_rows)
-        self.recent_state = torch.zeros(rt.num_rows + 1, dtype=torch.int32, device=device)
+        self.recent_state = torch.zeros(rt.num_rows + 1, 2, dtype=torch.int32, device=device)
         sched = vllm_config.scheduler_config
         reqs = int(sched.max_num_seqs)
         toks = max(int(sched.max_num_batched_tokens), reqs)
@@ -217,7 +217,7 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
             rows = self.rows.assign(first, new)
         n = cam.num_actual_tokens
         st = build_step(cam.query_start_loc, qsl, cam.seq_lens, seq, cam.block_table_tensor, cam.slot_mapping[:n], n,
-                        rows, self.recent_state, self.settings)
+                        rows, self.recent_state, self.settings, cam.is_prefilling)
         return self._persist(st)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

@@ -27,8 +27,8 @@ import torch
 from oscar_cli.vllm.layout import (
     Int2Settings,
     LayerTensors,
+    advance_recent,
     decode_lengths,
-    next_recent_len,
     ring_gather_index,
     tier_write_index,
     token_positions,
@@ -73,16 +73,18 @@ def split_decodes(query_start_loc_cpu: list[int]) -> int:
 
 def build_step(query_start_loc: torch.Tensor, query_start_loc_cpu: list[int], seq_lens: torch.Tensor,
                seq_lens_cpu: list[int], block_table: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int,
-               rows: list[int], recent_state: torch.Tensor, s: Int2Settings) -> Step:
-    """Derive a :class:`Step`; advances ``recent_state`` (int32 ``[rows + 1]``, one entry per tier row) in place.
+               rows: list[int], recent_state: torch.Tensor, s: Int2Settings,
+               prefilling: torch.Tensor | None = None) -> Step:
+    """Derive a :class:`Step`; advances ``recent_state`` (int32 ``[rows + 1, 2]``, see
+    :func:`~oscar_cli.vllm.layout.advance_recent`) in place. ``prefilling``: vLLM's ``is_prefilling`` (bool ``[R]``).
 
-    Call it once per engine step (not per layer): the recent length is per sequence state.
+    Call it once per engine step, not per layer: the recent length is per-sequence state.
     """
     nd = split_decodes(query_start_loc_cpu)
     rows_dev = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    recent = next_recent_len(recent_state[rows_dev], q_lens, seq_lens, s)
-    recent_state[rows_dev] = recent
+    pre = None if prefilling is None else prefilling[: len(rows)].to(seq_lens.device, non_blocking=True)
+    recent = advance_recent(recent_state, rows_dev, q_lens, seq_lens, s, pre)
     req, pos = token_positions(query_start_loc, seq_lens, int(slot_mapping.shape[0]))
     sink_len, hist_len = decode_lengths(seq_lens, recent, s.sink)
     prefills = [(i, query_start_loc_cpu[i], query_start_loc_cpu[i + 1], seq_lens_cpu[i])

@@ -5,7 +5,8 @@
   ``[H_kv, D]``, clip ratios); :func:`check_geometry` refuses what the kernels cannot serve, in one line.
 - :func:`carve_pages`: one layer's vLLM cache tensor ``uint8 [num_blocks, P, H_kv, slot]`` -> the kernels' paged
   K rows and V token quads plus scale/zero (views of the same memory: nothing is copied).
-- :func:`token_positions`, :func:`next_recent_len`, :func:`decode_lengths`, :func:`ring_gather_index`,
+- :func:`token_positions`, :func:`next_recent_len` / :func:`advance_recent`, :func:`decode_lengths`,
+  :func:`ring_gather_index`,
   :func:`tier_write_index`: vLLM's ``query_start_loc`` / ``seq_lens`` / ``slot_mapping`` -> the kernels' lengths
   and the BF16 tiers' indices, as device tensor ops (no host sync: CUDA-graph capturable).
 - :class:`SequenceRows`: which row of the per-sequence BF16 tiers a request owns (host side).
@@ -196,19 +197,24 @@ def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
     return req, pos
 
 
-def next_recent_len(prev: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, s: Int2Settings
-                    ) -> torch.Tensor:
+def next_recent_len(prev: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, s: Int2Settings,
+                    prefilling: torch.Tensor | None = None) -> torch.Tensor:
     """BF16 recent-tier length after this step, per request (the reference cache's placement rule).
 
     A prefill chunk (``q_len > 1``) keeps its last ``min(W, tokens past the sink)`` in the recent tier (a later chunk
     replaces that: earlier chunks are INT2 for it); a decode token past the sink grows the tier by one, and at
-    ``W + B`` tokens the ``B`` oldest go to INT2 at once, so the tier holds ``W .. W + B - 1`` tokens. (The reference
-    keeps no recent tier after a non-final chunk; vLLM does not say which chunk is the last, and nothing reads the
-    value then: that sequence's next step is another chunk.)
+    ``W + B`` tokens the ``B`` oldest go to INT2 at once, so the tier holds ``W .. W + B - 1`` tokens. ``prefilling``
+    (bool ``[R]``, vLLM's ``is_prefilling``: prompt tokens remain before this step) marks a one-token step that ends a
+    prompt: it follows a non-final chunk, after which the reference holds no recent tier. (After a longer non-final
+    chunk the value here is ``min(W, ...)``, not the reference's 0; nothing reads it: that sequence's next step is
+    another chunk, which ignores it.)
     """
     q = query_lens.to(torch.int64)
     L = seq_lens.to(torch.int64)
-    prev = torch.where(L == q, torch.zeros_like(q), prev.to(torch.int64))  # a new sequence starts empty
+    fresh = L == q  # a new sequence starts empty
+    if prefilling is not None:
+        fresh = fresh | (prefilling.to(torch.bool) & (q == 1))
+    prev = torch.where(fresh, torch.zeros_like(q), prev.to(torch.int64))
     w, blk = s.recent, s.demotion_block
     chunk = torch.clamp(L - torch.clamp(L - q, min=s.sink), min=0).clamp(max=w)
     grown = prev + (L - 1 >= s.sink).to(torch.int64)
@@ -216,6 +222,18 @@ def next_recent_len(prev: torch.Tensor, query_lens: torch.Tensor, seq_lens: torc
                                 torch.zeros_like(grown))
     out = torch.where(q > 1, chunk, grown)
     return torch.minimum(out, torch.clamp(L - s.sink, min=0)).to(torch.int32)
+
+
+def advance_recent(state: torch.Tensor, rows: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                   s: Int2Settings, prefilling: torch.Tensor | None = None) -> torch.Tensor:
+    """Advance the per-row state ``int32 [rows + 1, 2]`` = (recent length, sequence length it is for) to this step
+    and return the recent lengths ``[R]``. Idempotent: building the same step twice does not advance it twice."""
+    last = state[rows]
+    r = next_recent_len(last[:, 0], query_lens, seq_lens, s, prefilling)
+    again = (seq_lens.to(torch.int32) == last[:, 1]) & (seq_lens.to(torch.int64) > query_lens.to(torch.int64))
+    r = torch.where(again, last[:, 0], r)
+    state[rows] = torch.stack([r, seq_lens.to(torch.int32)], 1)
+    return r
 
 
 def decode_lengths(seq_lens: torch.Tensor, recent_len: torch.Tensor, sink: int
