@@ -6,6 +6,8 @@ importing each other.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -22,6 +24,19 @@ class AppendLayer(CacheLayerMixin):
     cumulative_length: int
     batch_size: int
     device: torch.device
+
+    def __init__(self, method: Any) -> None:
+        super().__init__()
+        self.method = method
+        self.cumulative_length = 0
+        self.final_chunk = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty dense ``keys``/``values`` on the inputs' device and dtype (layers that store dense tensors)."""
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+        self.batch_size = int(key_states.shape[0])
+        self.is_initialized = True
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError

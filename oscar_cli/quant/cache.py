@@ -96,18 +96,6 @@ def kernel_unsupported(method: QuantMethod, x: torch.Tensor, interpreter_ok: boo
 class DenseLayer(AppendLayer):
     """The ``bf16`` method: every token kept in the activation dtype (transformers' DynamicLayer, appended)."""
 
-    def __init__(self, method: QuantMethod) -> None:
-        super().__init__()
-        self.method = method
-        self.cumulative_length = 0
-        self.final_chunk = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
-        self.batch_size = int(key_states.shape[0])
-        self.is_initialized = True
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,17 +143,15 @@ class Int2Layer(AppendLayer):
         layer_idx: int = 0,
         page_size: int = DEFAULT_PAGE,
     ) -> None:
-        super().__init__()
+        super().__init__(method)
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-        self.method, self.transform, self.backend = method, transform, backend
+        self.transform, self.backend = transform, backend
         self.rotate_values, self.layer_idx, self.page_size = rotate_values, layer_idx, page_size
         self.k_rot = rotation_matrix(transform.k_rotation)
         self.v_rot = rotation_matrix(transform.v_rotation) if rotate_values else None
-        self.cumulative_length = 0
         self.sink_slots = method.sink
         self.pads: list[int] = []  # left padding per row (set by Int2Cache.set_padding)
-        self.final_chunk = True
         self.quantize = True
         self.path = "reference"  # resolved at the first update: "reference" or "triton"
         self.n_sink = 0  # sink slots filled (pad slots included)
@@ -173,6 +159,8 @@ class Int2Layer(AppendLayer):
         self.n_recent = 0  # slots [L - n_recent, L) are recent
         self.kernel_step = False  # the last update was a decode step for the Triton path
         self.kernel_key: torch.Tensor | None = None  # the key tensor that update returned for it
+        self._pads_dev: torch.Tensor | None = None
+        self._kernel_rot: torch.Tensor | None = None
         self.pool: PagePool | None = None
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
         self.k_mean: torch.Tensor | None = None
@@ -366,8 +354,10 @@ class Int2Layer(AppendLayer):
         self.kernel_step, self.kernel_key = False, None
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
         assert self.recent_k is not None and self.recent_v is not None
-        dev, length = query.device, self.cumulative_length
-        pads = torch.tensor(self.pads, dtype=torch.long, device=dev)
+        length = self.cumulative_length
+        if self._pads_dev is None:  # one host-to-device copy per batch, not per step
+            self._pads_dev = torch.tensor(self.pads, dtype=torch.long, device=query.device)
+        pads = self._pads_dev
         sink_pad = pads.clamp(max=self.n_sink)
         sink_k, sink_v = _front(self.sink_k, sink_pad), _front(self.sink_v, sink_pad)
         hist_len = self.pool.device_lengths()
@@ -378,7 +368,10 @@ class Int2Layer(AppendLayer):
             rec_pad = (pads - (length - self.n_recent)).clamp(min=0, max=self.n_recent)
             recent_k, recent_v = _front(self.recent_k, rec_pad), _front(self.recent_v, rec_pad)
             recent_len = (self.n_recent - rec_pad).to(torch.int32)
-        rot = self.transform.k_rotation
+        if self._kernel_rot is None and self.transform.k_rotation is not None:  # R_K as the kernel takes it, once
+            r = rotation_matrix(self.transform.k_rotation)
+            assert r is not None
+            self._kernel_rot = r.to(query.device).float().contiguous()
         out = decode_attention(
             query[:, :, 0].contiguous(),
             self.pool.k,
@@ -391,7 +384,7 @@ class Int2Layer(AppendLayer):
             _centred(recent_k, self.k_mean),
             _centred(recent_v, self.v_mean),
             recent_len,
-            rotation_k=None if rot is None else rotation_matrix(rot).to(dev).float().contiguous(),  # type: ignore[union-attr]
+            rotation_k=self._kernel_rot,
             mean_v=None if self.v_mean is None else _flat_mean(self.v_mean),
             sm_scale=scaling,
         )
@@ -441,6 +434,7 @@ class Int2Layer(AppendLayer):
             setattr(self, name, getattr(self, name)[sel].contiguous())
         self.pool = self.pool.select(idx)
         self.pads = [self.pads[i] for i in idx]
+        self._pads_dev = None
         self.batch_size = len(idx)
         self.dims = (len(idx), *self.dims[1:])
 
@@ -520,9 +514,10 @@ class Int2Cache(Cache):
 
     @property
     def path(self) -> str:
-        """``triton`` or ``reference`` (INT2 layers after their first update), or the method kind otherwise."""
-        first = self.oscar_layers[0]
-        return str(getattr(first, "path", self.method.kind)) if self.method.kind == "int2" else self.method.kind
+        """``triton`` or ``reference`` (the INT2 layers, after their first update; ``+`` joins several), or the
+        method kind when no layer is INT2."""
+        paths = sorted({layer.path for layer in self.oscar_layers if isinstance(layer, Int2Layer)})
+        return "+".join(paths) if paths else self.method.kind
 
     def set_padding(self, left_pad: list[int] | torch.Tensor | None) -> None:
         """Declare per-row left padding before the first forward of a batch.
@@ -537,7 +532,8 @@ class Int2Cache(Cache):
             if hasattr(layer, "set_padding"):
                 layer.set_padding(pads)
             elif isinstance(layer, Int2Layer):
-                layer.sink_slots = self.method.sink + (max(pads) if pads and self.method.sink > 0 else 0)
+                sink = layer.method.sink
+                layer.sink_slots = sink + (max(pads) if pads and sink > 0 else 0)
                 layer.pads = pads
         self.padding_set = True
 

@@ -69,10 +69,7 @@ class KiviLayer(AppendLayer):
     """One decoder layer of a KIVI-2 cache."""
 
     def __init__(self, method: QuantMethod) -> None:
-        super().__init__()
-        self.method = method
-        self.cumulative_length = 0
-        self.final_chunk = True
+        super().__init__(method)
         self.pads: list[int] = []
         self.nk_q = 0  # quantized key tokens (multiple of 128)
         self.nv_q = 0  # quantized value tokens
@@ -81,13 +78,6 @@ class KiviLayer(AppendLayer):
 
     def set_padding(self, pads: list[int]) -> None:
         self.pads = list(pads)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
-        self.batch_size = key_states.shape[0]
-        self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
