@@ -180,3 +180,29 @@ def test_heatmap_legend_only_when_a_cell_is_marked(
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert titles and titles[0].startswith("RULER NIAH — tiny")
     assert ("fewer samples than asked" in titles[0]) is legend
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_multikey_3"])
+@pytest.mark.parametrize("length", [1000, 3000, 6000])
+def test_fit_is_the_largest_size_that_fits(essay: list[str], task: str, length: int) -> None:
+    """The regula-falsi fit returns what an exhaustive scan over the step grid returns."""
+    from oscar_cli.eval.niah import TOKENS_TO_GENERATE, _increment, _render, _sample_rng
+
+    b = PromptBuilder(CharTokenizer())
+    n = fit_haystack(TASKS[task], length, b, essay, 42)
+    step = _increment(TASKS[task], length)
+
+    def fits(units: int) -> bool:
+        text, prefix, _, _ = _render(TASKS[task], units * step, _sample_rng(42, task, length, 0), essay)
+        return b.count(text, prefix) <= length - TOKENS_TO_GENERATE
+
+    assert fits(n // step) and not fits(n // step + 1)
+
+
+def test_batched_samples_equal_one_by_one(essay: list[str]) -> None:
+    from oscar_cli.eval.niah import make_samples
+
+    b = PromptBuilder(CharTokenizer())
+    n = fit_haystack(TASKS["niah_multivalue"], 2048, b, essay, 42)
+    many = make_samples("niah_multivalue", 2048, [0, 3, 5], n, b, essay)
+    assert [s for s, _ in many] == [make_sample("niah_multivalue", 2048, i, n, b, essay)[0] for i in (0, 3, 5)]

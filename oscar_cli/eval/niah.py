@@ -200,6 +200,12 @@ class PromptBuilder:
     def ids(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=not self.chat)["input_ids"])
 
+    def ids_many(self, prompts: list[str]) -> list[list[int]]:
+        """:meth:`ids` of several prompts; one batched call for fast (Rust, multi-threaded) tokenizers."""
+        if not getattr(self.tokenizer, "is_fast", False) or len(prompts) < 2:
+            return [self.ids(p) for p in prompts]
+        return [list(x) for x in self.tokenizer(prompts, add_special_tokens=not self.chat)["input_ids"]]
+
     def count(self, text: str, answer_prefix: str) -> int:
         return len(self.ids(self.prompt(text, answer_prefix)))
 
@@ -274,22 +280,40 @@ def _increment(task: NiahTask, length: int) -> int:
 
 
 def fit_haystack(task: NiahTask, length: int, builder: PromptBuilder, essay: list[str] | None, seed: int) -> int:
-    """Largest haystack size (words or lines, a multiple of the step) whose sample 0 fits ``length``."""
+    """Largest haystack size (words or lines, a multiple of the step) whose sample 0 fits ``length``.
+
+    The prompt's token count grows almost linearly with the haystack size: the answer is bracketed from a
+    proportional guess, then found by regula falsi (bisection for what is left), so a long length costs a few
+    tokenizations of long prompts instead of a doubling search and a bisection over all of them. Under
+    monotonic counts the result is the one a plain bisection gives.
+    """
     step = _increment(task, length)
     budget = length - TOKENS_TO_GENERATE
+    counted: dict[int, int] = {}
 
-    def fits(n: int) -> bool:
-        text, prefix, _, _ = _render(task, n, _sample_rng(seed, task.name, length, 0), essay)
-        return builder.count(text, prefix) <= budget
+    def count(units: int) -> int:
+        if units not in counted:
+            text, prefix, _, _ = _render(task, units * step, _sample_rng(seed, task.name, length, 0), essay)
+            counted[units] = builder.count(text, prefix)
+        return counted[units]
 
-    if not fits(step):
+    if count(1) > budget:
         raise EvalError(f"{task.name}: a length of {length} tokens is too short for even a minimal haystack")
-    lo, hi = 1, 2
-    while fits(hi * step):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
+    lo, x = 1, 2  # lo fits; grow x from the tokens per unit seen so far until it does not
+    while count(x) <= budget:
+        lo = x
+        per_unit = max(1e-9, (count(lo) - count(1)) / (lo - 1))
+        x = max(lo + 1, int(1.02 * (budget - count(1)) / per_unit) + 2)
+    hi = x
+    for _ in range(6):  # regula falsi: the count is nearly linear in the size, so this lands on the boundary
+        if hi - lo <= 1:
+            break
+        x = lo + int((budget - count(lo)) * (hi - lo) / max(1, count(hi) - count(lo)))
+        x = min(max(x, lo + 1), hi - 1)
+        lo, hi = (x, hi) if count(x) <= budget else (lo, x)
+    while hi - lo > 1:  # bisection for whatever is left
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+        lo, hi = (mid, hi) if count(mid) <= budget else (lo, mid)
     return lo * step
 
 
@@ -303,12 +327,32 @@ def make_sample(
     seed: int = 42,
 ) -> tuple[NiahSample, list[int]]:
     """Sample ``index`` of ``task`` at ``length`` and its prompt token ids (haystack shrunk if it overflows)."""
+    return make_samples(task_name, length, [index], n_hay, builder, essay, seed)[0]
+
+
+def make_samples(
+    task_name: str,
+    length: int,
+    indices: list[int],
+    n_hay: int,
+    builder: PromptBuilder,
+    essay: list[str] | None,
+    seed: int = 42,
+) -> list[tuple[NiahSample, list[int]]]:
+    """Samples ``indices`` of ``task`` at ``length`` with their prompt ids; the prompts of one haystack size are
+    tokenized in one batch, and a sample that overflows is shrunk by one step at a time on its own."""
     task = TASKS[task_name]
     step = _increment(task, length)
-    n = n_hay
-    while True:
-        text, prefix, answers, depths = _render(task, n, _sample_rng(seed, task_name, length, index), essay)
-        ids = builder.ids(builder.prompt(text, prefix))
-        if len(ids) + TOKENS_TO_GENERATE <= length or n <= step:
-            return NiahSample(task_name, length, index, text, prefix, answers, depths), ids
-        n -= step
+    out: dict[int, tuple[NiahSample, list[int]]] = {}
+    sizes = {i: n_hay for i in indices}
+    while len(out) < len(indices):
+        todo = [i for i in indices if i not in out]
+        rendered = {i: _render(task, sizes[i], _sample_rng(seed, task_name, length, i), essay) for i in todo}
+        prompts = [builder.prompt(rendered[i][0], rendered[i][1]) for i in todo]
+        for i, ids in zip(todo, builder.ids_many(prompts), strict=True):
+            text, prefix, answers, depths = rendered[i]
+            if len(ids) + TOKENS_TO_GENERATE <= length or sizes[i] <= step:
+                out[i] = (NiahSample(task_name, length, i, text, prefix, answers, depths), ids)
+            else:
+                sizes[i] -= step
+    return [out[i] for i in indices]

@@ -33,7 +33,7 @@ from oscar_cli.eval.niah import (
     fit_haystack,
     haystack_files,
     load_essay_words,
-    make_sample,
+    make_samples,
 )
 from oscar_cli.eval.progress import RunProgress, chunk_progress, fmt_seconds
 from oscar_cli.eval.scoring import match_all, postprocess
@@ -149,9 +149,7 @@ def build_samples(
     for length in cfg.lengths:
         for task in cfg.tasks:
             n_hay = fit_haystack(TASKS[task], length, builder, essay, cfg.seed)
-            out[(task, length)] = [
-                make_sample(task, length, i, n_hay, builder, essay, cfg.seed) for i in range(cfg.samples)
-            ]
+            out[(task, length)] = make_samples(task, length, list(range(cfg.samples)), n_hay, builder, essay, cfg.seed)
             if progress_cb:
                 progress_cb(f"{task} @ {length}")
     return out
