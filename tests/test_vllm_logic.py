@@ -4,6 +4,8 @@ and a prefill chunk) through the backend's core with the Triton interpreter, aga
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers.calib import RESOLVED, random_orthogonal, random_transform, tiny_recipe
@@ -152,6 +154,30 @@ def test_sequence_rows_assign_reuse_evict_and_refuse() -> None:
         rows.assign([9], [False])
     with pytest.raises(OscarError, match="more than 2 requests"):
         rows.assign([5, 12, 13], [False, False, True])
+
+
+class _FakeRunner:
+    """The shape of vLLM 0.25's GPU model runner that host_first_blocks reads (input_batch.block_table[gid])."""
+
+    def __init__(self, table: list[list[int]]) -> None:
+        import numpy as np
+
+        arr = np.array(table, dtype=np.int32)
+        self.input_batch = SimpleNamespace(block_table=[SimpleNamespace(get_numpy_array=lambda: arr)])
+
+    def _build_attention_metadata(self, num_reqs: int):
+        kv_cache_gid = 0  # noqa: F841 (read from this frame)
+        return _builder_build(num_reqs)
+
+
+def _builder_build(num_reqs: int):
+    return (lambda: layout.host_first_blocks(num_reqs))()
+
+
+@pytest.mark.unit
+def test_host_first_blocks_reads_the_calling_runners_table() -> None:
+    assert _FakeRunner([[7, 1], [3, 2], [0, 0]])._build_attention_metadata(2) == [7, 3]
+    assert layout.host_first_blocks(2) is None  # no runner among the callers
 
 
 @pytest.mark.unit
@@ -361,3 +387,29 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str) -> None:
         vcodes = torch.stack([ref.unpack_token_quads(vp.packed[pg], P, D)[:, o] for pg, o in
                               zip(blocks, pos % P, strict=True)], 1)
         assert torch.equal(vcodes, ref.unpack_int2(hv[0][0]))
+
+
+@pytest.mark.unit
+def test_history_dequantizes_the_same_in_pieces() -> None:
+    """The prefill's transient history (float32 only per piece) does not depend on the piece size."""
+    s = layout.Int2Settings(sink=S0, recent=W)
+    t = LayerTransform(k_rotation=random_orthogonal(1, D, 1), v_rotation=random_orthogonal(1, D, 2),
+                       k_mean=0.1 * torch.ones(HKV, D), v_mean=-0.1 * torch.ones(HKV, D), k_clip=0.9, v_clip=0.9)
+    layer = PagedInt2Layer(layout.layer_tensors(oscar_method([t], sink=S0, recent=W), 1, HKV, D)[0], s, 2, HQ, HKV,
+                           D, P, ACT, "cpu", kernels=TorchKernels())  # type: ignore[arg-type]
+    kv = torch.zeros(12, P, HKV, spec.slot_bytes(D), dtype=torch.uint8)
+    kp, vp = layout.carve_pages(kv, D)
+    blocks = torch.tensor([4, 9, 2, 7, 1, 11, 3], dtype=torch.int32)
+    slots = torch.tensor([int(blocks[p // P]) * P + p % P for p in range(100)])
+    x = torch.randn(100, HKV, D).to(ACT)
+    layer.kernels.quantize_write(x, kp, slots, t.k_mean, 0.9, "rows")
+    layer.kernels.quantize_write(x, vp, slots, t.v_mean, 0.9, "token_quads")
+    outs = []
+    for piece in (16, 48, 4096):
+        k, v = torch.empty(100 - S0, HKV, D, dtype=ACT), torch.empty(100 - S0, HKV, D, dtype=ACT)
+        layer.history(kp, vp, blocks, S0, k, v, piece=piece)
+        outs.append((k, v))
+    for k, v in outs[:-1]:
+        assert torch.equal(k, outs[-1][0]) and torch.equal(v, outs[-1][1])
+    want = ref.fake_quantize_rows(x[S0:].transpose(0, 1), None, t.k_mean, 0.9) + t.k_mean[:, None]
+    assert torch.allclose(outs[-1][0].transpose(0, 1).float(), want, atol=1e-2)

@@ -170,8 +170,8 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
     """Once per step: tier rows of the batch's requests, recent lengths, token positions, decode lengths.
 
     Decode-only batches run in vLLM's full CUDA graphs: every tensor the forward reads is copied into a buffer
-    allocated here once, at a fixed address. Reads one small tensor back to the host per step (the batch's first
-    block ids, which identify requests): see docs/VLLM.md.
+    allocated here once, at a fixed address. Requests are identified by their first block id (see
+    :meth:`_first_blocks` and docs/VLLM.md).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -182,6 +182,7 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         rt = runtime(vllm_config, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
         self.settings = rt.settings
         self.rows = layout.SequenceRows(rt.num_rows)
+        self._checks_left = 3
         self.recent_state = torch.zeros(rt.num_rows + 1, 2, dtype=torch.int32, device=device)
         sched = vllm_config.scheduler_config
         reqs = int(sched.max_num_seqs)
@@ -212,13 +213,29 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         seq_t = cam.seq_lens_cpu_upper_bound
         seq = (seq_t if seq_t is not None else cam.seq_lens.cpu()).tolist()[: cam.num_reqs]
         if rows is None:
-            first = cam.block_table_tensor[: cam.num_reqs, 0].tolist()  # host sync: request identities
+            first = self._first_blocks(cam)
             new = [seq[i] == qsl[i + 1] - qsl[i] for i in range(cam.num_reqs)]
             rows = self.rows.assign(first, new)
         n = cam.num_actual_tokens
         st = build_step(cam.query_start_loc, qsl, cam.seq_lens, seq, cam.block_table_tensor, cam.slot_mapping[:n], n,
                         rows, self.recent_state, self.settings, cam.is_prefilling)
         return self._persist(st)
+
+    def _first_blocks(self, cam: CommonAttentionMetadata) -> list[int]:
+        """The batch's first block ids (request identities). vLLM 0.25 keeps the block table on the host too (the
+        device copy is made from it); the builder reads it from the calling model runner's frame, which costs no
+        device sync. Where that is not found (another runner), it reads the device table back (one sync per step).
+        The first builds check the host copy against the device one and raise on a difference."""
+        n = cam.num_reqs
+        host = layout.host_first_blocks(n)
+        if host is None or self._checks_left > 0:
+            device = cam.block_table_tensor[:n, 0].tolist()  # host sync
+            if host is not None and host != device:
+                raise OscarError("oscar: vLLM's host block table differs from the device one; this vLLM version is "
+                                 "not supported by the INT2 backend")
+            self._checks_left -= 1
+            return device
+        return host
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarInt2Metadata:
@@ -235,11 +252,11 @@ def _flash_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
     the last one query ``i`` sees)."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
-    n, t = int(q.shape[0]), int(k.shape[1])
+    n, t = int(q.shape[0]), int(k.shape[0])
     cu_q = torch.tensor([0, n], dtype=torch.int32, device=q.device)
     cu_k = torch.tensor([0, t], dtype=torch.int32, device=q.device)
     ver = get_flash_attn_version(head_size=int(q.shape[-1]))
-    return flash_attn_varlen_func(q=q.contiguous(), k=k.transpose(0, 1).contiguous(), v=v.transpose(0, 1).contiguous(),
+    return flash_attn_varlen_func(q=q.contiguous(), k=k, v=v,
                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=n, max_seqlen_k=t,
                                   softmax_scale=scale, causal=True, **({} if ver is None else {"fa_version": ver}))
 

@@ -35,7 +35,7 @@ from oscar_cli.vllm.layout import (
 )
 from oscar_kernels.reference import QuantizedRows, dequantize_int2, unpack_token_quads
 
-# (q [n, H_q, D], k [H_kv, T, D], v [H_kv, T, D], offset, softmax scale) -> [n, H_q, D];
+# (q [n, H_q, D], k [T, H_kv, D], v [T, H_kv, D], offset, softmax scale) -> [n, H_q, D];
 # query i sees keys 0 .. offset + i
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
@@ -96,12 +96,12 @@ def build_step(query_start_loc: torch.Tensor, query_start_loc_cpu: list[int], se
 def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
     """Reference :data:`Attend` in float32 (GQA by contiguous head groups)."""
     n, h_q = q.shape[:2]
-    t = k.shape[1]
-    g = h_q // k.shape[0]
+    t = k.shape[0]
+    g = h_q // k.shape[1]
     mask = torch.arange(t, device=q.device)[None, :] <= (offset + torch.arange(n, device=q.device))[:, None]
     qq = q.float().transpose(0, 1)  # [H_q, n, D]
-    kk = k.float().repeat_interleave(g, 0)
-    vv = v.float().repeat_interleave(g, 0)
+    kk = k.float().transpose(0, 1).repeat_interleave(g, 0)
+    vv = v.float().transpose(0, 1).repeat_interleave(g, 0)
     s = (qq @ kk.transpose(-1, -2)) * scale
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
     return (p @ vv).transpose(0, 1)
@@ -197,48 +197,51 @@ class PagedInt2Layer:
                                    (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out)
 
     # ------------------------------------------------------------------ prefill
-    def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int, end: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized rotated K and V ``[H_kv, end - start, D]`` (mean added back) of positions ``[start, end)``
-        of the sequence whose pages are ``blocks`` (int32, its block-table row); ``start`` is page-aligned."""
+    def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
+                k_out: torch.Tensor, v_out: torch.Tensor, piece: int = 4096) -> None:
+        """Dequantize positions ``start .. start + len(k_out)`` of the sequence whose pages are ``blocks`` (int32, its
+        block-table row; ``start`` page-aligned) into ``k_out``/``v_out`` ``[T, H_kv, D]`` (activation dtype, rotated,
+        mean added back: what the reference cache's view holds), ``piece`` tokens at a time (float32 only per piece)."""
         p, d = self.block_size, self.d
-        first, last = start // p, -(-end // p)
-        ids = blocks[first:last].long()
-        n = end - start
+        n = int(k_out.shape[0])
+        per = max(1, piece // p)
+        for a in range(0, -(-n // p), per):
+            ids = blocks[start // p + a: start // p + min(a + per, -(-n // p))].long()
+            t0, t1 = a * p, min(n, (a + per) * p)
 
-        def tokens(x: torch.Tensor) -> torch.Tensor:  # [pages, H, P, C] -> [H, n, C]
-            return x.permute(1, 0, 2, 3).reshape(self.h_kv, -1, x.shape[-1])[:, :n]
+            def tokens(x: torch.Tensor, m: int = t1 - t0) -> torch.Tensor:  # [pages, H, P, C] -> [m, H, C]
+                return x.permute(0, 2, 1, 3).reshape(-1, self.h_kv, x.shape[-1])[:m]
 
-        k = dequantize_int2(tokens(k_pages.packed[ids]), tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
-        codes = unpack_token_quads(v_pages.packed[ids], p, d).float()  # [pages, H, P, D]
-        vs, vz = tokens(v_pages.scale[ids]).float(), tokens(v_pages.zero[ids]).float()
-        v = vz + tokens(codes) * vs
-        return (k + self.t.k_mean[:, None, :]).to(self.act), (v + self.t.v_mean[:, None, :]).to(self.act)
+            k = dequantize_int2(tokens(k_pages.packed[ids]), tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
+            codes = unpack_token_quads(v_pages.packed[ids], p, d).float()  # [pages, H, P, D]
+            v = tokens(v_pages.zero[ids]).float() + tokens(codes) * tokens(v_pages.scale[ids]).float()
+            k_out[t0:t1] = (k + self.t.k_mean).to(self.act)
+            v_out[t0:t1] = (v + self.t.v_mean).to(self.act)
 
     def prefill(self, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows,
                 v_pages: QuantizedRows, st: Step, attend: Attend = masked_attend) -> list[torch.Tensor]:
         """Attention of each prefill chunk of ``st.prefills`` (``q``/``kr``/``vr`` are the whole batch's tokens);
-        returns one ``[n, H_q, D]`` output per chunk, in the model's space."""
+        returns one ``[n, H_q, D]`` output per chunk, in the model's space. Each chunk's keys and values (sink,
+        dequantized history, itself) are assembled in one transient ``[c + n, H_kv, D]`` buffer each."""
         rk = self._per_q_head(self.t.k_rotation)  # [H_q, D, D]
         rv_t = self._per_q_head(self.t.v_rotation).transpose(-1, -2)
+        s0 = self.s.sink
         outs = []
         for i, qs, qe, seq_len in st.prefills:
             n = qe - qs
             c = seq_len - n
             row = st.rows_host[i]
-            ks, vs = [], []
-            ns = min(c, self.s.sink)
-            if ns > 0:
-                ks.append(self.sink_k[row, :, :ns])
-                vs.append(self.sink_v[row, :, :ns])
-            if c > self.s.sink:
-                hk, hv = self.history(k_pages, v_pages, st.block_table[i], self.s.sink, c)
-                ks.append(hk)
-                vs.append(hv)
-            ks.append(kr[qs:qe].transpose(0, 1))
-            vs.append(vr[qs:qe].transpose(0, 1))
+            k_all = torch.empty(seq_len, self.h_kv, self.d, dtype=self.act, device=kr.device)
+            v_all = torch.empty_like(k_all)
+            ns = min(c, s0)
+            k_all[:ns] = self.sink_k[row, :, :ns].transpose(0, 1)
+            v_all[:ns] = self.sink_v[row, :, :ns].transpose(0, 1)
+            if c > s0:
+                self.history(k_pages, v_pages, st.block_table[i], s0, k_all[s0:c], v_all[s0:c])
+            k_all[c:] = kr[qs:qe]
+            v_all[c:] = vr[qs:qe]
             qr = torch.einsum("nhd,hde->nhe", q[qs:qe].float(), rk).to(self.act)
-            o = attend(qr, torch.cat(ks, 1), torch.cat(vs, 1), c, self.scale)  # rotated value space
+            o = attend(qr, k_all, v_all, c, self.scale)  # rotated value space
             outs.append(torch.einsum("nhd,hde->nhe", o.float(), rv_t).to(self.act))
         return outs
 

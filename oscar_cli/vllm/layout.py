@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -273,6 +274,28 @@ def tier_write_index(req: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, 
     ring = max(s.ring, 1)
     return (torch.where(to_sink, row, scratch), torch.where(to_sink, pos, zero),
             torch.where(to_ring, row, scratch), torch.where(to_ring, torch.remainder(pos, ring), zero))
+
+
+def host_first_blocks(num_reqs: int, max_depth: int = 8) -> list[int] | None:
+    """First column of the calling vLLM GPU model runner's host block table, or None when no caller has one.
+
+    vLLM 0.25's ``GPUModelRunner._build_attention_metadata`` (the caller of a metadata builder's ``build``) holds the
+    runner as ``self`` and the KV-cache group as ``kv_cache_gid``; the runner's ``input_batch.block_table[gid]`` keeps
+    the host array its device block table is copied from. Reading it costs no device sync.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        loc = frame.f_locals
+        batch, gid = getattr(loc.get("self"), "input_batch", None), loc.get("kv_cache_gid")
+        if batch is not None and isinstance(gid, int):
+            try:
+                return [int(b) for b in batch.block_table[gid].get_numpy_array()[:num_reqs, 0]]
+            except (AttributeError, IndexError, TypeError):
+                return None
+    return None
 
 
 class SequenceRows:
