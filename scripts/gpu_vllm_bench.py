@@ -12,6 +12,8 @@ Stages:
   throughput  output tokens/s for a batch of --ctx-token prompts (random ids), 256 output tokens each; the batch is
               as many as the backend's KV capacity holds (at most --max-num-seqs)
   tpot        time per output token at batch 1 for each --ctx (4k,32k,128k): (t(257 tokens) - t(1 token)) / 256
+  ruler       RULER NIAH through vLLM (oscar's sample generator and scoring: the samples `oscar eval-ruler` builds for
+              the same --tasks/--samples/--ctx and seed), greedy, 128 new tokens; needs --model DIR with a tokenizer
 
 Backends: bf16, tq3 (turboquant_3bit_nc), tqk3v4 (turboquant_k3v4_nc), oscar (CUSTOM + --artifact; for the
 random-weight Qwen3-8B model a data-free Hadamard artifact is written when --artifact is not given).
@@ -25,6 +27,8 @@ GPU machine (vLLM from staged wheels; see scripts/ and ../shared/tools/README.md
   python3 scripts/gpu_vllm_bench.py --stage capacity --backend oscar --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage throughput --backend bf16 --ctx 32k --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage tpot --backend oscar --ctx 4k,32k,128k --out $OUT/vllm.json
+  python3 scripts/gpu_vllm_bench.py --stage ruler --backend oscar --model DIR --artifact REF --ctx 4k,16k,32k \
+      --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue --samples 20 --out $OUT/vllm.json
 """
 
 from __future__ import annotations
@@ -192,14 +196,49 @@ def smoke(args: argparse.Namespace, model: str, dummy: bool, artifact: str | Non
     save(args.out, f"{args.model_name}/smoke", res)
 
 
+def eos_token_ids(model_dir: Path, tok: Any) -> list[int]:
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    for name in ("config.json", "generation_config.json"):
+        f = model_dir / name
+        if f.exists():
+            e = json.loads(f.read_text()).get("eos_token_id")
+            ids |= set(e if isinstance(e, list) else [] if e is None else [e])
+    return sorted(int(i) for i in ids)
+
+
+def ruler(args: argparse.Namespace, llm: Any, model_dir: Path, ctxs: list[int], base: str) -> None:
+    """RULER NIAH samples from oscar's generator, answered by the vLLM engine, scored by oscar's scorer."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from oscar_cli.eval.niah import parse_tasks
+    from oscar_cli.eval.ruler import RulerConfig, build_samples
+    from oscar_cli.eval.scoring import match_all, postprocess
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = RulerConfig(lengths=ctxs, tasks=parse_tasks(args.tasks), methods=[], samples=args.samples)
+    sp = SamplingParams(max_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=eos_token_ids(model_dir, tok))
+    for (task, length), items in build_samples(cfg, tok).items():
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in items], sp, use_tqdm=False)
+        scores = [100.0 * match_all(postprocess(str(tok.decode(o.outputs[0].token_ids, skip_special_tokens=True))),
+                                    sample.answers) for (sample, _), o in zip(items, outs, strict=True)]
+        save(args.out, f"{base}/ruler/{task}/{length}", {"score": sum(scores) / len(scores), "samples": len(scores),
+                                                         "scores": scores, "seconds": time.perf_counter() - t,
+                                                         "seed": cfg.seed})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", required=True, choices=["smoke", "capacity", "throughput", "tpot"])
+    ap.add_argument("--stage", required=True, choices=["smoke", "capacity", "throughput", "tpot", "ruler"])
     ap.add_argument("--backend", choices=sorted(KV_DTYPES), default="oscar")
     ap.add_argument("--model", default="qwen3-8b-dummy", help="qwen3-8b-dummy or a local HF model directory")
     ap.add_argument("--artifact", help="oscar artifact (path or hf://); default for dummy models: a Hadamard one")
     ap.add_argument("--ctx", default="32k", help="prompt lengths, e.g. 32k or 4k,32k,128k")
     ap.add_argument("--out-tokens", type=int, default=256)
+    ap.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue")
+    ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
@@ -213,7 +252,7 @@ def main() -> None:
     expose_plugin()
     ctxs = parse_ctx(args.ctx)
     dummy = args.model == "qwen3-8b-dummy" or args.stage == "smoke" and not Path(args.model).is_dir()
-    max_len = args.max_model_len or max(ctxs) + args.out_tokens + 64
+    max_len = args.max_model_len or max(ctxs) + max(args.out_tokens, 128) + 64
     if dummy:
         shape = TINY if args.stage == "smoke" else QWEN3_8B
         name = "qwen3-tiny-dummy" if args.stage == "smoke" else "qwen3-8b-dummy"
@@ -235,6 +274,10 @@ def main() -> None:
     base = f"{name}/{args.backend}"
     if args.stage == "capacity":
         save(args.out, f"{base}/capacity", facts)
+    elif args.stage == "ruler":
+        if dummy:
+            raise SystemExit("--stage ruler needs --model DIR (a model with a tokenizer and real weights)")
+        ruler(args, llm, model_dir, ctxs, base)
     elif args.stage == "throughput":
         for ctx in ctxs:
             n = max(1, min(args.max_num_seqs, facts["kv_tokens"] // (ctx + args.out_tokens)))
