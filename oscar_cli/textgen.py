@@ -75,7 +75,7 @@ class _Timing:
 
             class _Text(TextStreamer):
                 def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-                    sink(text)
+                    sink(text + ("\n" if stream_end else ""))
 
             self.text = _Text(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
@@ -142,7 +142,8 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
 def generate_text(
     cfg: GenerateConfig, loaded: Any | None = None, on_text: Callable[[str], None] | None = None
 ) -> GenerateResult:
-    """Generate for every prompt in one left-padded batch; ``on_text`` receives the streamed text (one prompt)."""
+    """Generate for every prompt in one left-padded batch; ``on_text`` receives the streamed text (one prompt; a
+    newline ends it)."""
     from oscar_cli.api import attach
     from oscar_cli.quant.generation import cache_kwarg, left_pad
 

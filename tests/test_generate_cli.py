@@ -47,7 +47,7 @@ def test_streamed_text_is_the_generated_text(tiny_loaded) -> None:
     pieces: list[str] = []
     cfg = textgen.GenerateConfig(prompts=["abc abc"], method="bf16", max_new_tokens=6)
     res = textgen.generate_text(cfg, loaded=tiny_loaded, on_text=pieces.append)
-    assert "".join(pieces) == res.texts[0] and len(res.new_tokens[0]) <= 6
+    assert "".join(pieces) == res.texts[0] + "\n" and len(res.new_tokens[0]) <= 6
 
 
 def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

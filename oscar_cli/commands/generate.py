@@ -94,8 +94,6 @@ def generate(
         for i, text in enumerate(res.texts):
             _output.stdout.print(f"[bold]--- prompt {i + 1}[/bold]")
             _output.stdout.print(text, markup=False, highlight=False)
-    else:
-        sys.stdout.write("\n")
     _output.stderr.print(_metrics_line(res.metrics), markup=False, highlight=False)
 
 
