@@ -102,3 +102,32 @@ def test_bad_input_is_one_line_naming_the_limit(tmp_path) -> None:
     other = tiny_causal_lm(seed=5, layers=3)
     with pytest.raises(OscarError, match="another model"):
         oscar_cli.kv_cache(other, str(make_artifact(tmp_path)))
+
+
+def test_generate_on_the_triton_path_matches_the_reference_path() -> None:
+    """``model.generate`` with the kernels (paged decode; on CPU the Triton interpreter) on a left-padded batch:
+    the same next-token scores as the reference path within the kernel error budget, and the kernel really ran."""
+    import os
+
+    from helpers.calib import random_transform
+
+    from oscar_cli.quant import attach, oscar_method
+
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs CUDA or the Triton interpreter")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_causal_lm(seed=6, dtype=torch.float16, head_dim=64, layers=1).to(dev)
+    meth = oscar_method([random_transform(9, 1, clip=0.0, d=64)], sink=8, recent=16)
+    ids, mask = batch([44, 33], seed=7)
+    scores = {}
+    for backend in ("reference", "triton"):
+        session = attach(model, meth, backend=backend)
+        cache = session.new_cache()
+        out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=4, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+                             **{KW: cache})
+        assert cache.path == backend and cache.oscar_layers[0].tier_sizes()[1] > 0
+        scores[backend] = torch.stack(out.scores, 1).float()
+        session.close()
+    ref, fast = scores["reference"], scores["triton"]
+    assert (ref - fast).abs().max().item() < 2e-2 * max(1.0, ref.abs().max().item())
