@@ -131,3 +131,18 @@ def test_generate_on_the_triton_path_matches_the_reference_path() -> None:
         session.close()
     ref, fast = scores["reference"], scores["triton"]
     assert (ref - fast).abs().max().item() < 2e-2 * max(1.0, ref.abs().max().item())
+
+
+def test_beam_search_reorders_the_pages() -> None:
+    """Beam search reorders the cache every step (rows copied, a row may be picked twice): with the bf16 method
+    it is the plain model's beam search; an INT2 method with history in play runs it to the end."""
+    model = tiny_causal_lm(seed=8)
+    ids, mask = batch([50, 41], seed=9)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=3, do_sample=False, pad_token_id=0,
+              eos_token_id=None)
+    plain = model.generate(**kw)
+    assert torch.equal(model.generate(**kw, **{KW: oscar_cli.kv_cache(model, method="bf16")}), plain)
+    cache = oscar_cli.kv_cache(model, method="naive-int2")
+    out = model.generate(**kw, **{KW: cache})
+    assert out.shape == plain.shape and cache.oscar_layers[0].pool.batch == 6
+    oscar_cli.detach(model)

@@ -113,8 +113,9 @@ class DenseLayer(AppendLayer):
         return int(self.keys.nbytes + self.values.nbytes) if self.is_initialized else 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.keys, self.values = self.keys[indices], self.values[indices]
-        self.batch_size = int(self.keys.shape[0])
+        if self.is_initialized:
+            self.keys, self.values = self.keys[indices], self.values[indices]
+            self.batch_size = int(self.keys.shape[0])
 
     def reset(self) -> None:
         self.__init__(self.method)  # type: ignore[misc]
@@ -427,7 +428,8 @@ class Int2Layer(AppendLayer):
 
     # ---------------------------------------------------------------- batch operations
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        assert self.pool is not None
+        if not self.is_initialized or self.pool is None:
+            return
         idx = [int(i) for i in indices.tolist()]
         sel = torch.tensor(idx, device=self.device)
         for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
