@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from helpers.calib import RESOLVED, TINY_RECIPE, tiny_recipe
+from helpers.calib import RESOLVED, serve_model_to_cli, tiny_recipe
 from helpers.tiny import CharTokenizer, tiny_causal_lm
 from typer.testing import CliRunner
 
@@ -181,16 +180,9 @@ def test_pack() -> None:
 
 @pytest.mark.unit
 def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import oscar_cli.model as models
     from oscar_cli.main import app
 
-    model = tiny_causal_lm("qwen3")
-    ident = SimpleNamespace(reference="tiny-qwen3", resolved=RESOLVED)
-    monkeypatch.setattr(models, "load_config", lambda ref, revision=None: (ident, model.config))
-    monkeypatch.setattr(models, "load_model", lambda ref, **k: SimpleNamespace(model=model, tokenizer=None,
-                                                                               identity=ident))
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(load_recipe(overrides=TINY_RECIPE).to_yaml())
+    recipe = serve_model_to_cli(monkeypatch, tiny_causal_lm("qwen3"), "tiny-qwen3", tmp_path)
     out = tmp_path / "art"
     args = ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "1536", "--seq-len", "256", "--seed",
             "3", "--out", str(out), "--json"]

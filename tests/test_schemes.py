@@ -6,11 +6,10 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.calib import RESOLVED, TINY_RECIPE, tiny_recipe
+from helpers.calib import RESOLVED, serve_model_to_cli, tiny_recipe
 from helpers.tiny import tiny_causal_lm
 from typer.testing import CliRunner
 
@@ -22,7 +21,6 @@ from oscar_cli.method_registry import build_method
 from oscar_cli.quant import use_method
 from oscar_cli.quant.generation import cache_kwarg
 from oscar_cli.quant.kivi import KiviLayer, dequantize_channels, quantize_channels
-from oscar_cli.recipe import load_recipe
 
 pytestmark = pytest.mark.unit
 
@@ -125,17 +123,10 @@ def test_worse_than_baseline_warns_and_strict_refuses(tmp_path: Path, monkeypatc
 
 
 def test_cli_prints_fixed_layers_and_strict_fails_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import oscar_cli.model as models
     from oscar_cli.main import app
 
     _break_layer(monkeypatch, 1)
-    model = tiny_causal_lm("llama", layers=4)
-    ident = SimpleNamespace(reference="tiny", resolved=RESOLVED)
-    monkeypatch.setattr(models, "load_config", lambda ref, revision=None: (ident, model.config))
-    monkeypatch.setattr(models, "load_model", lambda ref, **k: SimpleNamespace(model=model, tokenizer=None,
-                                                                               identity=ident))
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(load_recipe(overrides=TINY_RECIPE).to_yaml())
+    recipe = serve_model_to_cli(monkeypatch, tiny_causal_lm("llama", layers=4), "tiny", tmp_path)
     result = CliRunner().invoke(app, ["calibrate", "tiny", "--recipe", str(recipe), "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
     assert "layer 1: served as" in result.stdout and "bits per element at 32K" in result.stdout

@@ -7,6 +7,8 @@ of 256, sink 8, recent 32); ``tiny_recipe(**over)`` loads it (``over``: further 
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -42,3 +44,17 @@ def random_transform(seed: int, n: int = 1, clip: float = 0.9, d: int = 16) -> L
         k_clip=clip,
         v_clip=clip,
     )
+
+
+def serve_model_to_cli(monkeypatch: Any, model: Any, reference: str, folder: Path) -> Path:
+    """Make ``oscar calibrate REFERENCE`` load ``model`` (no files, no Hub) and write the tiny recipe under
+    ``folder``; returns the recipe file."""
+    import oscar_cli.model as models
+
+    ident = SimpleNamespace(reference=reference, resolved=RESOLVED)
+    monkeypatch.setattr(models, "load_config", lambda ref, revision=None: (ident, model.config))
+    monkeypatch.setattr(models, "load_model", lambda ref, **k: SimpleNamespace(model=model, tokenizer=None,
+                                                                               identity=ident))
+    recipe = folder / "tiny.yaml"
+    recipe.write_text(load_recipe(overrides=TINY_RECIPE).to_yaml())
+    return recipe
