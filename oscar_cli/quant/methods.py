@@ -75,14 +75,15 @@ class QuantMethod:
 
     def for_layer(self, idx: int) -> QuantMethod:
         """The method as decoder layer ``idx`` is served: itself, or (with ``layer_kinds``) a ``dense`` copy, or a
-        ``kivi`` copy with KIVI's own layout (no sink, a BF16 residual of :data:`KIVI_RESIDUAL`)."""
+        ``kivi`` copy with KIVI-2's own layout (no sink, a BF16 residual of :data:`KIVI_RESIDUAL`, value groups of
+        ``min(D, 128)``: what calibration scored)."""
         if not self.layer_kinds:
             return self
         kind = self.layer_kinds[idx]
         if kind == self.kind:
             return replace(self, layer_kinds=())
         if kind == "kivi":
-            return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, layers=(), layer_kinds=())
+            return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=())
         return replace(self, kind=kind, layer_kinds=())
 
     @property
