@@ -185,7 +185,8 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         self._checks_left = 3
         self.recent_state = torch.zeros(rt.num_rows + 1, 2, dtype=torch.int32, device=device)
         sched = vllm_config.scheduler_config
-        reqs = int(sched.max_num_seqs)
+        graphs = int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+        reqs = max(int(sched.max_num_seqs), graphs)  # captured batches must fit: their buffers never move
         toks = max(int(sched.max_num_batched_tokens), reqs)
         i32, i64 = torch.int32, torch.int64
         self._bufs = {
@@ -233,7 +234,8 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
             if host is not None and host != device:
                 raise OscarError("oscar: vLLM's host block table differs from the device one; this vLLM version is "
                                  "not supported by the INT2 backend")
-            self._checks_left -= 1
+            if any(device):  # dummy batches (all null blocks) do not count as a check
+                self._checks_left -= 1
             return device
         return host
 
