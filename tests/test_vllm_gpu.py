@@ -56,3 +56,17 @@ def test_artifact_for_another_model_is_refused_at_engine_start(bench, tmp_path: 
         bench.engine(str(model), True, "oscar", art, args, 2048, 0.3)
     # the reason is printed by the engine core process (same stderr) or carried by the exception itself
     assert "made for another model" in capfd.readouterr().err + str(err.value)
+
+
+def test_decode_in_cuda_graphs_matches_eager(bench, tmp_path: Path) -> None:
+    """The captured decode (full CUDA graphs, fixed-address metadata buffers) generates what eager mode does."""
+    model = bench.write_qwen3_config(tmp_path / "tiny", bench.TINY, 4096)
+    art = str(bench.write_hadamard_artifact(model, tmp_path / "art"))
+    ps = bench.prompts(3, 400, bench.TINY["vocab_size"], 5)
+    toks = {}
+    for eager in (True, False):
+        args = Namespace(max_num_seqs=8, chunk=256, eager=eager, block_size=16)
+        llm = bench.engine(str(model), True, "oscar", art, args, 2048, 0.3)
+        toks[eager] = bench.generate(llm, ps, 16)[1]
+        bench.shutdown(llm)
+    assert toks[True] == toks[False]

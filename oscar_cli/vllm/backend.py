@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import (
 from oscar_cli.errors import OscarError
 from oscar_cli.vllm import layout
 from oscar_cli.vllm.core import PagedInt2Layer, Step, build_step
-from oscar_cli.vllm.spec import slot_bytes
+from oscar_cli.vllm.spec import Int2KVSpec, slot_bytes
 
 _log = logging.getLogger(__name__)
 META_BYTES = 2  # 16-bit scale / zero in the pages (check_geometry refuses other metadata dtypes)
@@ -66,7 +66,10 @@ def _load(vllm_config: Any, ref: str, num_kv_heads: int, head_dim: int, block_si
     settings = layout.Int2Settings(sink=meth.sink, recent=meth.recent, meta_dtype=meth.meta_dtype)
     layout.check_geometry(head_dim=head_dim, block_size=block_size, settings=settings, group_size=meth.group_size)
     tensors = layout.layer_tensors(meth, int(cfg.num_hidden_layers), num_kv_heads, head_dim)
-    _log.info("oscar: INT2 KV cache from %s (S0=%d, W=%d, %d tier rows)", ref, meth.sink, meth.recent, num_rows)
+    tiers = Int2KVSpec(num_kv_heads, head_dim, block_size, META_BYTES, meth.sink, meth.recent).sequence_tier_bytes
+    _log.info("oscar: INT2 KV cache from %s (S0=%d, W=%d); BF16 sink + recent tiers for %d sequences (--max-num-seqs): "
+              "%.2f GB over %d layers", ref, meth.sink, meth.recent, num_rows,
+              (num_rows + 1) * tiers * int(cfg.num_hidden_layers) / 1e9, int(cfg.num_hidden_layers))
     rt = _RUNTIMES[key] = Runtime(ref, settings, tuple(tensors), num_rows, block_size)
     return rt
 
