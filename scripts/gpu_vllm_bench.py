@@ -125,6 +125,8 @@ def engine(model: str, dummy: bool, backend: str, artifact: str | None, args: ar
                               enable_prefix_caching=False, enforce_eager=args.eager, block_size=args.block_size)
     if dummy:
         kw["load_format"] = "dummy"
+    if getattr(args, "cudagraph_mode", None):
+        kw["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     if KV_DTYPES[backend]:
         kw["kv_cache_dtype"] = KV_DTYPES[backend]
     if backend == "oscar":
@@ -245,6 +247,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=0, help="default: the largest --ctx + out tokens + 64")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (diagnosis only: no CUDA graphs)")
+    ap.add_argument("--cudagraph-mode", help="vLLM's compilation_config.cudagraph_mode (default: vLLM's choice)")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "oscar-vllm-bench")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -42,7 +42,7 @@ def test_tiny_engine_generates_with_int2_pages_and_7x_capacity(bench, tmp_path: 
         assert [len(t) for t in toks] == [8, 8]
         bench.shutdown(llm)
     assert facts["oscar"]["attention_backend"].endswith("CUSTOM")
-    assert "NONE" not in facts["oscar"]["cudagraph_mode"]
+    assert "FULL" in facts["oscar"]["cudagraph_mode"]  # decode batches run in full CUDA graphs
     assert facts["oscar"]["kv_tokens"] >= 6 * facts["bf16"]["kv_tokens"]
 
 
@@ -58,15 +58,18 @@ def test_artifact_for_another_model_is_refused_at_engine_start(bench, tmp_path: 
     assert "made for another model" in capfd.readouterr().err + str(err.value)
 
 
-def test_decode_in_cuda_graphs_matches_eager(bench, tmp_path: Path) -> None:
-    """The captured decode (full CUDA graphs, fixed-address metadata buffers) generates what eager mode does."""
+def test_decode_in_cuda_graphs_matches_eager_attention(bench, tmp_path: Path) -> None:
+    """The captured decode (full CUDA graphs, fixed-address metadata buffers) generates what the same engine does
+    with attention outside graphs (PIECEWISE: the rest of the model compiled alike). 4 prompts: a captured batch
+    size, so both runs launch the kernels with the same batch (the split count depends on it)."""
     model = bench.write_qwen3_config(tmp_path / "tiny", bench.TINY, 4096)
     art = str(bench.write_hadamard_artifact(model, tmp_path / "art"))
-    ps = bench.prompts(3, 400, bench.TINY["vocab_size"], 5)
+    ps = bench.prompts(4, 400, bench.TINY["vocab_size"], 5)
     toks = {}
-    for eager in (True, False):
-        args = Namespace(max_num_seqs=8, chunk=256, eager=eager, block_size=16)
+    for mode in ("PIECEWISE", None):
+        args = Namespace(max_num_seqs=8, chunk=256, eager=False, block_size=16, cudagraph_mode=mode)
         llm = bench.engine(str(model), True, "oscar", art, args, 2048, 0.3)
-        toks[eager] = bench.generate(llm, ps, 16)[1]
+        toks[mode] = bench.generate(llm, ps, 16)[1]
+        assert ("FULL" in bench.engine_facts(llm)["cudagraph_mode"]) == (mode is None)
         bench.shutdown(llm)
-    assert toks[True] == toks[False]
+    assert toks["PIECEWISE"] == toks[None]
