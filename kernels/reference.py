@@ -74,6 +74,7 @@ __all__ = [
     "clip_rows",
     "clip_threshold",
     "decode_attention_reference",
+    "dequantize_codes",
     "dequantize_int2",
     "dequantize_rows",
     "fake_quantize_rows",
@@ -281,7 +282,14 @@ def dequantize_int2(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``x_hat = float(zero) + code * float(scale)`` per group; returns ``out_dtype [..., D]``."""
-    codes = unpack_int2(packed).float()
+    return dequantize_codes(unpack_int2(packed), scale, zero, out_dtype)
+
+
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """:func:`dequantize_int2` from unpacked codes ``uint8 [..., D]`` (either packing, once unpacked)."""
+    codes = codes.float()
     d = codes.shape[-1]
     n_groups = scale.shape[-1]
     if d % n_groups or zero.shape != scale.shape:

@@ -314,7 +314,7 @@ class Int2Layer(AppendLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored slots ``[0, upto)`` as dense rotated K and V in the activation dtype (history dequantized
         plus the centring mean), followed by ``k_new``/``v_new``. Transient: built from the tiers on each call."""
-        from oscar_kernels.reference import dequantize_rows
+        from oscar_kernels.reference import dequantize_codes
 
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
         assert self.recent_k is not None and self.recent_v is not None
@@ -324,9 +324,9 @@ class Int2Layer(AppendLayer):
         ks, vs = [self.sink_k[..., :s, :]], [self.sink_v[..., :s, :]]
         width = max(0, min(self.hist_slots, upto - self.n_sink))
         if width:
-            qk, qv = self.pool.rows(self.hist_slots, width)
+            qk, qv = self.pool.codes(self.hist_slots, width)
             for out, q, mean in ((ks, qk, self.k_mean), (vs, qv, self.v_mean)):
-                deq = dequantize_rows(q, torch.float32)
+                deq = dequantize_codes(*q, torch.float32)
                 if mean is not None:
                     deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
                 out.append(deq.to(self.dtype))
@@ -395,10 +395,12 @@ class Int2Layer(AppendLayer):
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The packed history ``(packed [B, H_kv, T_h, D/4], scale, zero)`` of keys (``"k"``) or values (``"v"``)
         in the row layout (rows right-aligned, zeros left of a padded row's first token), or None when empty."""
+        from oscar_kernels.reference import pack_int2
+
         if self.pool is None or self.hist_slots == 0:
             return None
-        q = self.pool.rows(self.hist_slots)[0 if which == "k" else 1]
-        return q.packed, q.scale, q.zero
+        codes, scale, zero = self.pool.codes(self.hist_slots)[0 if which == "k" else 1]
+        return pack_int2(codes), scale, zero
 
     def tier_sizes(self) -> tuple[int, int, int]:
         """``(sink, history, recent)`` slot counts."""

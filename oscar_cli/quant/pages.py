@@ -22,6 +22,8 @@ import torch
 if TYPE_CHECKING:
     from oscar_kernels.reference import QuantizedRows
 
+_Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (codes uint8 [..., D], scale, zero)
+
 GROWTH = 32  # the pool grows by capacity / GROWTH pages (at least one page per row)
 DEFAULT_PAGE = 64  # tokens per page: one token-quad row block (the decode kernel's 64-token tile)
 
@@ -164,29 +166,34 @@ class PagePool:
             ops.quantize_write(x.contiguous(), pool, slots, mean=mean, clip_ratio=clip, layout=layout)
 
     # ---------------------------------------------------------------- reads
-    def rows(self, width: int, columns: int | None = None) -> tuple[QuantizedRows, QuantizedRows]:
-        """The history as row-layout INT2 ``[B, H_kv, columns, ·]``, each row **right-aligned** in ``width``
-        columns (row ``b``'s token ``len_b - width + t`` at column ``t``; columns left of its first token hold
-        zeros). ``columns`` (default ``width``) keeps only the first ones. A transient gather: nothing is kept."""
-        from oscar_kernels.reference import QuantizedRows, pack_int2, unpack_token_quads
-
+    def codes(self, width: int, columns: int | None = None) -> tuple[_Rows, _Rows]:
+        """The history of keys and values as unpacked codes ``uint8 [B, H_kv, columns, D]`` with ``scale``/``zero``
+        ``[B, H_kv, columns, D/G]``, each row **right-aligned** in ``width`` columns (row ``b``'s token
+        ``len_b - width + t`` at column ``t``; columns left of its first token hold zeros). ``columns`` (default
+        ``width``) keeps only the first ones. A transient gather of the rows' pages: nothing is kept."""
         assert self.k is not None and self.v is not None
         cols = width if columns is None else columns
         n = max(1, max(self.n_pages))
         table = self.table[:, :n].to(self.device)  # [B, n]
         lengths = torch.tensor(self.lengths, device=self.device)
         j = lengths[:, None] - width + torch.arange(cols, device=self.device)[None, :]  # [B, cols]
-        ok = j >= 0
+        ok = None if int(min(self.lengths)) >= width else j >= 0
         j = j.clamp(min=0)
         rows_b = torch.arange(self.batch, device=self.device)[:, None]
 
-        def pick(t: torch.Tensor) -> torch.Tensor:  # pages [pages, H, P, X] -> [B, H, cols, X]
-            return _pick_pages(t[table], rows_b, j, ok, self.page)
+        def pick(pages: torch.Tensor) -> torch.Tensor:  # per-row pages [B, n, H, P, X] -> [B, H, cols, X]
+            if ok is None and all(n_b == n for n_b in self.n_pages) and max(self.lengths) == width:
+                b, _, h, p, x = pages.shape  # every row holds exactly `width` tokens: its pages in order
+                return pages.permute(0, 2, 1, 3, 4).reshape(b, h, n * p, x)[:, :, :cols]
+            y = pages[rows_b, j // self.page, :, j % self.page]  # [B, cols, H, X]
+            if ok is not None:
+                y = torch.where(ok[:, :, None, None], y, torch.zeros_like(y))
+            return y.permute(0, 2, 1, 3)
 
-        v_codes = unpack_token_quads(self.v.packed[table], self.page, self.d)  # [B, n, H, P, D]
-        k = QuantizedRows(pick(self.k.packed), pick(self.k.scale), pick(self.k.zero))
-        v = QuantizedRows(pack_int2(_pick_pages(v_codes, rows_b, j, ok, self.page)), pick(self.v.scale),
-                          pick(self.v.zero))
+        k_codes = unpack_rows(self.k.packed[table])  # [B, n, H, P, D]
+        v_codes = unpack_quads(self.v.packed[table], self.d)
+        k = (pick(k_codes), pick(self.k.scale[table]), pick(self.k.zero[table]))
+        v = (pick(v_codes), pick(self.v.scale[table]), pick(self.v.zero[table]))
         return k, v
 
     def device_table(self) -> torch.Tensor:
@@ -227,10 +234,20 @@ class PagePool:
         return out
 
 
-def _pick_pages(x: torch.Tensor, rows_b: torch.Tensor, j: torch.Tensor, ok: torch.Tensor, page: int) -> torch.Tensor:
-    """Tokens ``j [B, cols]`` of per-row pages ``x [B, n, H, P, X]`` -> ``[B, H, cols, X]`` (zeros where not ``ok``)."""
-    y = x[rows_b, j // page, :, j % page]  # [B, cols, H, X]
-    return torch.where(ok[:, :, None, None], y, torch.zeros_like(y)).permute(0, 2, 1, 3)
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Quarter-packed rows ``uint8 [..., D/4]`` -> codes ``uint8 [..., D]`` (``reference.unpack_int2`` in uint8)."""
+    return torch.cat([(packed >> s) & 3 for s in (0, 2, 4, 6)], -1)
+
+
+def unpack_quads(packed: torch.Tensor, d: int) -> torch.Tensor:
+    """Token-quad pages ``uint8 [..., n·D, R/4]`` -> codes ``uint8 [..., n·R, D]`` (``reference.unpack_token_quads``
+    in uint8)."""
+    r4 = int(packed.shape[-1])
+    n = int(packed.shape[-2]) // d
+    p = packed.reshape(*packed.shape[:-2], n, d, r4)
+    c = torch.stack([(p >> s) & 3 for s in (0, 2, 4, 6)], -1)  # [..., n, D, R/4, 4]: token 4i + t at [.., i, t]
+    c = c.reshape(*c.shape[:-2], 4 * r4).transpose(-1, -2)  # [..., n, R, D]
+    return c.reshape(*c.shape[:-3], n * 4 * r4, d)
 
 
 def _parts(q: QuantizedRows | None) -> list[torch.Tensor]:
