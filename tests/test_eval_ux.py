@@ -228,3 +228,15 @@ def test_calibrate_rope_options_need_each_other(
     code, _, err = _main(["calibrate", "smollm2-135m", *extra], capsys)
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert code == 1 and len(lines) == 1 and needle in lines[0], err
+
+
+def test_calibrate_under_yarn_records_it_in_the_artifact(tiny_model_dir: Path, tmp_path: Path, oscar_cache: Path) -> None:
+    """``oscar calibrate --rope-scaling yarn --rope-factor 2``: the model is calibrated under YaRN and the artifact's
+    fingerprint says so (eval-ruler then uses it under YaRN without a note)."""
+    from oscar_cli.artifact import open_artifact
+    from oscar_cli.calibration.run import calibrate
+
+    recipe = load_recipe(overrides={**TINY_RECIPE, "data": {**TINY_RECIPE["data"], "seq_len": 128}})
+    res = calibrate(str(tiny_model_dir), recipe=recipe, out=tmp_path / "art", rope_scaling="yarn", rope_factor=2.0)
+    manifest = open_artifact(res.artifact_path).manifest
+    assert manifest.architecture["rope_type"] == "yarn" and manifest.architecture["max_position_embeddings"] == 512
