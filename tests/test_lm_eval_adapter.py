@@ -131,3 +131,13 @@ def test_simple_evaluate_runs_local_tasks_on_the_int2_cache(tiny: Any, tmp_path:
     assert 0.0 <= acc <= 1.0 and 0.0 <= em <= 1.0
     assert res["configs"]["oscar_local_choice"]["output_type"] == "multiple_choice"
     assert res["n-samples"]["oscar_local_choice"]["effective"] == 4 and res["n-samples"]["oscar_local_gen"]["effective"] == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+def test_lm_evals_default_cuda_device_runs_on_the_cpu_with_a_warning(
+    tiny: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="oscar_cli.eval.lm_eval_adapter"):
+        lm = adapter.OscarLM(pretrained="tiny", method="bf16", device="cuda:0")
+    assert lm.loaded.device.type == "cpu"
+    assert any("CUDA is not available here: running on cpu" in r.getMessage() for r in caplog.records)

@@ -74,6 +74,11 @@ class OscarLM(LM):
         if str(batch_size).startswith("auto"):
             batch_size = 1
         (name,) = parse_methods(method)[:1]
+        if device and device.startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's own default is cuda:0; its hf model type runs on the CPU then, and so does this one
+            logger.warning("lm-eval asks for device %s but CUDA is not available here: running on cpu "
+                           "(--device cpu says so explicitly)", device)  # fmt: skip
+            device = "cpu"
         check_backend(backend, device)
         self.loaded = load_model(pretrained, device=device, dtype=dtype)
         methods, notes = build_methods([name], self.loaded.model.config, artifact, None,
