@@ -30,11 +30,20 @@ def sha256_file(path: Path | str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def new_file_mode() -> int:
-    """The mode ``open(path, "w")`` would give a new file here: ``0o666`` minus the process umask."""
+def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+def new_file_mode() -> int:
+    """The mode ``open(path, "w")`` would give a new file here: ``0o666`` minus the process umask."""
+    return 0o666 & ~_umask()
+
+
+def new_folder_mode() -> int:
+    """The mode ``mkdir`` would give a new folder here: ``0o777`` minus the process umask."""
+    return 0o777 & ~_umask()
 
 
 @contextmanager

@@ -2,8 +2,11 @@
 
 ``recipes/defaults.yaml`` (package data ``oscar_cli.recipes``) holds every knob; a per-model file
 (``recipes/qwen3-8b.yaml``) or a user file lists only differences, which are deep-merged over the defaults.
-Unknown keys are rejected with their dotted path (``clip.k_ratoi``), values are type- and range-checked, and
-the result is a tree of frozen dataclasses. ``recipe.to_dict()`` round-trips through :func:`recipe_from_dict`.
+The schema is a tree of frozen pydantic models: unknown keys are rejected with their dotted path
+(``clip.k_ratoi``), values are type- and range-checked without coercion (``"3"`` is not 3), and sizes the INT2
+cache needs as multiples are checked here (``quant.sink``/``quant.recent`` multiples of 8, ``quant.group_size`` a
+multiple of 4; that it divides the model's head_dim is checked when calibration starts). Every error is one
+:class:`RecipeError` line. ``recipe.to_dict()`` round-trips through :func:`recipe_from_dict`.
 
 Example::
 
@@ -15,103 +18,117 @@ Example::
 from __future__ import annotations
 
 import copy
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from oscar_cli._schema import FloatList, Schema, StrictFloat, first_error
 from oscar_cli.errors import RecipeError
 from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
 
 METHODS = ("oscar", "hadamard", "identity")
-K_TARGETS = ("qqt", "ktk")
-V_TARGETS = ("sst", "softmax", "sv", "vtv")
-GROUPINGS = ("layer", "head")
-COMPOSITIONS = ("r_h_pbr", "r_h", "plain", "pbr", "br", "h_pbr")
-CLIP_MODES = ("search", "global")
-META_DTYPES = ("bfloat16", "float16", "float32")
+# Upper bounds keep every size a recipe can ask for finite (a fuzzed or hostile recipe cannot ask for 10**12).
+MAX_TOKENS = 1 << 31
+MAX_SEQ_LEN = 1 << 20
+MAX_WINDOW = 1 << 20
+Ratio = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
+Count = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 
 
-@dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Schema):
     """Where calibration tokens come from and how many (see ``recipes/defaults.yaml`` for each knob)."""
 
     source: str = "self"
-    tokens: int = 16384
-    seq_len: int = 1024
-    batch_size: int = 2
-    seed: int = 0
+    tokens: Count = 16384
+    seq_len: Annotated[int, Field(ge=8, le=MAX_SEQ_LEN)] = 1024
+    batch_size: Annotated[int, Field(ge=1, le=1 << 16)] = 2
+    seed: Annotated[int, Field(ge=0, lt=1 << 63)] = 0
     text_field: str = "text"
     hf_split: str = "train"
-    gen_batch_size: int = 16
-    gen_max_new_tokens: int = 512
-    gen_temperature: float = 0.8
-    gen_top_p: float = 0.95
+    gen_batch_size: Annotated[int, Field(ge=1, le=1 << 16)] = 16
+    gen_max_new_tokens: Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)] = 512
+    gen_temperature: Annotated[StrictFloat, Field(ge=0.0, le=100.0)] = 0.8
+    gen_top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.95
 
 
-@dataclass(frozen=True)
-class StatisticsConfig:
+class StatisticsConfig(Schema):
     """Which second-moment targets drive the K and V rotations."""
 
-    k_target: str = "qqt"
-    v_target: str = "sst"
+    k_target: Literal["qqt", "ktk"] = "qqt"
+    v_target: Literal["sst", "softmax", "sv", "vtv"] = "sst"
     exclude_sink: bool = True
-    sst_max_tokens: int = 16384
+    sst_max_tokens: Annotated[int, Field(ge=16, le=MAX_TOKENS)] = 16384
 
 
-@dataclass(frozen=True)
-class RotationConfig:
+class RotationConfig(Schema):
     """How rotations are built from the targets."""
 
-    grouping: str = "layer"
-    composition: str = "r_h_pbr"
+    grouping: Literal["layer", "head"] = "layer"
+    composition: Literal["r_h_pbr", "r_h", "plain", "pbr", "br", "h_pbr"] = "r_h_pbr"
     center_keys: bool = True
     center_values: bool = True
 
 
-@dataclass(frozen=True)
-class ClipConfig:
+class ClipConfig(Schema):
     """Clip ratios: published global values or a per-layer search on held-out tokens."""
 
-    mode: str = "search"
-    k_ratio: float = 0.96
-    v_ratio: float = 0.92
-    k_grid: tuple[float, ...] = (0.0, 0.9, 0.92, 0.94, 0.96, 0.98)  # floors: docs/RESULTS.md, "Clip grid"
-    v_grid: tuple[float, ...] = (0.0, 0.88, 0.9, 0.92, 0.94, 0.96)
-    holdout_tokens: int = 1024
-    holdout_queries: int = 256
+    mode: Literal["search", "global"] = "search"
+    k_ratio: Ratio = 0.96
+    v_ratio: Ratio = 0.92
+    k_grid: FloatList = (0.0, 0.9, 0.92, 0.94, 0.96, 0.98)  # floors: docs/RESULTS.md, "Clip grid"
+    v_grid: FloatList = (0.0, 0.88, 0.9, 0.92, 0.94, 0.96)
+    holdout_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 1024
+    holdout_queries: Count = 256
+
+    @field_validator("k_grid", "v_grid")
+    @classmethod
+    def _ratios(cls, grid: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [x for x in grid if not 0.0 <= x <= 1.0]
+        if bad:
+            raise ValueError(f"values must lie in [0, 1] (0 = no clipping), got {bad[0]}")
+        return grid
 
 
-@dataclass(frozen=True)
-class QuantConfig:
+class QuantConfig(Schema):
     """The INT2 layout the rotations and clips are calibrated for (recorded in the artifact)."""
 
-    group_size: int | None = None
-    meta_dtype: str = "bfloat16"
-    sink: int = DEFAULT_SINK
-    recent: int = DEFAULT_RECENT
+    group_size: Annotated[int, Field(ge=4, le=1024, multiple_of=4)] | None = None
+    meta_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    sink: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_SINK
+    recent: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_RECENT
 
 
-@dataclass(frozen=True)
-class Recipe:
+class Recipe(Schema):
     """A complete, validated calibration recipe."""
 
-    name: str = "default"
-    method: str = "oscar"
-    data: DataConfig = field(default_factory=DataConfig)
-    statistics: StatisticsConfig = field(default_factory=StatisticsConfig)
-    rotation: RotationConfig = field(default_factory=RotationConfig)
-    clip: ClipConfig = field(default_factory=ClipConfig)
-    quant: QuantConfig = field(default_factory=QuantConfig)
+    name: Annotated[str, Field(max_length=128)] = "default"
+    method: Literal["oscar", "hadamard", "identity"] = "oscar"
+    data: DataConfig = Field(default_factory=DataConfig)
+    statistics: StatisticsConfig = Field(default_factory=StatisticsConfig)
+    rotation: RotationConfig = Field(default_factory=RotationConfig)
+    clip: ClipConfig = Field(default_factory=ClipConfig)
+    quant: QuantConfig = Field(default_factory=QuantConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _word(cls, name: str) -> str:
+        if not name or any(ch in name for ch in "/\\") or any(ch.isspace() for ch in name):
+            raise ValueError(f"{name!r} must be a non-empty word (no slashes or spaces)")
+        return name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError(f"a recipe must be a mapping of keys, got {type(data).__name__}")
+        return data
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it."""
-        return _plain(dataclasses.asdict(self))
+        return _plain(self.model_dump())
 
     def to_yaml(self) -> str:
         """The resolved recipe as YAML text (what the artifact's ``recipe.yaml`` holds)."""
@@ -141,115 +158,74 @@ def deep_merge(base: dict[str, Any], diff: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _build(cls: type, data: Any, path: str) -> Any:
-    """Instantiate dataclass ``cls`` from ``data``, checking keys and field types; errors name the path."""
-    where = path or "recipe"
-    if not isinstance(data, dict):
-        raise RecipeError(f"recipe: {where} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        full = ", ".join(f"{path + '.' if path else ''}{k}" for k in unknown)
+def _keys_under(path: tuple[Any, ...]) -> list[str]:
+    """The valid keys of the recipe section at ``path`` (``("clip",)`` → clip's keys)."""
+    model: Any = Recipe
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, Schema):
+            break
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
+def recipe_from_dict(data: Any) -> Recipe:
+    """Build and validate a full recipe from a nested dict (missing keys take the defaults).
+
+    Raises:
+        RecipeError: one line naming the first offending key path.
+    """
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        _, message = first_error(exc)
+        hint = None
+        if error.get("type") == "extra_forbidden":
+            section = tuple(error["loc"][:-1])
+            hint = f"valid keys under {'.'.join(map(str, section)) or 'recipe'}: {', '.join(_keys_under(section))}"
+        raise RecipeError(f"recipe: {message}", hint=hint) from None
+
+
+def check_layout(quant: QuantConfig, head_dim: int) -> None:
+    """Refuse a ``quant.group_size`` that does not divide the model's ``head_dim`` (before any work)."""
+    if quant.group_size is not None and head_dim % quant.group_size:
         raise RecipeError(
-            f"recipe: unknown key {full}",
-            hint=f"valid keys under {where}: {', '.join(sorted(names))}",
+            f"recipe: quant.group_size {quant.group_size} does not divide the model's head_dim {head_dim}",
+            hint=f"use a divisor of {head_dim} that is a multiple of 4, or null (= head_dim)",
         )
-    kwargs = {name: _convert(hints[name], data[name], f"{path + '.' if path else ''}{name}") for name in data}
-    return cls(**kwargs)
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return _build(tp, value, path)
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, path)
-    if origin is tuple:
-        if not isinstance(value, list | tuple) or not value:
-            raise RecipeError(f"recipe: {path} must be a non-empty list, got {value!r}")
-        return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise RecipeError(f"recipe: {path} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"recipe: {path} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RecipeError(f"recipe: {path} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise RecipeError(f"recipe: {path} must be a string, got {value!r}")
-        return value
-    raise RecipeError(f"recipe: {path} has an unsupported type")  # pragma: no cover
-
-
-def _choice(path: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise RecipeError(f"recipe: {path} = {value!r} is not one of {', '.join(options)}")
-
-
-def _positive(path: str, value: int, minimum: int = 1) -> None:
-    if value < minimum:
-        raise RecipeError(f"recipe: {path} must be >= {minimum}, got {value}")
-
-
-def validate(recipe: Recipe) -> Recipe:
-    """Check ranges and choices across the whole recipe; returns it unchanged or raises RecipeError."""
-    _choice("method", recipe.method, METHODS)
-    d, s, r, c, q = recipe.data, recipe.statistics, recipe.rotation, recipe.clip, recipe.quant
-    if not recipe.name or any(ch in recipe.name for ch in "/\\ "):
-        raise RecipeError(f"recipe: name {recipe.name!r} must be a non-empty word (no slashes or spaces)")
-    _positive("data.tokens", d.tokens)
-    _positive("data.seq_len", d.seq_len, 8)
-    _positive("data.batch_size", d.batch_size)
-    _positive("data.gen_batch_size", d.gen_batch_size)
-    _positive("data.gen_max_new_tokens", d.gen_max_new_tokens)
-    if not 0 < d.gen_top_p <= 1 or d.gen_temperature < 0:
-        raise RecipeError("recipe: data.gen_top_p must be in (0, 1] and data.gen_temperature >= 0")
-    _choice("statistics.k_target", s.k_target, K_TARGETS)
-    _choice("statistics.v_target", s.v_target, V_TARGETS)
-    _positive("statistics.sst_max_tokens", s.sst_max_tokens, 16)
-    _choice("rotation.grouping", r.grouping, GROUPINGS)
-    _choice("rotation.composition", r.composition, COMPOSITIONS)
-    _choice("clip.mode", c.mode, CLIP_MODES)
-    for name, ratios in (("clip.k_ratio", (c.k_ratio,)), ("clip.v_ratio", (c.v_ratio,)),
-                         ("clip.k_grid", c.k_grid), ("clip.v_grid", c.v_grid)):
-        for x in ratios:
-            if not 0.0 <= x <= 1.0:
-                raise RecipeError(f"recipe: {name} values must lie in [0, 1] (0 = no clipping), got {x}")
-    _positive("clip.holdout_tokens", c.holdout_tokens, 0)
-    _positive("clip.holdout_queries", c.holdout_queries)
-    if q.group_size is not None:
-        _positive("quant.group_size", q.group_size, 4)
-    _choice("quant.meta_dtype", q.meta_dtype, META_DTYPES)
-    _positive("quant.sink", q.sink, 0)
-    _positive("quant.recent", q.recent, 0)
-    return recipe
-
-
-def recipe_from_dict(data: dict[str, Any]) -> Recipe:
-    """Build and validate a full recipe from a nested dict (missing keys take the dataclass defaults)."""
-    return validate(_build(Recipe, data, ""))
-
-
-def _read_yaml(text: str, where: str) -> dict[str, Any]:
+def read_recipe_yaml(text: str | bytes, where: str) -> dict[str, Any]:
+    """The mapping a recipe YAML text holds (``{}`` for an empty file), read with ``yaml.safe_load`` (no
+    ``!!python`` tags); RecipeError for invalid UTF-8 or YAML, a non-mapping, or nesting too deep to read."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"recipe {where}: not valid YAML ({first})") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe {where}: not UTF-8 text") from None
+    except RecursionError:
+        raise RecipeError(f"recipe {where}: nested too deeply to read") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {where}: the top level must be a mapping of keys")
+    return data
+
+
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def _read_limited(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise RecipeError(f"recipe file {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe file {path} is larger than {MAX_RECIPE_BYTES >> 20} MiB: not a recipe")
     return data
 
 
@@ -265,7 +241,7 @@ def _shipped_text(name: str) -> str:
 
 def default_recipe_dict() -> dict[str, Any]:
     """``recipes/defaults.yaml`` as a dict (validated to be a complete recipe)."""
-    data = _read_yaml(_shipped_text("defaults"), "defaults.yaml")
+    data = read_recipe_yaml(_shipped_text("defaults"), "defaults.yaml")
     recipe_from_dict(data)
     return data
 
@@ -294,11 +270,11 @@ def load_recipe(ref: str | Path | None = None, overrides: dict[str, Any] | None 
         if path.suffix in (".yaml", ".yml") or path.exists():
             if not path.is_file():
                 raise RecipeError(f"recipe file {path} not found", hint="pass a YAML file or a shipped recipe name")
-            diff = _read_yaml(path.read_text(encoding="utf-8"), str(path))
+            diff = read_recipe_yaml(_read_limited(path), str(path))
             where = str(path)
             diff.setdefault("name", path.stem)
         elif str(ref) in shipped_recipe_names():
-            diff = _read_yaml(_shipped_text(str(ref)), f"{ref}.yaml")
+            diff = read_recipe_yaml(_shipped_text(str(ref)), f"{ref}.yaml")
             where = f"{ref}.yaml"
         else:
             raise RecipeError(

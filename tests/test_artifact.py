@@ -16,7 +16,7 @@ from oscar_cli.artifact import (
     verify_artifact,
     write_artifact,
 )
-from oscar_cli.artifact.manifest import model_slug
+from oscar_cli.artifact.manifest import content_digest, model_slug
 from oscar_cli.errors import ArtifactError, ArtifactVersionError
 from oscar_cli.transform import LayerTransform
 
@@ -42,7 +42,7 @@ def _layers(n: int = 1, seed: int = 0) -> list[LayerTransform]:
 def _manifest(grouping: str = "layer") -> Manifest:
     return Manifest(oscar_version="0.1.0", model={"reference": "tiny", "resolved": "sha256:" + "0" * 64},
                     architecture=dict(ARCH), method="oscar", grouping=grouping, recipe={"name": "t"},
-                    quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 4, "recent": 8},
+                    quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 8, "recent": 16},
                     data={"source": "self", "sha256": "1" * 64, "tokens": 100}, seed=0,
                     calibration={"clip": {"mode": "global"}})
 
@@ -69,7 +69,7 @@ def test_round_trip(tmp_path: Path, grouping: str) -> None:
         assert a.mean_per_head("v", HKV).shape == (HKV, D)
     assert art.stacked("k_rotation").shape == (L, n, D, D)
     assert art.stacked("k_clip").shape == (L,)
-    assert art.recipe == {"name": "t"}
+    assert art.recipe["name"] == "t" and art.recipe["quant"]["sink"] == 64  # the full resolved recipe
     m = verify_artifact(path)
     assert m["model"]["reference"] == "tiny" and dict(m)["format_version"] == 1
     assert set(m.files) == {"rotations.safetensors", "recipe.yaml"}
@@ -121,11 +121,17 @@ def test_unknown_format_version(tmp_path: Path) -> None:
         open_artifact(path)
 
 
+def _reseal(path: Path, data: dict) -> None:
+    """Write ``data`` as the manifest with a matching digest (what a hostile supplier can do)."""
+    data["digest"] = content_digest(data)
+    (path / "manifest.json").write_text(json.dumps(data))
+
+
 def test_wrong_shapes(tmp_path: Path) -> None:
     path = _write(tmp_path)
     data = json.loads((path / "manifest.json").read_text())
     data["grouping"] = "head"  # claims [H_kv, D, D] rotations; the file holds [1, D, D]
-    (path / "manifest.json").write_text(json.dumps(data))
+    _reseal(path, data)
     with pytest.raises(ArtifactError, match=r"layers\.0\.k_rotation has shape \[1, 16, 16\]"):
         open_artifact(path)
 
@@ -159,16 +165,19 @@ def test_hf_refs_are_delegated_to_hub(tmp_path: Path, monkeypatch: pytest.Monkey
     assert seen == ["hf://org/name@v1"] and art.path == path
 
 
-def test_update_manifest_rehashes_and_keeps_unknown_fields(tmp_path: Path) -> None:
+def test_update_manifest_reseals_and_keeps_unknown_fields(tmp_path: Path) -> None:
     path = _write(tmp_path)
     data = json.loads((path / "manifest.json").read_text())
     data["license"] = "apache-2.0"
-    (path / "manifest.json").write_text(json.dumps(data))
-    (path / "recipe.yaml").write_text("name: t2\n")
+    _reseal(path, data)
     m = update_manifest(path, evaluation={"niah": 0.9})
     assert m.extra["license"] == "apache-2.0"
     again = verify_artifact(path)
     assert again.evaluation == {"niah": 0.9} and again.get("license") == "apache-2.0"
+    assert again.digest == again.content_digest() != data["digest"]
+    (path / "recipe.yaml").write_text("name: t2\n")  # a tampered file is never re-hashed into a new digest
+    with pytest.raises(ArtifactError, match="checksum mismatch for recipe.yaml"):
+        update_manifest(path, evaluation=None)
 
 
 def test_export_helpers_fixture_artifact_is_accepted(tmp_path: Path) -> None:

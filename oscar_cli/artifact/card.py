@@ -131,6 +131,7 @@ def card_data(manifest: Mapping[str, Any], repo_id: str | None = None) -> ModelC
         "method": method,
         "grouping": manifest.get("grouping"),
         "model": (manifest.get("model") or {}).get("resolved"),
+        "digest": manifest.get("digest"),
         "quant": dict(manifest.get("quant") or {}),
         "bits_per_element": bpe_table(manifest),
     }
@@ -233,6 +234,8 @@ def render_model_card(manifest: Mapping[str, Any], repo_id: str | None = None) -
         f"sha256 `{str(data.get('sha256', '?'))[:16]}`), seed {manifest.get('seed', '?')}",
         f"- oscar {manifest.get('oscar_version', '?')}, artifact format v{manifest.get('format_version', '?')}, "
         f"created {manifest.get('created', '?')}",
+        f"- content digest: `{manifest.get('digest', '?')}` (over the manifest and every file it lists; "
+        "`oscar pull REF --expect-digest DIGEST` checks it)",
         "", "## Files", "", "| file | sha256 |", "|---|---|",
     ]
     lines += [f"| `{name}` | `{digest}` |" for name, digest in sorted((manifest.get("files") or {}).items())]

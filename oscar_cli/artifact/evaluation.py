@@ -35,7 +35,7 @@ def evaluation_from_ruler(summary: Mapping[str, Any], manifest: Mapping[str, Any
                             hint="evaluate this artifact's model: oscar eval-ruler MODEL --artifact ARTIFACT")
     used = (summary.get("config") or {}).get("artifact")
     if "oscar" in scores and isinstance(used, str) and not used.startswith("hf://") and Path(used).is_dir():
-        if verify_artifact(Path(used), check_hashes=False).files != manifest.get("files"):
+        if verify_artifact(Path(used)).files != manifest.get("files"):
             raise ArtifactError(f"the eval summary's oscar rows come from another artifact ({used})")
     rows = [
         {"task": task, "ctx": int(ctx), "metric": "string_match_all", "value": float(value), "method": method,

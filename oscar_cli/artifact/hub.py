@@ -3,12 +3,17 @@
 A reference is ``hf://ORG/NAME@REV`` (``REV`` = a tag, a branch or a 40-hex commit sha; the sha is the only
 immutable pin). ``oscar pull`` also accepts it without the scheme. Publishing is
 
-1. validate the artifact (manifest, format version, sha256 of the hashed files, tensors); render its card;
-2. stage the files plus ``README.md`` in a temporary directory (the artifact directory is never modified);
+1. verify the artifact (schema, content digest, sha256 of every listed file, tensors) and stage exactly the files
+   its manifest lists plus the rendered card in a temporary directory (:mod:`~oscar_cli.artifact.staging`; a
+   folder holding anything else is refused unless ``skip_extra``; the artifact directory is never modified);
 3. ``create_repo`` if missing; refuse early if ``--tag`` exists with other content;
 4. ``upload_folder`` to ``main`` (``parent_commit`` = the head seen in 3, ``delete_patterns="*"`` so the repo
    mirrors the artifact); unchanged files are skipped by the client, and an identical artifact makes no commit;
 5. ``create_tag(revision=<that commit>)``: the tag names exactly the uploaded commit, never a later ``main``.
+   The commit and tag messages carry the artifact's content digest, as does the card.
+
+Pulling (:func:`pull_artifact`) fetches ``manifest.json`` first, verifies it (schema, digest; optionally against
+an expected digest), then fetches only the files it lists plus the card, and verifies every one of them.
 
 A failure before 5 leaves no tag; every Hub/network failure becomes one :class:`HubError` line. The token
 (``--token``, else ``HF_TOKEN``, else the ``hf auth login`` file) is passed to ``huggingface_hub`` only.
@@ -17,10 +22,8 @@ A failure before 5 leaves no tag; every Hub/network failure becomes one :class:`
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,13 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oscar_cli._files import sha256_file
 from oscar_cli._version import __version__
-from oscar_cli.artifact.card import render_model_card
 from oscar_cli.artifact.hub_errors import TOKEN_HINT, hub_errors, quiet_hub_logs
-from oscar_cli.artifact.io import verify_artifact
+from oscar_cli.artifact.io import read_manifest, verify_artifact
 from oscar_cli.artifact.manifest import MANIFEST_NAME, README_NAME
-from oscar_cli.errors import HubError
+from oscar_cli.artifact.staging import stage_artifact
+from oscar_cli.errors import ArtifactError, HubError
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,7 @@ class PushResult:
     dry_run: bool = False
     private: bool = False
     endpoint: str = ""
+    digest: str = ""
 
     @property
     def ref(self) -> str:
@@ -126,7 +129,7 @@ class PushResult:
             "ref": self.ref, "repo_id": self.repo_id, "commit": self.commit, "tag": self.tag,
             "url": f"{self.endpoint}/{self.repo_id}" if self.endpoint else None,
             "created_repo": self.created_repo, "created_commit": self.created_commit,
-            "created_tag": self.created_tag, "dry_run": self.dry_run, "private": self.private,
+            "created_tag": self.created_tag, "dry_run": self.dry_run, "private": self.private, "digest": self.digest,
             "files": self.files,
         }
 
@@ -141,36 +144,14 @@ def git_blob_sha1(path: Path) -> str:
     return h.hexdigest()
 
 
-def checked_manifest(path: Path) -> dict[str, Any]:
-    """Validate a local artifact directory (``verify_artifact``: manifest, format version, sha256 of every
-    hashed file, tensor names/shapes/dtypes) and return its manifest as a dict.
+def checked_manifest(path: Path, links_within: Path | None = None) -> dict[str, Any]:
+    """Verify an artifact folder (:func:`~oscar_cli.artifact.io.verify_artifact`: schema, digest, sha256 of
+    every listed file, no links, tensor names/shapes/dtypes) and return its manifest as a dict.
 
     Raises:
         ArtifactError / ArtifactVersionError: naming the file, tensor or field at fault.
     """
-    return verify_artifact(path).to_dict()
-
-
-def stage_artifact(
-    path: Path, manifest: dict[str, Any], repo_id: str, staging: Path, *, rewrite_manifest: bool = False
-) -> list[dict[str, Any]]:
-    """Copy the artifact's files into ``staging`` (``manifest.json`` re-serialised from ``manifest`` when
-    ``rewrite_manifest``, else copied byte for byte) and write the rendered model card; return the file list."""
-    for src in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = src.relative_to(path)
-        if rel.parts[0].startswith(".") or rel.as_posix() == README_NAME:
-            continue
-        dst = staging / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
-    if rewrite_manifest:
-        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    (staging / README_NAME).write_text(render_model_card(manifest, repo_id), encoding="utf-8")
-    checked_manifest(staging)  # what is uploaded is itself a valid artifact
-    return [
-        {"path": p.relative_to(staging).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(staging.rglob("*")) if p.is_file()
-    ]
+    return verify_artifact(path, links_within=links_within).to_dict()
 
 
 def make_api(token: str | None, endpoint: str | None) -> Any:
@@ -203,11 +184,13 @@ def push_artifact(
     dry_run: bool = False,
     commit_message: str | None = None,
     evaluation: dict[str, Any] | None = None,
+    skip_extra: bool = False,
 ) -> PushResult:
     """Validate the artifact at ``path`` and publish it to ``repo_id`` (see the module docstring).
 
-    ``evaluation`` (see ``card.evaluation_from_ruler``) is written into the *published* manifest and card;
-    the local artifact directory is never modified.
+    ``evaluation`` (see ``evaluation.evaluation_from_ruler``) is written into the *published* manifest and
+    card; the local artifact directory is never modified. ``skip_extra`` leaves out files of the folder that the
+    manifest does not list (by default they are refused).
 
     Returns:
         A :class:`PushResult`; ``commit`` is the sha now holding exactly these files (``None`` on a dry run).
@@ -222,17 +205,18 @@ def push_artifact(
     validate_repo_id(repo_id)
     if tag is not None:
         validate_tag(tag)
+    links_within = None
     if is_hub_ref(str(path)):  # re-publish a released artifact (e.g. to another org): pull it first
         path = pull_artifact(str(path), token=token, endpoint=endpoint)
+        links_within = snapshot_blobs(Path(path))
     path = Path(path)
-    manifest = checked_manifest(path)
-    if evaluation is not None:
-        manifest["evaluation"] = evaluation
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     result = PushResult(repo_id=repo_id, commit=None, tag=tag, dry_run=dry_run, private=private, endpoint=endpoint)
     with tempfile.TemporaryDirectory(prefix="oscar-export-") as tmp:
         staging = Path(tmp)
-        result.files = stage_artifact(path, manifest, repo_id, staging, rewrite_manifest=evaluation is not None)
+        manifest, result.files = stage_artifact(path, repo_id, staging, evaluation=evaluation,
+                                                skip_extra=skip_extra, links_within=links_within)
+        result.digest = manifest["digest"]
         if dry_run:
             return result
         token = resolve_token(token)
@@ -290,37 +274,74 @@ def _existing_tag(api: Any, result: PushResult, staging: Path, target: str) -> P
 def _commit_message(manifest: dict[str, Any], tag: str | None) -> str:
     model = (manifest.get("model") or {}).get("reference", "model")
     method = manifest.get("method", "oscar")
-    return f"oscar export: {method} artifact for {model}" + (f" ({tag})" if tag else "")
+    return (f"oscar export: {method} artifact for {model}" + (f" ({tag})" if tag else "")
+            + f"\n\ncontent digest: {manifest['digest']}")
 
 
 # -- fetching -----------------------------------------------------------------------------------------------
-def pull_artifact(
-    ref: str, *, token: str | None = None, endpoint: str | None = None, cache_dir: str | Path | None = None
-) -> Path:
-    """Download the artifact ``ref`` (``hf://ORG/NAME@REV`` or ``ORG/NAME[@REV]``) into the HF cache.
+def snapshot_blobs(snapshot: Path) -> Path:
+    """The ``blobs`` folder of the Hugging Face cache repo holding ``snapshot`` (``…/snapshots/<sha>``): the
+    only place a snapshot's links may point to."""
+    return snapshot.parent.parent / "blobs"
 
-    Returns the snapshot directory (its name is the resolved commit sha). A commit sha already in the cache
-    resolves without the network; offline (``HF_HUB_OFFLINE=1`` or the Hub unreachable) a tag or branch
-    resolves from the cache when it was pulled before. Does not validate the contents: ``open_artifact`` does.
+
+def pull_artifact(
+    ref: str,
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+    cache_dir: str | Path | None = None,
+    expect_digest: str | None = None,
+) -> Path:
+    """Download and verify the artifact ``ref`` (``hf://ORG/NAME@REV`` or ``ORG/NAME[@REV]``) in the HF cache.
+
+    ``manifest.json`` comes first and is verified (schema, content digest, and ``expect_digest`` when given);
+    then only the files it lists plus ``README.md`` are fetched, and each is checked against the manifest. A
+    commit sha already in the cache resolves without the network; offline (``HF_HUB_OFFLINE=1`` or the Hub
+    unreachable) a tag or branch resolves from the cache when it was pulled before, and is verified the same way.
+
+    Returns:
+        The snapshot directory (its name is the resolved commit sha).
 
     Raises:
-        HubError: bad reference, unknown repo/revision, auth failure, or offline without a cached copy.
+        HubError: bad reference, unknown repo/revision, auth failure, offline without a cached copy, a file name
+            the Hub client refuses (``../``).
+        ArtifactError: the pulled files fail verification, or the digest is not ``expect_digest``.
     """
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import constants
 
     hub_ref = parse_hub_ref(ref)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     if not hub_ref.revision:
         logger.warning("%s is not pinned: fetching the head of main; pin @<sha> for reproducibility", hub_ref)
     kwargs: dict[str, Any] = {"revision": hub_ref.revision, "cache_dir": cache_dir, "token": token or None}
-    if hub_ref.pinned:
+    first = _snapshot(hub_ref, endpoint, [MANIFEST_NAME], kwargs)
+    manifest = read_manifest(first, snapshot_blobs(first))
+    if expect_digest is not None and manifest.digest != expect_digest:
+        raise ArtifactError(f"{hub_ref}: content digest {manifest.digest} is not the expected {expect_digest}",
+                            hint="the repo holds another artifact than the one you pinned; check the digest")
+    kwargs["revision"] = first.name  # the commit the manifest came from, never a tag that moved meanwhile
+    path = _snapshot(hub_ref, endpoint, [MANIFEST_NAME, README_NAME, *manifest.files], kwargs)
+    verify_artifact(path, links_within=snapshot_blobs(path))
+    return path
+
+
+def _snapshot(hub_ref: HubRef, endpoint: str, files: list[str], kwargs: dict[str, Any]) -> Path:
+    """``snapshot_download`` of exactly ``files`` (the cache first for a pinned sha)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    rev = kwargs.get("revision")
+    if rev and SHA_RE.match(rev):
         try:
-            return Path(snapshot_download(hub_ref.repo_id, local_files_only=True, **kwargs))
-        except LocalEntryNotFoundError:
+            with quiet_hub_logs():
+                path = Path(snapshot_download(hub_ref.repo_id, local_files_only=True, allow_patterns=files, **kwargs))
+            if all((path / f).exists() for f in files if f != README_NAME):
+                return path
+        except (LocalEntryNotFoundError, ValueError):
             pass
     with quiet_hub_logs(), _hub_progress_bars(), hub_errors("pull", hub_ref.repo_id, endpoint, hub_ref.revision):
-        return Path(snapshot_download(hub_ref.repo_id, endpoint=endpoint, **kwargs))
+        return Path(snapshot_download(hub_ref.repo_id, endpoint=endpoint, allow_patterns=files, **kwargs))
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 
 ``hub_errors(action, repo_id, endpoint)`` wraps every ``huggingface_hub`` call of ``oscar export`` / ``pull``:
 401 (token rejected), 403 (no write access), 404 (repo or revision), 412 (a racing push), 5xx, offline mode,
-a revision missing from the cache while offline, and transport errors (``httpx2`` under huggingface_hub 2.x,
+a revision missing from the cache while offline, a server answer the client refuses (``ValueError``: e.g. a
+file name with ``../``), and transport errors (``httpx2`` under huggingface_hub 2.x,
 ``httpx`` under 1.x) each get their own message. Messages never contain the token: only the action, the repo,
 the endpoint and the server's first line.
 """
@@ -118,4 +119,9 @@ def hub_errors(action: str, repo_id: str, endpoint: str, revision: str | None = 
         raise HubError(
             f"{action}: cannot reach the Hub at {endpoint} ({type(exc).__name__})",
             hint="check the network or --endpoint / HF_ENDPOINT",
+        ) from None
+    except ValueError as exc:  # huggingface_hub refusing what the server sent, e.g. a file name with ../
+        raise HubError(
+            f"{action}: huggingface_hub refused the answer of {endpoint} for {repo_id} ({_first_line(exc)[:120]})",
+            hint="the repo holds file names or metadata no artifact has; pull only from hosts and repos you trust",
         ) from None

@@ -1,29 +1,43 @@
 """The artifact manifest (``manifest.json``): what an artifact is, for which model, made how (format v1).
 
-The manifest is plain JSON. :class:`Manifest` parses and validates it (:meth:`Manifest.from_dict` raises
-:class:`~oscar_cli.errors.ArtifactError` / :class:`~oscar_cli.errors.ArtifactVersionError` with the field
-name); :meth:`Manifest.to_dict` writes it back. See docs/DESIGN.md "Artifact format v1".
+The manifest is plain JSON. :class:`Manifest` parses and validates it against
+:class:`~oscar_cli.artifact.schema.ManifestSchema` (:meth:`Manifest.from_dict` raises
+:class:`~oscar_cli.errors.ArtifactError` / :class:`~oscar_cli.errors.ArtifactVersionError` naming the field);
+:meth:`Manifest.to_dict` writes it back.
+
+The **content digest** (``digest``, docs/EXPORT.md) is ``"sha256:" + sha256(canonical_json(manifest minus
+"digest"))``, where canonical JSON is ``json.dumps(obj, sort_keys=True, separators=(",", ":"),
+ensure_ascii=True, allow_nan=False)`` encoded as UTF-8. The manifest lists the sha256 of every other hashed
+file (``files``), so the digest covers the manifest and every file it lists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
+from oscar_cli._schema import first_error
+from oscar_cli.artifact.schema import (
+    HASHED_FILES,
+    MANIFEST_NAME,
+    README_NAME,
+    RECIPE_NAME,
+    TENSORS_NAME,
+    ManifestSchema,
+)
 from oscar_cli.errors import ArtifactError, ArtifactVersionError
+
+__all__ = ["HASHED_FILES", "MANIFEST_NAME", "README_NAME", "RECIPE_NAME", "TENSORS_NAME", "Manifest", "sealed"]
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
-MANIFEST_NAME = "manifest.json"
-TENSORS_NAME = "rotations.safetensors"
-RECIPE_NAME = "recipe.yaml"
-README_NAME = "README.md"
-# Files whose sha256 the manifest records. README.md (the model card) is deliberately not hashed: it is
-# documentation that `oscar export` re-renders when publishing.
-HASHED_FILES = (TENSORS_NAME, RECIPE_NAME)
 
 # Fields of the architecture fingerprint that must match the model an artifact is applied to.
 ARCHITECTURE_KEYS = (
@@ -58,10 +72,13 @@ class Manifest:
         quant: INT2 layout the clips were chosen for: group_size, meta_dtype, sink, recent.
         data: calibration data identity: source, sha256 (of the token ids), tokens, sequences, ...
         seed: RNG seed.
-        files: file name → sha256 hex of every file in the artifact except the manifest.
+        files: file name → sha256 hex of every hashed file (``rotations.safetensors``, ``recipe.yaml``).
         created: UTC timestamp.
         calibration: per-layer clip choices with objective values, eigenvalue spreads, timings.
         evaluation: optional results added later (``oscar export``/eval).
+        extra: top-level keys this version does not know (kept and written back), e.g. ``environment``: the
+            versions of oscar, torch, transformers, triton and the device/dtype that made the artifact.
+        digest: the content digest (module docstring); ``""`` until :func:`sealed`.
     """
 
     oscar_version: str
@@ -79,6 +96,7 @@ class Manifest:
     evaluation: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    digest: str = ""
 
     # Mapping-style read access (``manifest["model"]``, ``manifest.get("license")``, ``dict(manifest)``),
     # so code written against the JSON dict works with the dataclass too.
@@ -133,46 +151,48 @@ class Manifest:
                 f"(reads {', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))})",
                 hint="upgrade oscar-kv (pip install -U oscar-kv) or re-run oscar calibrate with this version",
             )
+        try:
+            ManifestSchema.model_validate(data)
+        except ValidationError as exc:
+            raise ArtifactError(f"{where}: {first_error(exc)[1]}") from None
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         # fields added by newer writers of the same format_version are kept (and written back), not dropped
         extra = {k: v for k, v in data.items() if k not in names}
-        data = {k: v for k, v in data.items() if k in names}
-        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                    and f.default_factory is dataclasses.MISSING]
-        missing = [n for n in required if n not in data]
-        if missing:
-            raise ArtifactError(f"{where}: missing field(s) {', '.join(missing)}")
-        m = cls(**data, extra=extra)
-        m.validate(where)
-        return m
+        return cls(**{k: v for k, v in data.items() if k in names}, extra=extra)
 
     def validate(self, where: str = MANIFEST_NAME) -> None:
-        """Check types and the fields later code relies on; raise ArtifactError naming the field."""
-        dict_fields = ("model", "architecture", "recipe", "quant", "data", "files", "calibration")
-        for name in dict_fields:
-            if not isinstance(getattr(self, name), dict):
-                raise ArtifactError(f"{where}: field {name} must be an object")
-        for key in ("reference", "resolved"):
-            if not isinstance(self.model.get(key), str):
-                raise ArtifactError(f"{where}: model.{key} must be a string")
-        for key in ("num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            value = self.architecture.get(key)
-            if not isinstance(value, int) or value <= 0:
-                raise ArtifactError(f"{where}: architecture.{key} must be a positive integer, got {value!r}")
-        if self.method not in ("oscar", "hadamard", "identity"):
-            raise ArtifactError(f"{where}: method {self.method!r} is not oscar, hadamard or identity")
-        if self.grouping not in ("layer", "head"):
-            raise ArtifactError(f"{where}: grouping {self.grouping!r} is not layer or head")
-        for name, digest in self.files.items():
-            if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-                raise ArtifactError(f"{where}: files.{name} is not a sha256 hex digest")
+        """Check this manifest against the schema; raise ArtifactError naming the field."""
+        Manifest.from_dict(self.to_dict(), where)
+
+    def content_digest(self) -> str:
+        """The digest this manifest's content has (whatever its ``digest`` field says)."""
+        return content_digest(self.to_dict())
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The canonical JSON bytes the digest is computed over (module docstring)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def content_digest(manifest: dict[str, Any]) -> str:
+    """``"sha256:<hex>"`` over the canonical JSON of ``manifest`` without its ``digest`` key."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def sealed(m: Manifest) -> Manifest:
+    """``m`` with its ``digest`` set, validated (what writers write)."""
+    out = dataclasses.replace(m, digest=content_digest(m.to_dict()))
+    out.validate()
+    return out
 
 
 def architecture_mismatches(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    """``["num_layers: artifact 30, model 32", ...]`` for the fingerprint keys that both define and differ."""
+    """``["num_layers: artifact 30, model 32", ...]`` for the fingerprint keys that differ (a key the model's
+    fingerprint lacks is not compared; the artifact's schema requires every key)."""
     out = []
     for key in ARCHITECTURE_KEYS:
-        if key in have and key in want and not _same(have[key], want[key]):
+        if key in want and not _same(have.get(key), want[key]):
             out.append(f"{key}: artifact {have[key]!r}, model {want[key]!r}")
     return out
 

@@ -20,11 +20,13 @@ def open_artifact(ref: str | Path, *, expect_architecture: Mapping[str, Any] | A
     """Open an artifact by reference: a local directory, or ``hf://ORG/NAME[@REV]`` (pulled through
     ``oscar_cli.artifact.hub.pull_artifact``). ``expect_architecture`` is a fingerprint dict or a
     transformers config; a mismatch raises ArtifactError naming the differing fields."""
+    links_within = None
     if isinstance(ref, str) and hub.is_hub_ref(ref):
         path = Path(hub.pull_artifact(ref))
+        links_within = hub.snapshot_blobs(path)  # a cache snapshot: its files are links into the repo's blobs
     else:
         path = Path(ref)
     fingerprint = expect_architecture
     if fingerprint is not None and not isinstance(fingerprint, Mapping):
         fingerprint = architecture_fingerprint(fingerprint)
-    return load_artifact(path, expect_architecture=fingerprint)
+    return load_artifact(path, expect_architecture=fingerprint, links_within=links_within)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from oscar_cli.artifact import Manifest, build_manifest, model_slug, write_artifact
+from oscar_cli.artifact import Manifest, build_manifest, check_output, model_slug, write_artifact
 from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
 from oscar_cli.calibration.clipping import ClipChoice, LayerClipProblem, evaluate_clip, search_clip
 from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
@@ -46,7 +46,7 @@ from oscar_cli.calibration.schemes import (
 )
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
-from oscar_cli.recipe import Recipe
+from oscar_cli.recipe import Recipe, check_layout
 from oscar_cli.transform import LayerTransform
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ def check_model(config: Any, recipe: Recipe) -> ModelGeometry:
             f"{recipe.method} ({recipe.rotation.composition}) need a power-of-two size",
             hint="use a recipe with method: identity or rotation.composition: plain",
         )
+    check_layout(recipe.quant, d)
     return geo
 
 
@@ -288,10 +289,7 @@ def calibrate_model(
     geo = geometry if geometry is not None else check_model(model.config, recipe)
     d = geo.head_dim
     n_stats, n_hold = plan_budget(recipe, d)
-    if out is not None and Path(out).exists() and not overwrite:  # refuse before spending minutes
-        from oscar_cli.errors import ArtifactError
-
-        raise ArtifactError(f"artifact path {out} already exists", hint="pass --overwrite or choose --out")
+    check_output(out, overwrite)  # refuse before spending minutes
     device = next(model.parameters()).device
     timings: dict[str, float] = {}
 
@@ -417,10 +415,7 @@ def calibrate(
     _, config = load_config(model_ref, revision=revision)
     geo = check_model(config, recipe)  # fail fast, before loading weights
     plan_budget(recipe, geo.head_dim)
-    if out is not None and Path(out).exists() and not overwrite:
-        from oscar_cli.errors import ArtifactError
-
-        raise ArtifactError(f"artifact path {out} already exists", hint="pass --overwrite or choose --out")
+    check_output(out, overwrite)
     if rope_scaling is not None:
         from oscar_cli.model.rope import native_positions, plan_yarn
 

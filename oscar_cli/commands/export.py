@@ -47,6 +47,10 @@ TokenOpt = Annotated[
 EndpointOpt = Annotated[
     str | None, typer.Option("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co).")
 ]
+SkipExtraOpt = Annotated[
+    bool, typer.Option("--skip-extra", help="Leave out files of the folder that the manifest does not list "
+                       "(default: refuse such a folder, naming the file).")
+]
 MessageOpt = Annotated[str | None, typer.Option("--message", "-m", help="Commit message (default: generated).")]
 EvalOpt = Annotated[
     Path | None,
@@ -73,14 +77,16 @@ def export(
     endpoint: EndpointOpt = None,
     message: MessageOpt = None,
     eval_summary: EvalOpt = None,
+    skip_extra: SkipExtraOpt = False,
 ) -> None:
-    """Validate ARTIFACT (manifest, hashes), render its model card, upload it to the Hub and tag the commit."""
+    """Verify ARTIFACT (schema, content digest, hashes), render its model card, upload exactly the files its
+    manifest lists plus the card to the Hub and tag the commit."""
     from oscar_cli.artifact.hub import push_artifact
 
     evaluation = _evaluation(eval_summary, artifact) if eval_summary is not None else None
     result = push_artifact(
         artifact, repo_id, tag=tag, private=private, token=token, endpoint=endpoint, dry_run=dry_run,
-        commit_message=message, evaluation=evaluation,
+        commit_message=message, evaluation=evaluation, skip_extra=skip_extra,
     )
     if SETTINGS.json:
         emit_json(result.to_dict())
@@ -91,7 +97,7 @@ def export(
             sys.stdout.write(f"{f['path']}\t{f['size']}\t{f['sha256']}\n")
         info(
             f"dry run: would upload {len(result.files)} files ({total / 1024:.1f} KiB) to {repo_id}"
-            + (f" and tag the commit {tag}" if tag else "") + "; nothing was sent"
+            + (f" and tag the commit {tag}" if tag else "") + f"; content digest {result.digest}; nothing was sent"
         )
         return
     if result.created_repo:
@@ -102,6 +108,7 @@ def export(
         info(f"no change: {repo_id} already holds this artifact at {result.commit}")
     if tag:
         info(f"tagged {tag} -> {result.commit}" if result.created_tag else f"tag {tag} already names {result.commit}")
+    info(f"content digest {result.digest}")
     stdout.print(result.ref, highlight=False, markup=False)
 
 
@@ -118,9 +125,10 @@ def _evaluation(summary_path: Path, artifact: str) -> dict[str, Any]:
     if not isinstance(summary, dict):
         raise ArtifactError(f"{summary_path} is not an oscar eval-ruler summary (expected a JSON object)")
     if artifact.startswith("hf://"):
-        from oscar_cli.artifact.hub import pull_artifact
+        from oscar_cli.artifact.hub import pull_artifact, snapshot_blobs
 
-        return evaluation_from_ruler(summary, checked_manifest(pull_artifact(artifact)))
+        path = pull_artifact(artifact)
+        return evaluation_from_ruler(summary, checked_manifest(path, snapshot_blobs(path)))
     return evaluation_from_ruler(summary, checked_manifest(Path(artifact)))
 
 

@@ -44,7 +44,7 @@ def make_manifest(variant: int) -> Manifest:
             "head_dim": D, "rope_type": "default", "rope_theta": 10000.0, "max_position_embeddings": 2048,
         },
         method="oscar",
-        recipe={"name": "tiny", "variant": variant},
+        recipe={"name": "tiny", "data": {"seed": variant}},
         quant={"group_size": D, "meta_dtype": "bfloat16", "sink": 64, "recent": 256},
         data={"source": "synthetic", "sha256": "cd" * 32, "tokens": 4096},
         seed=variant,
@@ -57,5 +57,5 @@ def make_artifact(root: Path, variant: int = 0) -> Path:
     """Write a tiny artifact into ``root / f"art-{variant}"`` (replacing it) and return its path."""
     return write_artifact(
         Path(root) / f"art-{variant}", make_manifest(variant), _layers(variant),
-        recipe_yaml=f"name: tiny\nvariant: {variant}\n", overwrite=True,
+        recipe_yaml=f"name: tiny\ndata:\n  seed: {variant}\n", overwrite=True,
     )
