@@ -196,9 +196,25 @@ def check_layout(quant: QuantConfig, head_dim: int) -> None:
         )
 
 
+MAX_FLOW_DEPTH = 64
+
+
+def _flow_depth(text: str | bytes) -> int:
+    """The deepest nesting of YAML flow collections (``[`` / ``{``) in ``text`` (an upper bound: quotes are
+    not parsed)."""
+    raw = text.encode("utf-8", "replace") if isinstance(text, str) else text
+    depth = deepest = 0
+    for byte in raw.translate(None, delete=bytes(b for b in range(256) if b not in b"[]{}")):
+        depth = depth + 1 if byte in b"[{" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def read_recipe_yaml(text: str | bytes, where: str) -> dict[str, Any]:
     """The mapping a recipe YAML text holds (``{}`` for an empty file), read with ``yaml.safe_load`` (no
     ``!!python`` tags); RecipeError for invalid UTF-8 or YAML, a non-mapping, or nesting too deep to read."""
+    if _flow_depth(text) > MAX_FLOW_DEPTH:  # PyYAML takes seconds on thousands of nested [ or {
+        raise RecipeError(f"recipe {where}: nested too deeply to read (more than {MAX_FLOW_DEPTH} levels)")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

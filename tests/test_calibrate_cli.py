@@ -100,7 +100,7 @@ def test_bad_input_is_refused_with_reasons(tmp_path: Path) -> None:
     with pytest.raises(CalibrationError, match="token budget 300 is too small"):
         plan_budget(tiny_recipe(data={"tokens": 300}), 16)
     with pytest.raises(CalibrationError, match="no longer than sink"):
-        plan_budget(tiny_recipe(quant={"sink": 200, "recent": 100}), 16)
+        plan_budget(tiny_recipe(quant={"sink": 200, "recent": 104}), 16)
     with pytest.raises(ArtifactError, match="already exists"):
         calibrate_model(odd, None, tiny_recipe(rotation={"composition": "plain"}), reference="t", resolved=RESOLVED,
                         out=tmp_path / "plain")

@@ -129,9 +129,12 @@ def _read_file(path: Path, name: str, limit: int, links_within: Path | None) -> 
     flags = os.O_RDONLY | os.O_NOFOLLOW
     if stat.S_ISLNK(st.st_mode):
         target = f.resolve()
-        if links_within is None or not target.is_relative_to(links_within.resolve()):
+        if links_within is None:
             raise ArtifactError(f"artifact {path}: {name} is a symbolic link (an artifact holds its own files)",
                                 hint="copy the file into the artifact folder")
+        if not target.is_relative_to(links_within.resolve()):
+            raise ArtifactError(f"artifact {path}: {name} links outside the cache's blobs (a crafted ETag?)",
+                                hint="delete this snapshot from the Hugging Face cache and pull from a host you trust")
         f = target
     try:
         fd = os.open(f, flags)

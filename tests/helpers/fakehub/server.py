@@ -6,7 +6,9 @@ oid so unchanged files are skipped), the NDJSON commit, tag, branch, refs, repo/
 and ``HEAD``/``GET`` on ``resolve`` with ``X-Repo-Commit``, ``ETag`` and ``Content-Length``.
 
 Test hooks: ``tokens`` (token → "read" | "write"), ``fail(route, status, times)`` for fault injection,
-``requests`` (a log of ``(method, route, path)``), ``store`` (the git repositories).
+``requests`` (a log of ``(method, route, path)``), ``store`` (the git repositories); a hostile server:
+``extra_siblings`` (file names such as ``../x`` added to every listing), ``resolve_headers`` (e.g. a crafted
+``ETag`` / ``X-Repo-Commit`` on every download).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class FakeHub:
         self._faults: dict[str, list[int]] = {}
         self._hooks: dict[str, list[Callable[[], None]]] = {}
         self._lock = threading.Lock()
+        # hostile-server hooks: names added to every repo's file listing, headers forced on every download
+        self.extra_siblings: list[str] = []
+        self.resolve_headers: dict[str, str] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
@@ -369,7 +374,7 @@ class _Handler(BaseHTTPRequestHandler):
             "id": repo_id, "modelId": repo_id, "sha": sha, "private": self.fakehub.store.is_private(
                 repo_type, repo_id), "disabled": False, "gated": False, "downloads": 0, "likes": 0,
             "tags": [], "lastModified": now, "createdAt": now,
-            "siblings": [{"rfilename": e.path} for e in files],
+            "siblings": [{"rfilename": e.path} for e in files] + [{"rfilename": n} for n in self.fakehub.extra_siblings],
         })
 
     def h_refs(self, s: list[str], q: dict[str, str], body: bytes) -> None:
@@ -417,7 +422,8 @@ class _Handler(BaseHTTPRequestHandler):
         if entry is None:
             raise HubHTTPError(404, f"Entry not found: {path}", "EntryNotFound")
         data = self.fakehub.store.read_blob(repo_type, repo_id, entry.oid)
-        headers = {"X-Repo-Commit": sha, "ETag": f'"{entry.oid}"', "Accept-Ranges": "bytes"}
+        headers = {"X-Repo-Commit": sha, "ETag": f'"{entry.oid}"', "Accept-Ranges": "bytes",
+                   **self.fakehub.resolve_headers}
         rng = re.match(r"bytes=(\d+)-(\d*)$", self.headers.get("Range", ""))
         if rng and self.command == "GET":
             start = int(rng.group(1))
