@@ -8,8 +8,10 @@ supplier would) and runs what serving runs: ``open_artifact`` + ``oscar_from_art
 - no case takes more than 5 s;
 - no mutation of what the digest covers (manifest content, listed files) is accepted unless it was resealed.
 
-The CI run takes ``OSCAR_FUZZ_CI_EXAMPLES`` cases (default 200); the ``slow`` run (``pytest -m slow -k fuzz``)
-takes ``OSCAR_FUZZ_EXAMPLES`` (default 10,000) and prints its counts.
+The CI run takes ``OSCAR_FUZZ_CI_EXAMPLES`` cases (default 200, about 10 s each test); the long run
+(``pytest -m slow -k fuzz -s``) takes ``OSCAR_FUZZ_EXAMPLES`` (default 10,000, about 4 min for the loader on one
+core) and prints its counts. CI (``pytest -m "not gpu"``) skips the long run: it runs only when ``-m`` selects
+``slow`` explicitly or ``OSCAR_FUZZ_EXAMPLES`` is set.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_llama_config
 
-from oscar_cli.artifact import open_artifact
 from oscar_cli.artifact.manifest import canonical_json, content_digest
 from oscar_cli.errors import OscarError, RecipeError
 from oscar_cli.quant.methods import oscar_from_artifact
@@ -220,8 +221,15 @@ def test_fuzz_recipe_parser_ci() -> None:
     _recipe_property(CI_EXAMPLES, derandomize=True)
 
 
+@pytest.fixture
+def long_run(request: pytest.FixtureRequest) -> None:
+    expr = str(request.config.getoption("-m") or "")
+    if "OSCAR_FUZZ_EXAMPLES" not in os.environ and ("slow" not in expr or "not slow" in expr):
+        pytest.skip("the long fuzz run: pytest -m slow -k fuzz (or set OSCAR_FUZZ_EXAMPLES)")
+
+
 @pytest.mark.slow
-def test_fuzz_artifact_loader_long(base: Path, tmp_path: Path) -> None:
+def test_fuzz_artifact_loader_long(base: Path, tmp_path: Path, long_run: None) -> None:
     COUNTS.clear()
     t0 = time.perf_counter()
     _loader_property(base, tmp_path, LONG_EXAMPLES, derandomize=False)
@@ -230,5 +238,5 @@ def test_fuzz_artifact_loader_long(base: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fuzz_recipe_parser_long() -> None:
+def test_fuzz_recipe_parser_long(long_run: None) -> None:
     _recipe_property(LONG_EXAMPLES, derandomize=False)

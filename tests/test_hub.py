@@ -7,6 +7,7 @@ asserted here are git objects, not bookkeeping of the test double.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import socket
 from pathlib import Path
@@ -354,3 +355,35 @@ def test_republish_from_an_hf_ref(fake_hub: FakeHub, tmp_path: Path) -> None:
     b = {e.path: e.oid for e in fake_hub.store.tree("model", "other-org/mirror", dst.commit)}  # type: ignore[arg-type]
     assert a.keys() == b.keys()
     assert all(a[k] == b[k] for k in a if k != "README.md")  # same artifact; the card names the new repo
+
+
+# -- what is published and pulled ---------------------------------------------------------------------------
+def test_export_publishes_exactly_the_listed_files_and_the_digest(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+    art = make_artifact(tmp_path, 0)
+    (art / "credentials.json").write_text('{"token": "hf_x"}\n')
+    with pytest.raises(ArtifactError, match="credentials.json is not part of the artifact"):
+        _push(fake_hub, art, tag="v1")
+    assert not fake_hub.requests  # refused before any request
+    res = _push(fake_hub, art, tag="v1", skip_extra=True)
+    sha = _tags(fake_hub)["v1"]
+    names = {e.path for e in fake_hub.store.tree("model", REPO, sha)} - {".gitattributes"}  # made by create_repo
+    assert names == {"manifest.json", "rotations.safetensors", "recipe.yaml", "README.md"}
+    digest = json.loads((art / "manifest.json").read_text())["digest"]
+    assert res.digest == digest
+    repo = fake_hub.store.path("model", REPO)
+    tag_message = fake_hub.store.git(repo, "tag", "-l", "--format=%(contents)", "v1").decode()
+    assert f"content digest: {digest}" in tag_message
+    assert digest in fake_hub.store.read_blob("model", REPO, next(
+        e.oid for e in fake_hub.store.tree("model", REPO, sha) if e.path == "README.md")).decode()
+
+
+def test_pull_fetches_only_listed_files_and_checks_the_digest(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+    art = make_artifact(tmp_path, 0)
+    res = _push(fake_hub, art, tag="v1")
+    fake_hub.extra_siblings = ["../../evil.txt", "/etc/evil", "notes.txt"]
+    path = pull_artifact(f"hf://{REPO}@v1", endpoint=fake_hub.endpoint, expect_digest=res.digest)
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "manifest.json", "recipe.yaml",
+                                                      "rotations.safetensors"]
+    assert not list(tmp_path.rglob("*evil*"))
+    with pytest.raises(ArtifactError, match="is not the expected"):
+        pull_artifact(f"hf://{REPO}@v1", endpoint=fake_hub.endpoint, expect_digest="sha256:" + "1" * 64)
