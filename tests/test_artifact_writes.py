@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from fakehub.artifacts import _layers, make_artifact, make_manifest
+from helpers.fakehub.artifacts import _layers, make_artifact, make_manifest
 
 from oscar_cli.artifact import open_artifact, verify_artifact, write_artifact
 from oscar_cli.artifact.build import build_manifest
@@ -43,7 +43,7 @@ def _write(out: str, variant: int, barrier: object, results: object) -> None:
 
 
 def test_two_writers_to_one_out_one_wins(tmp_path: Path) -> None:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # fork after torch started its threads can hang the child
     barrier = ctx.Barrier(2)
     queue = ctx.Queue()
     out = str(tmp_path / "art")

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakehub import FakeHub
-from fakehub.artifacts import make_artifact
-from fakehub.fixtures import WRITE_TOKEN, fake_hub, hf_isolated  # noqa: F401 (fixtures)
-from test_export_cli import _restore_cli_state, run_cli  # noqa: F401 (autouse fixture)
-from tiny_models import write_tiny_llama
+from helpers.cli import restore_cli_state, run_cli  # noqa: F401 (fixture)
+from helpers.fakehub import FakeHub
+from helpers.fakehub.artifacts import make_artifact
+from helpers.fakehub.fixtures import WRITE_TOKEN
+from helpers.tiny import write_tiny_model
 
 from oscar_cli.artifact.manifest import content_digest
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("restore_cli_state")]
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "BAD_INPUT.md"
 ROW_RE = re.compile(r"^\| `([a-z0-9-]+)` \| (.+?) \| `(.+)` \|$")
 
@@ -97,9 +97,7 @@ def _recipe_file(tmp: Path, text: str) -> Path:
 
 
 def _tiny_model(tmp: Path) -> str:
-    model = tmp / "tiny-model"
-    write_tiny_llama(model)
-    return str(model)
+    return str(write_tiny_model(tmp / "tiny-model"))
 
 
 # -- export -----------------------------------------------------------------------------------------------
@@ -291,7 +289,7 @@ def _check(code: int, out: str, err: str, expected: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(SETUPS))
 def test_bad_input(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                   capsys: pytest.CaptureFixture[str], hf_isolated: Path) -> None:  # noqa: F811
+                   capsys: pytest.CaptureFixture[str], hf_isolated: Path) -> None:
     expected = table_rows()[name]
     argv = SETUPS[name](tmp_path, monkeypatch)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "hf-" not in p.parts[0])
@@ -302,7 +300,7 @@ def test_bad_input(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize("name", HUB_ROWS)
-def test_bad_input_from_the_hub(name: str, tmp_path: Path, fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+def test_bad_input_from_the_hub(name: str, tmp_path: Path, fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     argv = _hub_setup(name, tmp_path, fake_hub, monkeypatch)
     capsys.readouterr()

@@ -9,39 +9,13 @@ import zlib
 from pathlib import Path
 
 import pytest
+from helpers.cli import restore_cli_state, run_cli  # noqa: F401 (fixture)
 from helpers.fakehub import FakeHub
 from helpers.fakehub.artifacts import make_artifact
 from helpers.fakehub.fixtures import READ_TOKEN, WRITE_TOKEN
 
-from oscar_cli.main import main
-
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("restore_cli_state")]  # the CLI sets global state
 REPO = "org/cli-art"
-
-
-@pytest.fixture(autouse=True)
-def _restore_cli_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CLI sets global output settings and logging; give later tests (other files) what they had."""
-    from oscar_cli._output import SETTINGS
-
-    monkeypatch.setattr(SETTINGS, "json", SETTINGS.json)
-    monkeypatch.setattr(SETTINGS, "verbose", SETTINGS.verbose)
-    for name in ("oscar_cli", "oscar_kernels"):
-        log = logging.getLogger(name)
-        monkeypatch.setattr(log, "handlers", list(log.handlers))
-        monkeypatch.setattr(log, "level", log.level)
-        monkeypatch.setattr(log, "propagate", log.propagate)
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``oscar argv...`` in-process; return (exit code, stdout, stderr)."""
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _tags(hub: FakeHub) -> dict[str, str]:

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakehub.artifacts import make_artifact
+from helpers.fakehub.artifacts import make_artifact
+from helpers.tiny import tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import tiny_llama_config
 
 from oscar_cli.artifact.manifest import canonical_json, content_digest
 from oscar_cli.errors import OscarError, RecipeError
@@ -55,7 +55,7 @@ json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=4)
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     art = make_artifact(tmp_path_factory.mktemp("fuzz-base"), 0)
-    oscar_from_artifact(str(art), tiny_llama_config())  # the unmutated artifact is served
+    oscar_from_artifact(str(art), tiny_config())  # the unmutated artifact is served
     return art
 
 
@@ -150,7 +150,7 @@ def _run_case(base: Path, scratch: Path, case: dict[str, Any]) -> None:
     changed = _covered(art) != before
     t0 = time.perf_counter()
     try:
-        oscar_from_artifact(str(art), tiny_llama_config())
+        oscar_from_artifact(str(art), tiny_config())
         outcome = "accepted"
     except OscarError:
         outcome = "refused"

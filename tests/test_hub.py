@@ -358,7 +358,7 @@ def test_republish_from_an_hf_ref(fake_hub: FakeHub, tmp_path: Path) -> None:
 
 
 # -- what is published and pulled ---------------------------------------------------------------------------
-def test_export_publishes_exactly_the_listed_files_and_the_digest(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_export_publishes_exactly_the_listed_files_and_the_digest(fake_hub: FakeHub, tmp_path: Path) -> None:
     art = make_artifact(tmp_path, 0)
     (art / "credentials.json").write_text('{"token": "hf_x"}\n')
     with pytest.raises(ArtifactError, match="credentials.json is not part of the artifact"):
@@ -377,7 +377,7 @@ def test_export_publishes_exactly_the_listed_files_and_the_digest(fake_hub: Fake
         e.oid for e in fake_hub.store.tree("model", REPO, sha) if e.path == "README.md")).decode()
 
 
-def test_pull_fetches_only_listed_files_and_checks_the_digest(fake_hub: FakeHub, tmp_path: Path) -> None:  # noqa: F811
+def test_pull_fetches_only_listed_files_and_checks_the_digest(fake_hub: FakeHub, tmp_path: Path) -> None:
     art = make_artifact(tmp_path, 0)
     res = _push(fake_hub, art, tag="v1")
     fake_hub.extra_siblings = ["../../evil.txt", "/etc/evil", "notes.txt"]
