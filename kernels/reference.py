@@ -17,7 +17,7 @@ Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic 
 4. Per group of ``G`` consecutive channels: ``mn = min(y)``, ``mx = max(y)``,
    ``s = max(mx - mn, 1e-8) / 3``. Metadata is stored in ``meta_dtype`` (bfloat16 | float16 | float32),
    rounded to nearest: ``scale = s.to(meta_dtype)``, ``zero = mn.to(meta_dtype)``.
-   **``zero`` is the group minimum (offset form)**, so ``x_hat = zero + code * scale``. method.md's
+   **``zero`` is the group minimum (offset form)**, so ``x_hat = zero + code * scale``. The published
    float zero-point ``z = -min / s`` carries the same information; the offset form is what a decode kernel
    consumes (``scores = s·(q·c) + m·Σq``).
 5. Codes, from the *stored* metadata so that encoder and decoder agree:
@@ -39,7 +39,7 @@ tokens) computes one partial ``(o_t, lse_t)`` per tier — softmax attention res
 ``lse = -inf`` and contributes nothing; a row with no keys at all yields zeros, never NaN. The merge equals
 single-pass softmax attention over the concatenated (dequantized) keys and values.
 
-Bits per element (per stored K or V element, all tiers, method.md §8):
+Bits per element (per stored K or V element, all tiers, docs/METHOD.md §9):
 ``BPE(L) = [(L - S0 - W)·(2 + 2·b_meta/G) + (S0 + W)·16] / L`` (for ``L <= S0 + W`` everything is 16-bit).
 
 What can be asserted
@@ -455,7 +455,7 @@ def bits_per_element(
     recent: int = DEFAULT_RECENT,
     hp_bits: int = 16,
 ) -> float:
-    """Average stored bits per K (or V) element at context length ``L`` (method.md §8).
+    """Average stored bits per K (or V) element at context length ``L`` (docs/METHOD.md §9).
 
     ``BPE(L) = [(L - S0 - W)·(2 + 2·b_meta/G) + (S0 + W)·16] / L``; tokens that fit in sink + recent are
     all 16-bit. Example: L = 131072, D = G = 128, 16-bit metadata, S0 = 64, W = 256 → 2.2836.

@@ -56,7 +56,7 @@ def test_demotion_in_blocks_of_8_recent_between_w_and_w_plus_7() -> None:
     layer = Int2Layer(meth, LayerTransform())
     k = torch.randn(1, H, 200, D)
     layer.update(k[..., :50, :], k[..., :50, :])
-    assert layer.tier_sizes() == (8, 26, 16)  # method.md §15.12: [0,S0) sink, [S0,L-W) INT2, [L-W,L) recent
+    assert layer.tier_sizes() == (8, 26, 16)  # docs/METHOD.md §11.10: [0,S0) sink, [S0,L-W) INT2, [L-W,L) recent
     seen = []
     for i in range(50, 90):
         before = layer.tier_sizes()[1]
@@ -104,7 +104,7 @@ def test_value_pages_follow_the_history_incrementally() -> None:
 
 
 def test_new_tokens_attend_unquantized_and_nonfinal_chunk_has_no_recent() -> None:
-    """method.md §15.15 at the cache level: chunk B sees [sink | INT2(A) | B unquantized]."""
+    """docs/METHOD.md §11.13 at the cache level: chunk B sees [sink | INT2(A) | B unquantized]."""
     t = random_transform(5)
     meth = oscar_method([t], sink=8, recent=16)
     layer = Int2Layer(meth, t, rotate_values=True)
@@ -143,7 +143,7 @@ def test_measured_bytes_equal_bpe_formula(name: str, length: int) -> None:
 
 
 def test_bpe_formula_values() -> None:
-    """method.md §8 / §15.13 (G = D = 128, 16-bit metadata)."""
+    """docs/METHOD.md §9 / §11.11 (G = D = 128, 16-bit metadata)."""
     meth = oscar_method([LayerTransform()])
     assert round(meth.bits_per_element(131072, 128), 4) == 2.2836
     assert round(meth.bits_per_element(32768, 128), 4) == 2.3843
@@ -184,7 +184,7 @@ def test_bf16_through_cache_generates_like_plain_transformers() -> None:
 
 
 def test_rotations_without_quantization_leave_the_model_unchanged() -> None:
-    """method.md §15.11 + §15.15: one prefill chunk with random R_K/R_V (folded V) = the plain model."""
+    """docs/METHOD.md §11.9 + §11.13: one prefill chunk with random R_K/R_V (folded V) = the plain model."""
     model = tiny_causal_lm()
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """The paged INT2 cache against a dense reference built from ``oscar_kernels.reference``; its memory and per-step work.
 
 The dense reference does not use the cache: it quantizes every token's rotated row on its own (per-token INT2 is
-independent of when a token is demoted), and decides each slot's tier from method.md's rules (sink = slots
+independent of when a token is demoted), and decides each slot's tier from docs/METHOD.md §7's rules (sink = slots
 ``[0, S0 + max_pad)``, recent = the last ``r`` slots where ``r`` follows the chunk/decode rules, the rest INT2).
 """
 

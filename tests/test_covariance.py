@@ -1,4 +1,4 @@
-"""Streaming statistics against direct (non-streaming) formulas of method.md §2.3-§2.5 and §15 vector 14."""
+"""Streaming statistics against direct (non-streaming) formulas of docs/METHOD.md §2 and §11.12."""
 
 from __future__ import annotations
 

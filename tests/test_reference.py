@@ -26,7 +26,7 @@ def _rows(seed: int, n: int, d: int) -> torch.Tensor:
 
 
 def test_spec_vector_arange_quantizer() -> None:
-    """method.md §15.6: x = 0..127 → s = 42.333, code counts [22, 42, 42, 22], packed bytes."""
+    """docs/METHOD.md §11.6: x = 0..127 → s = 42.333, code counts [22, 42, 42, 22], packed bytes."""
     x = torch.arange(128, dtype=torch.float32)
     codes, scale, zero = ref.quantize_int2(x, meta_dtype=torch.float32)
     assert scale.item() == pytest.approx(127 / 3, rel=1e-6)

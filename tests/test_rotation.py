@@ -1,4 +1,4 @@
-"""Rotation construction against method.md §3 and the §15 test vectors 1-5."""
+"""Rotation construction against docs/METHOD.md §3 and the §11 invariants 1-5."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Capture post-RoPE q, k and v per layer through a registered attention function (ecosystem.md §1.3-§1.5).
+"""Capture post-RoPE q, k and v per layer through an attention function registered with ``AttentionInterface``.
 
 :func:`capture_attention` registers a wrapper of transformers' ``sdpa_attention_forward`` under a unique
 name (``AttentionInterface.register`` + ``AttentionMaskInterface.register`` with ``sdpa_mask``, so causal

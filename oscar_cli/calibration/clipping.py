@@ -1,4 +1,4 @@
-"""Clip ratios: the published global values, or a per-layer search on held-out tokens (method.md §5, §13).
+"""Clip ratios: the published global values, or a per-layer search on held-out tokens (docs/METHOD.md §5).
 
 The search scores each candidate by the **attention-output error of the reference quantizer**
 (``oscar_kernels.reference.fake_quantize_rows``) under the serving tiers: for a query at position ``i``, keys

@@ -1,4 +1,4 @@
-"""Streaming float64 second-moment statistics per layer and per KV head (method.md §2.2-§2.5, §13).
+"""Streaming float64 second-moment statistics per layer and per KV head (docs/METHOD.md §2).
 
 One :class:`LayerStatistics` per decoder layer accumulates, from post-RoPE ``q [B, H_q, T, D]`` and
 ``k, v [B, H_kv, T, D]`` (unpadded sequences starting at position 0), only what the recipe's targets need:

@@ -1,6 +1,6 @@
-"""Rotation construction: ``R = U·H·P`` from a second-moment target (method.md §3), plus the baselines.
+"""Rotation construction: ``R = U·H·P`` from a second-moment target (docs/METHOD.md §3), plus the baselines.
 
-Conventions (bit-compatible with the published RotationZoo artifacts, method.md §3.2):
+Conventions (bit-compatible with the published RotationZoo artifacts, docs/METHOD.md §3):
 
 - ``λ, U = eigh(C)`` in float64: eigenvalues **ascending**, columns of ``U`` in the same order.
 - ``H``: normalised Sylvester Hadamard, natural order, symmetric (``oscar_kernels.reference.hadamard``).

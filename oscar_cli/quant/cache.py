@@ -17,7 +17,7 @@ activation dtype: a key rotation cannot be folded into ``k_proj`` because RoPE s
 (``v·R_V``: folded into ``v_proj`` by :func:`oscar_cli.quant.runtime.attach`, or applied here at run time
 when folding is off).
 
-Placement (method.md §7, §9.5):
+Placement (docs/METHOD.md §7):
 
 - a prefill chunk (``q_len > 1``) first fills the sink; a **non-final** chunk sends everything else to INT2;
   a final chunk keeps its last ``W`` tokens in the recent tier and quantizes the rest;
@@ -246,7 +246,7 @@ class Int2Layer(AppendLayer):
         return rotate(x, r).to(x.dtype)
 
     def _place(self, k: torch.Tensor, v: torch.Tensor, decode: bool) -> None:
-        """Put new rotated tokens in their tiers (sink first, then recent), demoting to INT2 as method.md says."""
+        """Put new rotated tokens in their tiers (sink first, then recent), demoting to INT2 (docs/METHOD.md §7)."""
         assert self.sink_k is not None and self.sink_v is not None
         assert self.recent_k is not None and self.recent_v is not None
         n = int(k.shape[-2])
@@ -528,7 +528,7 @@ class Int2Cache(Cache):
 
         The BF16 sink then spans slots ``[0, S0 + max_pad)``: every row keeps at least its first ``S0`` real
         tokens in BF16 (a row with less padding keeps up to ``max_pad`` more). With batch 1 the layout is
-        exactly method.md's. Pad tokens are never stored in the INT2 pages. KIVI layers use the padding to keep
+        exactly docs/METHOD.md §7's. Pad tokens are never stored in the INT2 pages. KIVI layers use the padding to keep
         pad slots out of the per-channel ranges.
         """
         pads = [] if left_pad is None else [int(p) for p in left_pad]

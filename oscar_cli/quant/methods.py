@@ -9,8 +9,8 @@
 |               | V per token (own quantizer, :mod:`kivi`)  |                     |                        |
 | ``oscar``     | per token INT2 with clip (artifact)       | artifact ``R_K, R_V`` | S0 = 64 / W = 256    |
 
-``naive-int2`` uses the asymmetric min-max quantizer of :mod:`oscar_kernels.reference` (method.md §6.1), the
-same one OSCAR uses, so the comparison isolates the rotation and the windows. method.md's "naive" baseline is
+``naive-int2`` uses the asymmetric min-max quantizer of :mod:`oscar_kernels.reference` (docs/METHOD.md §6), the
+same one OSCAR uses, so the comparison isolates the rotation and the windows. The published "naive" baseline is
 described as symmetric; the asymmetric one is the stronger of the two, so reported naive numbers are, if
 anything, optimistic. ``quarot-int2`` uses the deterministic natural-order Sylvester Hadamard (no random
 signs, no clip), the data-free baseline OSCAR compares against.
@@ -94,7 +94,7 @@ class QuantMethod:
     def bits_per_element(self, context_len: int, head_dim: int) -> float:
         """Stored bits per K/V element at ``context_len`` tokens (batch 1, recent window exactly ``W``).
 
-        ``int2``: method.md §8 ``BPE(L)``; ``kivi``: keys ``(L - L mod 128)`` tokens at
+        ``int2``: docs/METHOD.md §9 ``BPE(L)``; ``kivi``: keys ``(L - L mod 128)`` tokens at
         ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at ``2 + 2·b/G`` plus 128 BF16,
         averaged over K and V; ``dense``: 16. With ``layer_kinds``: the mean over layers (each layer stores as
         many elements).

@@ -50,7 +50,7 @@ def hf_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf-home" / "stored_tokens"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    # upload_folder then takes the single create_commit path (ecosystem.md §2.1).
+    # upload_folder then takes the single create_commit path.
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(var, raising=False)

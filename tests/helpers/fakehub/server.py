@@ -1,7 +1,7 @@
 """A small Hub-compatible HTTP server for tests (stdlib ``http.server``), backed by :class:`GitStore`.
 
 It answers the endpoints the real ``huggingface_hub`` client calls for ``oscar export`` / ``oscar pull``
-(ecosystem.md §2.7): repo create, ``validate-yaml``, preupload (always ``"regular"``, with the current blob
+(huggingface_hub 2.4): repo create, ``validate-yaml``, preupload (always ``"regular"``, with the current blob
 oid so unchanged files are skipped), the NDJSON commit, tag, branch, refs, repo/revision info, tree listing,
 and ``HEAD``/``GET`` on ``resolve`` with ``X-Repo-Commit``, ``ETag`` and ``Content-Length``.
 
