@@ -7,7 +7,8 @@
 #
 # Staging (here, before the calls; all paths git-ignored through .git/info/exclude):
 #   bash ../shared/tools/stage-for-gpu.sh qwen2.5-coder-1.5b .gpu-qwen-stage   # 23 folders c00..c22 (<50 MB)
-#   .gpu-qwen/whl/*.whl   gguf and wonderwords wheels (not on the device image; see scripts/gpu_ruler_sweep.sh)
+#   .gpu-qwen/whl/*.whl   wheels the device image lacks (py3.12): gguf 0.19.0, wonderwords 3.0.1, pydantic 2.14.4,
+#                         pydantic_core 2.50.5, annotated_types 0.8.0, typing_inspection 0.4.5
 #   .gpu-qwen/prose/      calibration prose, e.g. austen_emma.txt austen_pride_and_prejudice.txt
 #   .gpu-qwen/heldout.txt held-out prose for eval-kl (not in prose/), e.g. austen_persuasion.txt
 # Then, on one warm machine (it is held at most 30 min; every stage is resumable within it):
@@ -31,11 +32,11 @@ cd "$(dirname "$0")/.."
 STAGE=/tmp/stage/qwen
 GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 GGUF_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
-export PYTHONPATH=/tmp/site:$PWD OSCAR_CACHE_DIR=/tmp/stage/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site OSCAR_CACHE_DIR=/tmp/stage/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$STAGE/out}
 mkdir -p "$STAGE/art" "$STAGE/res" "$OUT"
 BACKEND=${BACKEND:-reference}
-oscar() { python3 -c "from oscar_cli.main import main; main()" "$@"; }
+oscar() { (cd /tmp && python3 -c "from oscar_cli.main import main; main()" "$@"); }  # /tmp: the installed copy, not ./oscar_cli
 t_start=$(date +%s)
 
 pack() {  # the results so far -> one archive in $OUT (the device returns at most 8 files)
@@ -76,7 +77,8 @@ stage)
     if ls .gpu-qwen/whl/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-qwen/whl/*.whl
     fi
-    mkdir -p /tmp/site && ln -sfn "$PWD/kernels" /tmp/site/oscar_kernels  # kernels/ is oscar_kernels
+    # installed, not linked: the wheel maps kernels/ to oscar_kernels and recipes/ to oscar_cli.recipes
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site .
     echo "$GGUF_SHA  $GGUF" | sha256sum -c -
     rm -rf "$STAGE/prose" && cp -r .gpu-qwen/prose "$STAGE/prose" && cp .gpu-qwen/heldout.txt "$STAGE/heldout.txt"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"

@@ -193,3 +193,20 @@ def test_model_slug() -> None:
     assert model_slug("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "smollm2-135m-instruct.q4_1"
     assert model_slug("smollm2-135m") == "smollm2-135m"
     assert os.sep not in model_slug("a/b/c")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("default_device", ["meta", "cpu"])
+def test_artifact_loads_under_another_default_device(tmp_path: Path, default_device: str) -> None:
+    """vLLM builds its layers under a CUDA default device and reads the artifact there: the loader's own tensors
+    (orthogonality check, clip ratios) must not follow the default device (``meta`` stands in for CUDA on CPU)."""
+    from helpers.fakehub.artifacts import make_artifact
+    from helpers.tiny import tiny_config
+
+    from oscar_cli.quant.methods import oscar_from_artifact
+
+    art = make_artifact(tmp_path, 0)
+    with torch.device(default_device):
+        method = oscar_from_artifact(str(art), tiny_config())
+    layer = method.layers[0]
+    assert layer.k_rotation is not None and layer.k_rotation.device.type == "cpu"

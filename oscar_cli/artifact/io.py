@@ -82,7 +82,7 @@ class Artifact:
             raise KeyError(f"unknown artifact field {name!r}; fields: {', '.join(TENSOR_FIELDS)}")
         values = [getattr(layer, name) for layer in self.layers]
         if isinstance(values[0], float):
-            return torch.tensor(values, dtype=torch.float32)
+            return torch.tensor(values, dtype=torch.float32, device="cpu")
         return torch.stack(values)
 
     def check_architecture(self, fingerprint: Mapping[str, Any]) -> None:
@@ -104,7 +104,7 @@ def layer_tensors(layers: list[LayerTransform] | tuple[LayerTransform, ...]) -> 
             value = getattr(layer, name)
             if value is None:
                 raise ArtifactError(f"layer {i} has no {name}: an artifact stores every field of every layer")
-            t = torch.tensor([value], dtype=torch.float32) if isinstance(value, float) else value
+            t = torch.tensor([value], dtype=torch.float32, device="cpu") if isinstance(value, float) else value
             out[f"layers.{i}.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
     return out
 
@@ -342,7 +342,7 @@ def load_artifact(
             raise ArtifactError(f"artifact {path}: layer {i} holds NaN or inf values")
         for which in ("k_rotation", "v_rotation"):
             r = t[which].double()
-            err = float((r.transpose(-1, -2) @ r - torch.eye(m.head_dim, dtype=torch.float64)).abs().max())
+            err = float((r.transpose(-1, -2) @ r - torch.eye(m.head_dim, dtype=torch.float64, device=r.device)).abs().max())
             if err > ORTHOGONALITY_TOLERANCE_ON_LOAD:
                 raise ArtifactError(f"artifact {path}: layers.{i}.{which} is not orthogonal (error {err:.1e})")
         for which in ("k_clip", "v_clip"):

@@ -62,7 +62,8 @@ def _load(vllm_config: Any, ref: str, num_kv_heads: int, head_dim: int, block_si
     from oscar_cli.quant.methods import oscar_from_artifact
 
     cfg = vllm_config.model_config.hf_config
-    meth = oscar_from_artifact(ref, cfg)  # ArtifactError: missing, broken, or made for another model
+    with torch.device("cpu"):  # vLLM builds layers under a CUDA default device; the artifact is read on the CPU
+        meth = oscar_from_artifact(ref, cfg)  # ArtifactError: missing, broken, or made for another model
     settings = layout.Int2Settings(sink=meth.sink, recent=meth.recent, meta_dtype=meth.meta_dtype)
     layout.check_geometry(head_dim=head_dim, block_size=block_size, settings=settings, group_size=meth.group_size)
     tensors = layout.layer_tensors(meth, int(cfg.num_hidden_layers), num_kv_heads, head_dim)
