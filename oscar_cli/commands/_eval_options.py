@@ -36,9 +36,9 @@ def ctx_list_callback(value: str) -> str:
 
 
 def backend_callback(value: str) -> str:
-    """``--backend`` is ``reference`` or ``triton``."""
-    if value not in ("reference", "triton"):
-        raise typer.BadParameter(f"unknown backend {value!r}; valid backends: reference, triton")
+    """``--backend`` is ``auto``, ``reference`` or ``triton``."""
+    if value not in ("auto", "reference", "triton"):
+        raise typer.BadParameter(f"unknown backend {value!r}; valid backends: auto, reference, triton")
     return value
 
 
@@ -59,7 +59,8 @@ BackendOpt = Annotated[
     str,
     typer.Option(
         "--backend",
-        help="reference (torch) or triton: INT2 writes and unpadded decode steps through oscar_kernels (CUDA).",
+        help="auto (triton on CUDA where the kernels serve the layer, else reference), reference (torch) or triton "
+        "(INT2 writes and decode steps through oscar_kernels; CUDA only). -v logs the path each layer runs.",
         callback=backend_callback,
     ),
 ]

@@ -81,7 +81,7 @@ def eval_kl(
     windows: Annotated[int, typer.Option("--windows", min=1, help="Windows N cut from the text.")] = 4,
     chunk_size: ChunkSizeOpt = 4096,
     bf16_windows: Bf16WindowsOpt = None,
-    backend: BackendOpt = "reference",
+    backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:

@@ -147,7 +147,7 @@ def eval_ruler(
         typer.Option("--time-budget", min=1, help="Seconds; no new batch starts after it (rerun to resume)."),
     ] = None,
     bf16_windows: Bf16WindowsOpt = None,
-    backend: BackendOpt = "reference",
+    backend: BackendOpt = "auto",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:

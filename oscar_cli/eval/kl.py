@@ -43,7 +43,7 @@ class KLConfig:
     dtype: str | None = None
     chunk_size: int = 4096
     bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
-    backend: str = "reference"  # "triton": INT2 writes and unpadded decode steps through oscar_kernels.ops
+    backend: str = "auto"  # auto | reference | triton (quant.runtime.attach: triton on CUDA where the kernels serve it)
 
 
 @dataclass

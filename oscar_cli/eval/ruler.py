@@ -68,7 +68,7 @@ class RulerConfig:
     seed: int = 42
     time_budget: float | None = None  # seconds; no new batch starts after it (the run stays resumable)
     bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
-    backend: str = "reference"  # "triton": INT2 writes and unpadded decode steps through oscar_kernels.ops
+    backend: str = "auto"  # auto | reference | triton (quant.runtime.attach: triton on CUDA where the kernels serve it)
 
 
 @dataclass
