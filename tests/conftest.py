@@ -17,7 +17,7 @@ defined when ``triton`` itself is first imported, which torch and transformers m
 per-test fixture therefore cannot switch it on reliably; instead :func:`pytest_configure` sets it for the test
 session (never at import of a test module), only when no CUDA device is present and the variable is unset, and
 :func:`pytest_unconfigure` restores the environment. With CUDA nothing changes. oscar's CPU guards
-(``quant/attention.py``, ``quant/cache.py``) read the variable at call time, so a test of the behaviour without
+(``quant/kernel_path.py``, ``eval/prepare.py``) read the variable at call time, so a test of the behaviour without
 the interpreter does ``monkeypatch.delenv("TRITON_INTERPRET")``. Subprocesses started by tests inherit it.
 """
 

@@ -13,8 +13,9 @@ from helpers.tiny import tiny_causal_lm
 from oscar_cli.errors import EvalError
 from oscar_cli.method_registry import METHOD_NAMES
 from oscar_cli.quant import LayerTransform, build_method, greedy_generate, oscar_method, parse_methods, use_method
-from oscar_cli.quant.cache import Int2Cache, Int2Layer
+from oscar_cli.quant.cache import Int2Cache
 from oscar_cli.quant.generation import cache_kwarg, prefill
+from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.kivi import KiviLayer, dequantize_channels, quantize_channels
 from oscar_cli.quant.methods import bf16_method, kivi2_method, naive_int2_method
 from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate

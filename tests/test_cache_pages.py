@@ -18,7 +18,7 @@ from helpers.layers import feed
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar_cli.quant import LayerTransform, oscar_method
-from oscar_cli.quant.cache import Int2Layer
+from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.methods import QuantMethod
 from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
 

@@ -12,7 +12,7 @@ from helpers.calib import RESOLVED, random_orthogonal, random_transform, tiny_re
 from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.errors import OscarError, UnsupportedModelError
-from oscar_cli.quant.cache import Int2Layer
+from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.methods import LayerTransform, oscar_method
 from oscar_cli.vllm import layout, spec
 from oscar_cli.vllm.core import PagedInt2Layer, build_step, split_decodes

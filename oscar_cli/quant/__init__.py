@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from oscar_cli.method_registry import METHOD_NAMES, build_method, parse_methods
 from oscar_cli.quant.attention import ATTN_NAME, register_attention
-from oscar_cli.quant.cache import Int2Cache, Int2Layer
+from oscar_cli.quant.cache import Int2Cache
 from oscar_cli.quant.generation import greedy_generate, left_pad, prefill
+from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.methods import QuantMethod, oscar_method
 from oscar_cli.quant.runtime import MethodSession, attach, use_method
 from oscar_cli.transform import LayerTransform

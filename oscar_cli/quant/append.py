@@ -1,7 +1,7 @@
 """The base of every oscar cache layer (INT2, dense, KIVI): an append-only, full-attention transformers layer.
 
-Its own module so the layer kinds (:mod:`oscar_cli.quant.cache`, :mod:`oscar_cli.quant.kivi`) share it without
-importing each other.
+Its own module so the layer kinds (:mod:`oscar_cli.quant.int2_layer`, :mod:`oscar_cli.quant.dense`,
+:mod:`oscar_cli.quant.kivi`) share it without importing each other.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Per call (one decoder layer), with ``key``/``value`` as returned by :class:`osca
 The per-layer rotations live on the attention module as ``module._oscar_runtime`` (:class:`LayerRuntime`);
 a module without it (a model not inside ``use_method``) runs plain SDPA.
 On the Triton path a decode step of an INT2 layer returns only the new token from ``cache.update``; this
-function then runs :meth:`oscar_cli.quant.cache.Int2Layer.kernel_attention` (``oscar_kernels.ops.decode_attention``
+function then runs :meth:`oscar_cli.quant.int2_layer.Int2Layer.kernel_attention` (``oscar_kernels.ops.decode_attention``
 on the layer's pages; the kernel applies ``R_K`` to q itself) instead of steps 1-2.
 """
 
@@ -76,7 +76,7 @@ def oscar_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from oscar_cli.quant.cache import current_kernel_layer
+    from oscar_cli.quant.int2_layer import current_kernel_layer
 
     rt: LayerRuntime | None = getattr(module, "_oscar_runtime", None)
     layer = current_kernel_layer()

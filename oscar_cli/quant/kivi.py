@@ -12,7 +12,7 @@ from the stored 16-bit scale and zero, ``x_hat = zero + code·scale``, quarter p
   128 newest tokens (KIVI's value rule: the oldest leaves the residual each step once it is full).
 - no sink, no rotation. Left-padded rows: pad slots are excluded from a key block's per-channel ranges.
 
-Attention sees, like :class:`oscar_cli.quant.cache.Int2Layer`, the stored earlier tokens followed by the
+Attention sees, like :class:`oscar_cli.quant.int2_layer.Int2Layer`, the stored earlier tokens followed by the
 new tokens unquantized.
 """
 

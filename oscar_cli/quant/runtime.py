@@ -33,7 +33,8 @@ import torch
 
 from oscar_cli.errors import OscarError
 from oscar_cli.quant.attention import LayerRuntime, register_attention
-from oscar_cli.quant.cache import BACKENDS, Int2Cache
+from oscar_cli.quant.cache import Int2Cache
+from oscar_cli.quant.kernel_path import BACKENDS
 from oscar_cli.quant.methods import QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE
 

@@ -11,7 +11,7 @@ all layers); :class:`PagedInt2Layer` is one attention layer: its transforms and 
 - :meth:`PagedInt2Layer.prefill` — a chunk attends to the sink, to earlier tokens through a transient
   dequantized copy of their INT2 pages, and to itself unquantized (causal), as the reference cache does.
 
-Semantics are the reference cache's (``oscar_cli.quant.cache.Int2Layer``): the recent length follows its placement
+Semantics are the reference cache's (``oscar_cli.quant.int2_layer.Int2Layer``): the recent length follows its placement
 rule (:func:`oscar_cli.vllm.layout.next_recent_len`), so a decode step sees exactly the tokens the reference keeps
 in BF16; every token is also stored in INT2 at arrival, so a token that leaves the recent window needs no
 re-quantization (the codes are those the reference computes when it demotes it).

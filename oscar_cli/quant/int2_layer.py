@@ -1,0 +1,386 @@
+"""One decoder layer of the INT2 cache: the KV history held only in the decode kernel's paged layout.
+
+Per decoder layer (:class:`Int2Layer`), keys and values live in three tiers (DESIGN.md "INT2 format v1"):
+
+- **sink**: slots ``[0, S)`` in the activation dtype, ``S = S0`` (+ the batch's largest left padding, see
+  :meth:`~oscar_cli.quant.cache.Int2Cache.set_padding`), one ``[B, H_kv, S, D]`` buffer allocated once;
+- **history**: packed INT2 pages from a :class:`~oscar_cli.quant.pages.PagePool` (keys quarter-packed rows,
+  values token quads, 16-bit ``scale``/``zero``, a ragged block table; pad tokens are never stored), written by
+  :func:`oscar_kernels.reference.quantize_rows` (reference path) or ``oscar_kernels.ops.quantize_write``
+  (Triton path), bitwise the same rows;
+- **recent**: the newest ``W .. W+7`` tokens in the activation dtype, one ``[B, H_kv, W + 8, D]`` buffer.
+
+Nothing else persists: no dense copy of the history exists between calls.
+
+All tiers hold **rotated** K (``k·R_K``, post-RoPE, computed here at run time in float32 and cast to the
+activation dtype: a key rotation cannot be folded into ``k_proj`` because RoPE sits between) and rotated V
+(``v·R_V``: folded into ``v_proj`` by :func:`oscar_cli.quant.runtime.attach`, or applied here at run time
+when folding is off).
+
+Placement (docs/METHOD.md §7):
+
+- a prefill chunk (``q_len > 1``) first fills the sink; a **non-final** chunk sends everything else to INT2;
+  a final chunk keeps its last ``W`` tokens in the recent tier and quantizes the rest;
+- a decode step (``q_len == 1``) appends to recent; when recent reaches ``W + 8`` tokens the 8 oldest are
+  demoted to INT2 in one block, so recent oscillates between ``W`` and ``W + 7``. Without a recent window
+  (``W = 0``) every token is quantized on arrival.
+
+What attention sees:
+
+- **reference path** (and every prefill chunk): ``update`` returns the layer's earlier tokens as stored (sink and
+  recent as is, history dequantized: ``zero + code·scale`` plus the centring mean, cast to the activation dtype)
+  followed by the **new tokens unquantized**. That dense tensor is transient: built from the pages for this call
+  and freed when the layer's attention returns (peak: one layer's ``[B, H_kv, T, D]`` K and V, DESIGN.md);
+- **Triton path** decode step: ``update`` returns only the new tokens and the registered attention function runs
+  ``oscar_kernels.ops.decode_attention`` on the pages and tiers (:meth:`Int2Layer.kernel_attention`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from oscar_cli.errors import OscarError
+from oscar_cli.quant.append import AppendLayer
+from oscar_cli.quant.kernel_path import BACKENDS, centred, flat_mean, front, kernel_unsupported, rotation_matrix
+from oscar_cli.quant.methods import LayerTransform, QuantMethod
+from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
+
+log = logging.getLogger(__name__)
+_current = threading.local()  # the Int2Layer whose decode step the next attention call runs through the kernel
+
+
+def current_kernel_layer() -> Int2Layer | None:
+    """The layer that just stored a decode step for the Triton path (read by the attention function), or None."""
+    return getattr(_current, "layer", None)
+
+
+class Int2Layer(AppendLayer):
+    """One decoder layer's tiered, paged INT2 cache. See the module docstring.
+
+    Args:
+        method: the per-token INT2 method (``kind == "int2"``).
+        transform: the layer's rotations, means and clips.
+        rotate_values: rotate values with ``R_V`` here (True when ``R_V`` is not folded into ``v_proj``).
+        backend: ``reference`` (torch), ``triton`` (kernels; an error where they cannot run) or ``auto``
+            (triton on CUDA where the kernels apply, else reference).
+        layer_idx: the decoder layer index (the attention function checks it).
+        page_size: tokens per history page.
+    """
+
+    def __init__(
+        self,
+        method: QuantMethod,
+        transform: LayerTransform,
+        rotate_values: bool = True,
+        backend: str = "reference",
+        *,
+        layer_idx: int = 0,
+        page_size: int = DEFAULT_PAGE,
+    ) -> None:
+        super().__init__(method)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.transform, self.backend = transform, backend
+        self.rotate_values, self.layer_idx, self.page_size = rotate_values, layer_idx, page_size
+        self.k_rot = rotation_matrix(transform.k_rotation)
+        self.v_rot = rotation_matrix(transform.v_rotation) if rotate_values else None
+        self.sink_slots = method.sink
+        self.pads: list[int] = []  # left padding per row (set by Int2Cache.set_padding)
+        self.quantize = True
+        self.path = "reference"  # resolved at the first update: "reference" or "triton"
+        self.n_sink = 0  # sink slots filled (pad slots included)
+        self.hist_slots = 0  # slots [S, S + hist_slots) are history (each row stores its real tokens)
+        self.n_recent = 0  # slots [L - n_recent, L) are recent
+        self.kernel_step = False  # the last update was a decode step for the Triton path
+        self.kernel_key: torch.Tensor | None = None  # the key tensor that update returned for it
+        self._pads_dev: torch.Tensor | None = None
+        self._kernel_rot: torch.Tensor | None = None
+        self.pool: PagePool | None = None
+        self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
+        self.k_mean: torch.Tensor | None = None
+        self.v_mean: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- transformers API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device, self.dtype, self.batch_size = key_states.device, key_states.dtype, int(b)
+        self.dims = (int(b), int(h), int(d))
+        self.path = self._resolve_path(key_states)
+        pads = self.pads or [0] * int(b)
+        if len(pads) != b:
+            raise ValueError(f"set_padding got {len(pads)} rows, the batch has {b}")
+        self.pads = pads
+        dev = key_states.device
+        self.k_rot = None if self.k_rot is None else self.k_rot.to(dev)
+        self.v_rot = None if self.v_rot is None else self.v_rot.to(dev)
+        self.k_mean = None if self.transform.k_mean is None else self.transform.k_mean.to(dev)
+        self.v_mean = None if self.transform.v_mean is None else self.transform.v_mean.to(dev)
+        s_cap = max(1, self.sink_slots)
+        r_cap = self.method.recent + self.method.demotion_block
+        self.sink_k = key_states.new_zeros(b, h, s_cap, d)
+        self.sink_v = value_states.new_zeros(b, h, s_cap, d)
+        self.recent_k = key_states.new_zeros(b, h, r_cap, d)
+        self.recent_v = value_states.new_zeros(b, h, r_cap, d)
+        self.pool = PagePool(
+            int(b), int(h), int(d), page_size=self.page_size, group_size=self.method.group_size,
+            meta_dtype=self.method.meta_dtype, device=dev,
+        )
+        self.is_initialized = True
+
+    def _resolve_path(self, x: torch.Tensor) -> str:
+        if self.backend == "reference":
+            return "reference"
+        reason = kernel_unsupported(self.method, x, interpreter_ok=self.backend == "triton")
+        if reason is not None and self.backend == "triton":
+            raise OscarError(f"backend triton: {reason}", hint="use --backend reference (torch) or auto")
+        path = "reference" if reason else "triton"
+        if self.layer_idx == 0:
+            log.info("%s cache: %s path%s", self.method.name, path, f" ({reason})" if reason else "")
+        return path
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens (placement + demotion) and return what attention reads.
+
+        Args:
+            key_states: post-RoPE keys ``[B, H_kv, T_new, D]`` (unrotated).
+            value_states: ``[B, H_kv, T_new, D]`` (already rotated when ``R_V`` is folded into ``v_proj``).
+
+        Returns:
+            ``[stored earlier tokens | new tokens]`` ``[B, H_kv, T_prev + T_new, D]`` (rotated, activation dtype),
+            or, for a decode step on the Triton path, the new tokens alone (the kernel reads the pages).
+        """
+        k, v = self.append(key_states, value_states)
+        prior = self.cumulative_length - int(k.shape[-2])
+        self.kernel_step = self.path == "triton" and k.shape[-2] == 1
+        _current.layer = self if self.kernel_step else None
+        self.kernel_key = k if self.kernel_step else None  # attention runs the kernel only for this very tensor
+        if self.kernel_step:
+            return k, v
+        return self.stored(prior, k, v)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate and store new tokens without building attention's view; returns the rotated new ``(k, v)``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        k = self._rotate(key_states, self.k_rot)
+        v = self._rotate(value_states, self.v_rot)
+        self.cumulative_length += int(k.shape[-2])
+        self._place(k, v, decode=k.shape[-2] == 1)
+        return k, v
+
+    # ---------------------------------------------------------------- placement
+    def _rotate(self, x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        if r is None:
+            return x
+        from oscar_kernels.reference import rotate
+
+        return rotate(x, r).to(x.dtype)
+
+    def _place(self, k: torch.Tensor, v: torch.Tensor, decode: bool) -> None:
+        """Put new rotated tokens in their tiers (sink first, then recent), demoting to INT2 (docs/METHOD.md §7)."""
+        assert self.sink_k is not None and self.sink_v is not None
+        assert self.recent_k is not None and self.recent_v is not None
+        n = int(k.shape[-2])
+        take = max(0, min(self.sink_slots - self.n_sink, n))
+        if take:
+            self.sink_k[..., self.n_sink : self.n_sink + take, :] = k[..., :take, :]
+            self.sink_v[..., self.n_sink : self.n_sink + take, :] = v[..., :take, :]
+            self.n_sink += take
+        rest_k, rest_v = k[..., take:, :], v[..., take:, :]
+        total = self.n_recent + n - take
+        w, block = self.method.recent, self.method.demotion_block
+        if decode:
+            demote = ((total - w) // block) * block if total >= w + block else 0
+        else:
+            demote = max(0, total - w) if self.final_chunk else total
+        old = min(demote, self.n_recent)  # demoted from the stored recent tier, then from the new tokens
+        new = demote - old
+        if demote:
+            rows_k = torch.cat([self.recent_k[..., :old, :], rest_k[..., :new, :]], -2)
+            rows_v = torch.cat([self.recent_v[..., :old, :], rest_v[..., :new, :]], -2)
+            self._demote(rows_k, rows_v)
+        kept = self.n_recent - old
+        if old and kept:  # shift the surviving recent tokens to the front (at most W + 7 rows)
+            self.recent_k[..., :kept, :] = self.recent_k[..., old : self.n_recent, :].clone()
+            self.recent_v[..., :kept, :] = self.recent_v[..., old : self.n_recent, :].clone()
+        add = n - take - new
+        if kept + add > self.recent_k.shape[-2]:
+            raise AssertionError(f"recent tier overflow: {kept + add} > {self.recent_k.shape[-2]}")
+        self.recent_k[..., kept : kept + add, :] = rest_k[..., new:, :]
+        self.recent_v[..., kept : kept + add, :] = rest_v[..., new:, :]
+        self.n_recent = kept + add
+
+    def _demote(self, rows_k: torch.Tensor, rows_v: torch.Tensor) -> None:
+        """Quantize ``m`` slots ``[S + hist_slots, + m)`` (``[B, H_kv, m, D]``) into each row's history pages."""
+        assert self.pool is not None
+        b, h, m, d = rows_k.shape
+        first = self.sink_slots + self.hist_slots
+        pads = torch.tensor(self.pads, dtype=torch.long)
+        row_start = pads.clamp(min=self.sink_slots)  # each row's first real history slot
+        start = first - row_start  # history position of slot `first` per row (negative: pad slots)
+        added = (first + m - torch.maximum(row_start, torch.tensor(first))).clamp(min=0, max=m)
+        self.pool.extend([int(a) for a in added])
+        slots = self.pool.slots(start, m)
+        self.hist_slots += m
+        t, meth = self.transform, self.method
+        if self.path == "triton":
+            flat_k = rows_k.permute(0, 2, 1, 3).reshape(b * m, h, d)
+            flat_v = rows_v.permute(0, 2, 1, 3).reshape(b * m, h, d)
+            self.pool.write_kernel(
+                flat_k, flat_v, slots, (flat_mean(self.k_mean), flat_mean(self.v_mean)), (t.k_clip, t.v_clip)
+            )
+            return
+        from oscar_kernels.reference import QuantizedRows, quantize_rows
+
+        def flat(q: QuantizedRows) -> QuantizedRows:
+            return QuantizedRows(*(x.permute(0, 2, 1, 3).reshape(b * m, h, -1) for x in (q.packed, q.scale, q.zero)))
+
+        qk = quantize_rows(rows_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype)
+        qv = quantize_rows(rows_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype)
+        self.pool.write(flat(qk), flat(qv), slots)
+
+    # ---------------------------------------------------------------- what attention reads
+    def stored(
+        self, upto: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored slots ``[0, upto)`` as dense rotated K and V in the activation dtype (history dequantized
+        plus the centring mean), followed by ``k_new``/``v_new``. Transient: built from the tiers on each call."""
+        from oscar_kernels.reference import dequantize_codes
+
+        assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
+        assert self.recent_k is not None and self.recent_v is not None
+        length = self.cumulative_length
+        upto = length if upto is None else upto
+        s = min(self.n_sink, upto)
+        ks, vs = [self.sink_k[..., :s, :]], [self.sink_v[..., :s, :]]
+        width = max(0, min(self.hist_slots, upto - self.n_sink))
+        if width:
+            qk, qv = self.pool.codes(self.hist_slots, width)
+            for out, q, mean in ((ks, qk, self.k_mean), (vs, qv, self.v_mean)):
+                deq = dequantize_codes(*q, torch.float32)
+                if mean is not None:
+                    deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
+                out.append(deq.to(self.dtype))
+        r = max(0, upto - (length - self.n_recent))
+        ks.append(self.recent_k[..., :r, :])
+        vs.append(self.recent_v[..., :r, :])
+        if k_new is not None and v_new is not None:
+            ks.append(k_new)
+            vs.append(v_new)
+        return torch.cat(ks, -2), torch.cat(vs, -2)
+
+    def kernel_attention(
+        self, query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """One decode step through ``oscar_kernels.ops.decode_attention`` on the pages: ``query [B, H_q, 1, D]``
+        (post-RoPE, unrotated: the kernel applies ``R_K``) -> ``o + mu_V`` ``[B, H_q, 1, D]`` in the rotated value
+        space (``R_Vᵀ`` follows in the folded ``o_proj``).
+
+        The BF16 tiers are passed **centred** like the INT2 rows. In a left-padded batch each row's real sink
+        (and, without a sink, recent) tokens are gathered to the front and the lengths exclude the pads. When the
+        new token was demoted on arrival (``W = 0``) it is attended unquantized from the recent tier and left out
+        of the history, as on the reference path.
+        """
+        from oscar_kernels.ops import decode_attention
+
+        self.kernel_step, self.kernel_key = False, None
+        assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
+        assert self.recent_k is not None and self.recent_v is not None
+        length = self.cumulative_length
+        if self._pads_dev is None:  # one host-to-device copy per batch, not per step
+            self._pads_dev = torch.tensor(self.pads, dtype=torch.long, device=query.device)
+        pads = self._pads_dev
+        sink_pad = pads.clamp(max=self.n_sink)
+        sink_k, sink_v = front(self.sink_k, sink_pad), front(self.sink_v, sink_pad)
+        hist_len = self.pool.device_lengths()
+        if self.n_recent == 0:  # the new token went to INT2 on arrival: attend to it unquantized
+            recent_k, recent_v, recent_len = k_new, v_new, torch.ones_like(hist_len)
+            hist_len = hist_len - 1
+        else:
+            rec_pad = (pads - (length - self.n_recent)).clamp(min=0, max=self.n_recent)
+            recent_k, recent_v = front(self.recent_k, rec_pad), front(self.recent_v, rec_pad)
+            recent_len = (self.n_recent - rec_pad).to(torch.int32)
+        if self._kernel_rot is None and self.transform.k_rotation is not None:  # R_K as the kernel takes it, once
+            r = rotation_matrix(self.transform.k_rotation)
+            assert r is not None
+            self._kernel_rot = r.to(query.device).float().contiguous()
+        out = decode_attention(
+            query[:, :, 0].contiguous(),
+            self.pool.k,
+            self.pool.v,
+            self.pool.device_table(),
+            hist_len,
+            centred(sink_k, self.k_mean),
+            centred(sink_v, self.v_mean),
+            (self.n_sink - sink_pad).to(torch.int32),
+            centred(recent_k, self.k_mean),
+            centred(recent_v, self.v_mean),
+            recent_len,
+            rotation_k=self._kernel_rot,
+            mean_v=None if self.v_mean is None else flat_mean(self.v_mean),
+            sm_scale=scaling,
+        )
+        return out.unsqueeze(2)
+
+    # ---------------------------------------------------------------- inspection
+    def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The packed history ``(packed [B, H_kv, T_h, D/4], scale, zero)`` of keys (``"k"``) or values (``"v"``)
+        in the row layout (rows right-aligned, zeros left of a padded row's first token), or None when empty."""
+        from oscar_kernels.reference import pack_int2
+
+        if self.pool is None or self.hist_slots == 0:
+            return None
+        codes, scale, zero = self.pool.codes(self.hist_slots)[0 if which == "k" else 1]
+        return pack_int2(codes), scale, zero
+
+    def tier_sizes(self) -> tuple[int, int, int]:
+        """``(sink, history, recent)`` slot counts."""
+        return self.n_sink, self.hist_slots, self.n_recent
+
+    def kv_dims(self) -> tuple[int, int, int]:
+        return self.dims
+
+    def storage_bytes(self) -> int:
+        """Bytes the tiers hold in use: sink and recent slots, each row's packed history + scale/zero (K and V)."""
+        if not self.is_initialized or self.pool is None:
+            return 0
+        b, h, d = self.dims
+        act = torch.finfo(self.dtype).bits // 8
+        md = torch.finfo(self.method.meta_dtype).bits // 8
+        groups = d // (self.method.group_size or d)
+        per_hist = d // 4 + 2 * groups * md
+        dense = (self.n_sink + self.n_recent) * b * d * act
+        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist))
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor the layer holds: sink and recent buffers (capacity), the page pool, block table."""
+        if not self.is_initialized or self.pool is None:
+            return 0
+        bufs = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
+        return int(sum(t.nbytes for t in bufs if t is not None) + self.pool.allocated_bytes())
+
+    # ---------------------------------------------------------------- batch operations
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized or self.pool is None:
+            return
+        idx = [int(i) for i in indices.tolist()]
+        sel = torch.tensor(idx, device=self.device)
+        for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
+            setattr(self, name, getattr(self, name)[sel].contiguous())
+        self.pool = self.pool.select(idx)
+        self.pads = [self.pads[i] for i in idx]
+        self._pads_dev = None
+        self.batch_size = len(idx)
+        self.dims = (len(idx), *self.dims[1:])
+
+    def reset(self) -> None:
+        self.__init__(  # type: ignore[misc]
+            self.method, self.transform, self.rotate_values, self.backend, layer_idx=self.layer_idx,
+            page_size=self.page_size,
+        )
