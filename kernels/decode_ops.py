@@ -1,0 +1,319 @@
+"""Decode-side launchers: :class:`DecodeConfig`, split counts, workspaces, :class:`DecodePlan` and the
+:func:`decode_attention` entry points (``int2_decode``), re-exported by :mod:`oscar_kernels.ops`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from oscar_kernels.launch_checks import (
+    ACT,
+    META,
+    bad_tensor,
+    check_tensor,
+    mean_arg,
+    rotation_arg,
+    triton_dtype,
+    triton_modules,
+)
+from oscar_kernels.reference import TOKEN_QUAD_ROW, QuantizedRows, token_quad_row
+
+_LOG2E = 1.4426950408889634
+LAST_LAUNCH: dict[str, Any] = {}  # kernel name -> compiled handle of the latest launch (registers, spills, asm)
+
+
+class ConfigError(ValueError):
+    """A :class:`DecodeConfig` the kernels cannot run (raised before anything launches)."""
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile and launch configuration of the decode kernels (see docs/KERNELS.md for the measured sweeps). The unpack
+    is fixed (fp16 subnormal fields, the whole byte as the top field: ``int2_decode``'s module docstring); inline PTX
+    on CUDA, the same fields element by element in the CPU interpreter."""
+
+    block_n: int = 64  # INT2 tokens per tile: a multiple of 4; on GPUs >= 64 (the V dot reduces over block_n/4)
+    block_nb: int = 16  # BF16 tokens per tile (small: the BF16 branch shares the INT2 splits' register budget)
+    num_warps: int = 1  # INT2 splits: one warp needs no cross-warp softmax reductions (docs/KERNELS.md)
+    num_stages: int = 2
+    # pipelining depth of the INT2 loop alone (``tl.range(num_stages=)``): Triton divides the depth between the
+    # block-table load and the copies it addresses, so 2-4 leave one buffer per tile (the next tile's copies are
+    # issued after this tile's math and waited for right away); 5 double-buffers them (docs/KERNELS.md)
+    hist_stages: int = 5
+    # convert the q operands to the MMA layout once, before the INT2 loop, instead of in every iteration (local sm_90
+    # SASS: 804 -> 755 instructions per tile at 168 registers; H200: faster at batch 16, slower at batch 1 where ptxas
+    # then keeps 168 instead of 195 registers; docs/KERNELS.md)
+    hoist_q: bool = False
+    min_gp: int = 8  # query heads per KV head are padded to max(min_gp, next power of two) (the MMA's N)
+    maxnreg: int | None = None  # register cap per thread for stage 1 (None: the compiler's choice)
+    merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
+    pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
+    merge_block_p: int = 64  # partials per merge iteration (a power of two)
+    # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
+    # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
+    prefetch: bool = True
+
+
+def default_config(batch: int) -> DecodeConfig:
+    """The measured H200 choice (docs/KERNELS.md): one warp per split, 64-token tiles, a double-buffered INT2 loop,
+    programmatic dependent launches, L2 prefetch of each program's first tile; from batch 16 the q operands are
+    converted to the MMA layout before the loop (``hoist_q``) and the registers are capped at 168 (3 instead of 2
+    one-warp programs per scheduler, no spills: 16 x 128K 401 µs vs 424 µs uncapped and 418 µs at a 128 cap with
+    spills; at batch 1 the grid is one wave either way and registers buy instruction-level parallelism)."""
+    return DecodeConfig(maxnreg=168, hoist_q=True) if batch >= 16 else DecodeConfig()
+
+
+def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
+                       device: torch.device | None = None, tokens_per_split: int = 2730,
+                       min_programs: int = 1024, min_tiles: int = 2) -> int:
+    """A fixed split count from static shapes only (CUDA-graph safe).
+
+    At most ``tokens_per_split`` history tokens per program, at least ``min_programs`` programs (fills the
+    H200's 132 SMs several times over; measured in docs/KERNELS.md), at least ``min_tiles`` tiles per split (the
+    pipelined loop overlaps the second tile's copies with the first tile's math, and fewer partials make the
+    merge one pass: 1 x 4K 12.6 µs at 30 splits of two tiles vs 13.4 at 59 of one; docs/KERNELS.md). The
+    bounds meet at large batch: 2730 tokens gives 12 splits at 16 x 32K and 48 at 16 x 128K (whole-wave counts
+    37-99 were no faster there); batch 1 from 32K stays at 1024 programs.
+    """
+    del device  # the measured choice does not depend on the SM count within H100/H200; kept for callers
+    want = max(math.ceil(hist_capacity / tokens_per_split), math.ceil(min_programs / max(batch * h_kv, 1)))
+    most = max(1, math.ceil(hist_capacity / (min_tiles * block_n)))
+    return max(1, min(want, most, 256))
+
+
+# Stage-1 programs per (batch, KV head) that share the BF16 sink + recent rows (320 at the defaults): one program
+# looping over all of them was the critical path at short contexts (docs/KERNELS.md); 8 ranges are at most 3
+# one-warp tiles of 16 rows each.
+TIER_PARTS = 8
+
+
+def make_workspace(batch: int, h_q: int, d: int, num_splits: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for the partials: ``o float32 [B, H_q, S+TIER_PARTS, D]``, ``lse float32 [B, H_q, S+TIER_PARTS]``."""
+    n = num_splits + TIER_PARTS
+    return (torch.empty(batch, h_q, n, d, dtype=torch.float32, device=device),
+            torch.empty(batch, h_q, n, dtype=torch.float32, device=device))
+
+
+def _lengths(name: str, v: torch.Tensor | int, b: int, cap: int, dev: torch.device) -> torch.Tensor:
+    if isinstance(v, int):
+        if not 0 <= v <= cap:
+            raise ValueError(f"{name}: {v} outside [0, {cap}]")
+        return torch.full((b,), v, dtype=torch.int32, device=dev)
+    check_tensor(name, v, f"int32 [{b}]", (b,), (torch.int32,), dev)
+    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and b and (int(v.min()) < 0 or int(v.max()) > cap):
+        raise ValueError(f"{name}: values outside [0, {cap}]")
+    return v
+
+
+def _tier(name: str, t: torch.Tensor, b: int, h_kv: int, d: int, act: torch.dtype, dev: torch.device) -> None:
+    check_tensor(name, t, f"{act} [{b}, {h_kv}, T, {d}] (last dim contiguous)", (b, h_kv, None, d), (act,), dev)
+    if t.stride(-1) != 1:
+        raise bad_tensor(name, t, "a last dim with stride 1")
+
+
+class DecodePlan:
+    """A validated decode launch: check once, :meth:`run` many times (CUDA-graph capturable).
+
+    The plan keeps references to its tensors; refill them in place (new q, new cache rows, new lengths) and call
+    :meth:`run` again, or capture :meth:`run` in a CUDA graph and replay it. Arguments as in
+    :func:`decode_attention`.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k_cache: QuantizedRows, v_cache: QuantizedRows, block_table: torch.Tensor,
+        hist_len: torch.Tensor | int, sink_k: torch.Tensor, sink_v: torch.Tensor, sink_len: torch.Tensor | int,
+        recent_k: torch.Tensor, recent_v: torch.Tensor, recent_len: torch.Tensor | int, *,
+        rotation_k: torch.Tensor | None = None, rotation_v: torch.Tensor | None = None,
+        mean_v: torch.Tensor | None = None, sm_scale: float | None = None, num_splits: int | None = None,
+        config: DecodeConfig | None = None, out: torch.Tensor | None = None,
+        workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
+    ) -> None:
+        cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1)
+        dev = q.device
+        if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
+            cfg = replace(cfg, pdl=False)
+        if cfg.prefetch and dev.type != "cuda":  # an inline-PTX cache hint: nothing to run in the interpreter
+            cfg = replace(cfg, prefetch=False)
+        if not 1 <= cfg.hist_stages <= 8:
+            raise ConfigError(f"config: hist_stages must be in 1..8, got {cfg.hist_stages}")
+        if cfg.block_n % 4 or cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1) or \
+                (dev.type == "cuda" and cfg.block_n < 64):
+            raise ConfigError(f"config: block_n must be a power of two >= 64 (>= 16 in the interpreter), got {cfg}")
+        if q.dim() != 3 or q.dtype not in ACT or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
+            raise bad_tensor("q", q, "bf16/fp16 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
+        b, h_q, d = q.shape
+        e_prog = cfg.merge_cols or (d if b * h_q >= 128 else 32)
+        if e_prog not in (32, d) or cfg.merge_block_p < 2 or cfg.merge_block_p & (cfg.merge_block_p - 1):
+            raise ConfigError(f"config: merge_cols must be 0, 32 or {d} and merge_block_p a power of two >= 2, got "
+                              f"{cfg.merge_cols}, {cfg.merge_block_p}")
+        kc = k_cache.packed
+        if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
+            raise bad_tensor("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
+        h_kv, page = int(kc.shape[1]), int(kc.shape[2])
+        vrow = _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged) // 4
+        check_tensor("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
+        if not paged and (block_table.shape[1] != 1 or kc.shape[0] != b):
+            raise ValueError("paged=False needs k_cache [B, H_kv, T, D/4] and a [B, 1] block table (page b = row b)")
+        if paged and page % 4:
+            raise ValueError(f"k_cache.packed: the page size must be a multiple of 4 (token quads), got {page}")
+        if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and block_table.numel():
+            if int(block_table.min()) < 0 or int(block_table.max()) >= kc.shape[0]:
+                raise ValueError(f"block_table: entries outside [0, {kc.shape[0]})")
+        cap = int(block_table.shape[1]) * page
+        hl = _lengths("hist_len", hist_len, b, cap, dev)
+        for nm, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
+            _tier(nm, t, b, h_kv, d, q.dtype, dev)
+        if sink_k.stride() != sink_v.stride() or recent_k.stride() != recent_v.stride():
+            raise ValueError("sink_k/sink_v and recent_k/recent_v must share strides")
+        sl = _lengths("sink_len", sink_len, b, int(sink_k.shape[2]), dev)
+        rl = _lengths("recent_len", recent_len, b, int(recent_k.shape[2]), dev)
+        rk, rk_stride = rotation_arg("rotation_k", rotation_k, h_kv, d, dev)
+        rv, rv_stride = rotation_arg("rotation_v", rotation_v, h_kv, d, dev)
+        mu, mu_stride = mean_arg("mean_v", mean_v, h_kv, d, dev)
+        if rk is None:
+            rk, rk_stride = torch.eye(d, dtype=torch.float32, device=dev), 0
+        s = num_splits or default_num_splits(b, h_kv, cap, cfg.block_n, dev)
+        o_part, lse_part = workspace if workspace is not None else make_workspace(b, h_q, d, s, dev)
+        n_parts = s + TIER_PARTS
+        check_tensor("workspace[0]", o_part, f"float32 [{b}, {h_q}, {n_parts}, {d}]", (b, h_q, n_parts, d), (torch.float32,), dev)
+        check_tensor("workspace[1]", lse_part, f"float32 [{b}, {h_q}, {n_parts}]", (b, h_q, n_parts), (torch.float32,), dev)
+        if out is None:
+            out = torch.empty(b, h_q, d, dtype=q.dtype, device=dev)
+        check_tensor("out", out, f"{q.dtype} [{b}, {h_q}, {d}]", (b, h_q, d), (q.dtype,), dev)
+        if out.stride(-1) != 1:
+            raise bad_tensor("out", out, "a contiguous last dim")
+        vc = v_cache.packed
+        g = h_q // h_kv
+        gp = max(cfg.min_gp, 1 << (g - 1).bit_length())
+        scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
+        q_rot = torch.empty_like(q)
+        self.out, self.num_splits, self.config = out, s, cfg
+        self._kernels = triton_modules()[1]
+        self._rot: tuple[Any, ...] = ((b * h_kv, d // 32), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
+                                   q_rot.stride(1), scale),
+                     dict(H_KV=h_kv, GROUP=g, GP=max(16, gp), D=d, BLOCK_E=32, PREC="tf32x3",
+                          PDL=cfg.pdl, num_warps=4))
+        ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
+        self._stage1: tuple[Any, ...] = ((b * h_kv, n_parts), (
+            q_rot, q_rot.stride(0), q_rot.stride(1), kc, kc.stride(0), kc.stride(1),
+            vc, vc.stride(0), vc.stride(1),
+            ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl,
+            sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
+            recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
+            o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1), s),
+            dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
+                 ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
+                 VROW=vrow,
+                 HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
+                 num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
+        self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
+            o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
+            out, out.stride(0), out.stride(1), n_parts),
+            dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32, BLOCK_P=cfg.merge_block_p,
+                 HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl, num_warps=4,
+                 **({"launch_pdl": True} if cfg.pdl else {})))
+
+    def run(self) -> torch.Tensor:
+        """Launch the three kernels (rotate q, stage 1, merge + rotate back); returns ``out [B, H_q, D]``."""
+        k = self._kernels
+        k._rotate_q_kernel[self._rot[0]](*self._rot[1], **self._rot[2])
+        LAST_LAUNCH["stage1"] = k._decode_stage1_kernel[self._stage1[0]](*self._stage1[1], **self._stage1[2])
+        k._merge_rotate_kernel[self._merge[0]](*self._merge[1], **self._merge[2])
+        return self.out
+
+
+def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tensor, h_kv: int, page: int,
+                 dev: torch.device, paged: bool = True) -> int:
+    """Keys: quarter-packed rows ``[pages, H_kv, P, D/4]``; values: token quads ``[pages, H_kv, P/R·D, R/4]`` with
+    ``R = min(P, 64)`` tokens per row (paged; pages above 64 tokens are multiples of 64), ``[B, H_kv, ⌈T/64⌉·D, 16]``
+    (non-paged). Returns ``R``."""
+    d = 4 * int(kc.shape[-1])
+    if paged and page > TOKEN_QUAD_ROW and page % TOKEN_QUAD_ROW:
+        raise ValueError(f"k_cache.packed: pages above {TOKEN_QUAD_ROW} tokens must be multiples of "
+                         f"{TOKEN_QUAD_ROW} (token-quad rows), got {page}")
+    row = token_quad_row(page) if paged else TOKEN_QUAD_ROW
+    vshape = (kc.shape[0], h_kv, d * max(1, -(-page // row)), (row + 3) // 4)
+    check_tensor("v_cache.packed", v_cache.packed, f"uint8 {list(vshape)} (token quads)", vshape, (torch.uint8,), dev)
+    vc = v_cache.packed
+    if vc.stride(-1) != 1:
+        raise bad_tensor("v_cache.packed", vc, "a contiguous last dim (token quads)")
+    if kc.stride(-1) != 1 or kc.stride(-2) != kc.shape[-1]:
+        raise bad_tensor("k_cache.packed", kc, "contiguous rows")
+    for nm, rows in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for part in ("scale", "zero"):
+            t = getattr(rows, part)
+            check_tensor(f"{nm}.{part}", t, f"[pages, {h_kv}, {page}, 1] (G = D)", (kc.shape[0], h_kv, page, 1), META, dev)
+            if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
+                raise bad_tensor(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
+    return row
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: QuantizedRows, v_cache: QuantizedRows, block_table: torch.Tensor,
+    hist_len: torch.Tensor | int, sink_k: torch.Tensor, sink_v: torch.Tensor, sink_len: torch.Tensor | int,
+    recent_k: torch.Tensor, recent_v: torch.Tensor, recent_len: torch.Tensor | int, **kwargs: Any,
+) -> torch.Tensor:
+    """One decode step: ``softmax(q·Kᵀ)·V`` over sink + INT2 history + recent, back in the model's space.
+
+    Args:
+        q: ``[B, H_q, D]`` bf16/fp16 post-RoPE queries, **not** rotated (``q @ R_K`` happens on the GPU).
+        k_cache: paged INT2 keys (``packed uint8 [pages, H_kv, P, D/4]``, quarter-packed contiguous rows),
+            v_cache: paged INT2 values in token quads (``packed uint8 [pages, H_kv, P/R·D, R/4]``, R = min(P, 64), from
+            :func:`new_paged_cache` with ``layout="token_quads"``); both with ``scale``/``zero``
+            ``md [pages, H_kv, P, 1]`` (the kernel supports ``G = D``) of identical strides; ``P % 4 == 0``.
+        block_table: int32 ``[B, max_pages]``; hist_len: int32 ``[B]`` (or an int for all rows).
+        sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` in q's dtype, rotated (and centred)
+            like the INT2 tier; sink_len, recent_len: int32 ``[B]`` valid rows per sequence (or ints).
+        kwargs: ``rotation_k`` (``R_K`` ``[D, D]``/``[H_kv, D, D]`` float32), ``rotation_v`` and ``mean_v``
+            (output ``(o + mu_V) @ R_Vᵀ``; None = identity / zero), ``sm_scale`` (default ``D**-0.5``),
+            ``num_splits`` (default from static shapes), ``config`` (:class:`DecodeConfig`), ``out``
+            (``[B, H_q, D]`` result buffer), ``workspace`` (from :func:`make_workspace`).
+
+    Returns:
+        ``out [B, H_q, D]`` in q's dtype.
+    """
+    return DecodePlan(q, k_cache, v_cache, block_table, hist_len, sink_k, sink_v, sink_len,
+                      recent_k, recent_v, recent_len, **kwargs).run()
+
+
+def decode_attention_contiguous(
+    q: torch.Tensor, hist_k: QuantizedRows, hist_v: QuantizedRows,
+    sink_k: torch.Tensor, sink_v: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor, *,
+    hist_len: torch.Tensor | int | None = None, sink_len: torch.Tensor | int | None = None,
+    recent_len: torch.Tensor | int | None = None, **kwargs: Any,
+) -> torch.Tensor:
+    """:func:`decode_attention` over a non-paged cache (the transformers cache's layout).
+
+    Args:
+        q: ``[B, H_q, D]`` or ``[B, H_q, 1, D]`` (the result has the same shape).
+        hist_k: ``packed uint8 [B, H_kv, T, D/4]``; hist_v: token quads ``packed uint8 [B, H_kv, D, ⌈T/4⌉]``
+            (``reference.rows_to_token_quads``); both with ``scale``/``zero`` ``[B, H_kv, T, 1]``.
+        sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` rotated tiers.
+        hist_len, sink_len, recent_len: valid rows per sequence (default: all ``T`` rows).
+        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, num_splits, config, out, workspace).
+    """
+    squeeze = q.dim() == 4
+    if squeeze:
+        if q.shape[2] != 1:
+            raise bad_tensor("q", q, "[B, H_q, 1, D] (one decode query per sequence)")
+        q = q[:, :, 0]
+    b = int(q.shape[0])
+    pk = hist_k.packed
+    if pk.dim() != 4 or pk.shape[0] != b:
+        raise bad_tensor("hist_k.packed", pk, f"uint8 [{b}, H_kv, T, D/4]")
+    t = int(pk.shape[2])
+    table = torch.arange(b, dtype=torch.int32, device=q.device).unsqueeze(1)  # one page of T rows per sequence
+    out = decode_attention(
+        q, hist_k, hist_v, table, t if hist_len is None else hist_len,
+        sink_k, sink_v, int(sink_k.shape[2]) if sink_len is None else sink_len,
+        recent_k, recent_v, int(recent_k.shape[2]) if recent_len is None else recent_len, paged=False, **kwargs)
+    return out.unsqueeze(2) if squeeze else out

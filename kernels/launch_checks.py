@@ -1,0 +1,58 @@
+"""Argument checks shared by the launchers in :mod:`oscar_kernels.ops` (write and decode): each names the tensor,
+its shape, dtype and device (never its data) in a ``ValueError``; plus the lazy import of the Triton modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ACT = (torch.bfloat16, torch.float16)  # activation dtypes the kernels take
+META = (torch.bfloat16, torch.float16, torch.float32)  # scale/zero dtypes
+
+
+def triton_modules() -> tuple[Any, Any]:
+    """Import the Triton modules lazily (``TRITON_INTERPRET`` is read when they are first imported)."""
+    from oscar_kernels import int2_decode, int2_pack
+
+    return int2_pack, int2_decode
+
+
+def bad_tensor(name: str, t: torch.Tensor, expected: str) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def check_tensor(name: str, t: Any, expected: str, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
+           device: torch.device) -> None:
+    """Raise ValueError naming ``t`` (shape, dtype, device; never data) unless it matches."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor {expected}, got {type(t).__name__}")
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape, strict=True))
+    if not ok or t.dtype not in dtypes or t.device != device:
+        raise bad_tensor(name, t, f"{expected} on {device}")
+
+
+def triton_dtype(dtype: torch.dtype) -> Any:
+    import triton.language as tl
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def rotation_arg(name: str, r: torch.Tensor | None, h_kv: int, d: int, dev: torch.device) -> tuple[torch.Tensor | None, int]:
+    """Rotation ``[D, D]`` or ``[H_kv, D, D]`` float32 -> (contiguous tensor, head stride)."""
+    if r is None:
+        return None, 0
+    shape: tuple[int, ...] = (d, d) if r.dim() == 2 else (h_kv, d, d)
+    check_tensor(name, r, f"float32 {list(shape)}", shape, (torch.float32,), dev)
+    r = r.contiguous()
+    return r, (0 if r.dim() == 2 else d * d)
+
+
+def mean_arg(name: str, m: torch.Tensor | None, h_kv: int, d: int, dev: torch.device) -> tuple[torch.Tensor | None, int]:
+    if m is None:
+        return None, 0
+    shape: tuple[int, ...] = (d,) if m.dim() == 1 else (h_kv, d)
+    check_tensor(name, m, f"float32 {list(shape)}", shape, (torch.float32,), dev)
+    m = m.contiguous()
+    return m, (0 if m.dim() == 1 else d)

@@ -1,0 +1,121 @@
+"""Write-side launchers: empty paged INT2 storage and quantize-on-write (``int2_pack``), re-exported by
+:mod:`oscar_kernels.ops` (its docstring has the paged layout).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from oscar_kernels.launch_checks import ACT, META, bad_tensor, check_tensor, mean_arg, rotation_arg, triton_modules
+from oscar_kernels.reference import TOKEN_QUAD_ROW, QuantizedRows, token_quad_row
+
+LAYOUTS = ("rows", "token_quads")
+
+
+def new_paged_cache(num_pages: int, h_kv: int, page_size: int, d: int, group_size: int | None = None,
+                    meta_dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                    layout: str = "rows") -> QuantizedRows:
+    """Empty paged INT2 storage; scale/zero ``[num_pages, H_kv, P, D/G]``.
+
+    ``layout="rows"`` (keys): codes ``uint8 [num_pages, H_kv, P, D/4]``, quarter packing.
+    ``layout="token_quads"`` (values, what the decode kernel reads): codes ``uint8 [num_pages, H_kv, P/R·D, R/4]``
+    with ``R = min(P, 64)`` tokens per row (``reference.pack_token_quads``; ``P % 16 == 0`` so that every row is
+    whole 32-bit words, and pages above 64 tokens are multiples of 64: each 64-token tile is ``D`` rows of 16
+    contiguous bytes).
+    """
+    g = d if group_size is None else group_size
+    if layout == "token_quads":
+        if page_size % 16 or (page_size > TOKEN_QUAD_ROW and page_size % TOKEN_QUAD_ROW):
+            raise ValueError(f"page_size: token quads need a multiple of 16 (of 64 above 64), got {page_size}")
+        row = token_quad_row(page_size)
+        codes = torch.zeros(num_pages, h_kv, page_size // row * d, row // 4, dtype=torch.uint8, device=device)
+    elif layout == "rows":
+        codes = torch.zeros(num_pages, h_kv, page_size, d // 4, dtype=torch.uint8, device=device)
+    else:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    scale = torch.zeros(num_pages, h_kv, page_size, d // g, dtype=meta_dtype, device=device)
+    return QuantizedRows(codes, scale, torch.zeros_like(scale))
+
+
+def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
+                   rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
+                   clip_ratio: float = 0.0, block_t: int = 16, num_warps: int = 4, layout: str = "rows") -> None:
+    """Quantize rows and scatter them into a paged cache, in one launch for all tokens and KV heads.
+
+    Args:
+        x: ``[N, H_kv, D]`` bf16/fp16/fp32 post-RoPE keys or values (last dim contiguous).
+        cache: paged storage from :func:`new_paged_cache` with the same ``layout`` (``"rows"``:
+            ``packed [pages, H_kv, P, D/4]``; ``"token_quads"``: ``packed [pages, H_kv, P/R·D, R/4]``, R = min(P, 64)).
+        slots: int64 ``[N]``: destination ``page * P + offset``; negative = skip the row.
+        rotation: float32 ``[D, D]`` or ``[H_kv, D, D]``; mean: float32 ``[D]`` or ``[H_kv, D]`` (rotated space).
+        clip_ratio: as in ``reference.clip_rows`` (sort-based threshold; ``<= 0``: off).
+    """
+    dev = x.device
+    if x.dim() != 3 or x.dtype not in (*ACT, torch.float32) or x.shape[-1] % 16 or x.stride(-1) != 1:
+        raise bad_tensor("x", x, "bf16/fp16/fp32 [N, H_kv, D] with D % 16 == 0 and contiguous rows")
+    n, h_kv, d = x.shape
+    codes, scale, zero = cache.packed, cache.scale, cache.zero
+    tq = layout == "token_quads"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if tq:
+        check_tensor("cache.packed", codes, f"uint8 [pages, {h_kv}, P/R·{d}, R/4]", (None, h_kv, None, None), (torch.uint8,),
+               dev)
+        row = 4 * int(codes.shape[-1])
+        blocks = int(codes.shape[2]) // d
+        if int(codes.shape[2]) % d or blocks < 1 or (blocks > 1 and row != TOKEN_QUAD_ROW):
+            raise bad_tensor("cache.packed", codes, f"token-quad pages [pages, {h_kv}, P/R·{d}, R/4] (R = min(P, 64))")
+        if codes.shape[-1] % 4 or codes.stride(-1) != 1 or codes.stride(-2) != codes.shape[-1] or \
+                codes.stride(1) % 4 or codes.stride(0) % 4 or codes.storage_offset() % 4:
+            raise bad_tensor("cache.packed", codes, "contiguous token-quad pages of whole 32-bit words (P % 16 == 0)")
+        page_size = blocks * row
+    else:
+        check_tensor("cache.packed", codes, f"uint8 [pages, {h_kv}, P, {d // 4}]", (None, h_kv, None, d // 4),
+               (torch.uint8,), dev)
+        page_size = int(codes.shape[2])
+    ng = int(scale.shape[-1]) if scale.dim() == 4 else 0
+    if ng <= 0 or d % ng or (d // ng) & (d // ng - 1):
+        raise bad_tensor("cache.scale", scale, f"[pages, {h_kv}, P, D/G] with G a power of two dividing {d}")
+    check_tensor("cache.scale", scale, f"[pages, {h_kv}, P, {ng}]", (codes.shape[0], h_kv, page_size, ng), META, dev)
+    check_tensor("cache.zero", zero, f"{scale.dtype} {list(scale.shape)}", tuple(scale.shape), (scale.dtype,), dev)
+    if zero.stride() != scale.stride() or codes.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("cache: scale and zero must share strides and have contiguous last dims")
+    check_tensor("slots", slots, f"int64 [{n}]", (n,), (torch.int64,), dev)
+    r, r_stride = rotation_arg("rotation", rotation, h_kv, d, dev)
+    mu, mu_stride = mean_arg("mean", mean, h_kv, d, dev)
+    if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and n and int(slots.max()) >= codes.shape[0] * page_size:
+        raise ValueError(f"slots: max slot {int(slots.max())} >= pages*P = {codes.shape[0] * page_size}")
+    if n == 0:
+        return
+    clip_idx = min(int(clip_ratio * d), d - 1) if clip_ratio > 0 else -1
+    pack, _ = triton_modules()
+    grid = (math.ceil(n / block_t), h_kv)
+    pack._quantize_write_kernel[grid](
+        x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_stride,
+        slots, codes.view(torch.int32) if tq else codes, codes.stride(0), codes.stride(1), codes.stride(2),
+        scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
+        n, page_size, row if tq else 0, clip_idx,
+        D=d, G=d // ng, BLOCK_T=block_t, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
+        TQ=tq, num_warps=num_warps,
+    )
+
+
+def quantize_rows(x: torch.Tensor, rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
+                  clip_ratio: float = 0.0, group_size: int | None = None,
+                  meta_dtype: torch.dtype = torch.bfloat16) -> QuantizedRows:
+    """Triton twin of ``reference.quantize_rows`` for ``x [B, H_kv, T, D]`` -> packed ``[B, H_kv, T, D/4]``."""
+    if x.dim() != 4:
+        raise bad_tensor("x", x, "[B, H_kv, T, D]")
+    b, h_kv, t, d = x.shape
+    rows = x.permute(0, 2, 1, 3).reshape(b * t, h_kv, d).contiguous()
+    cache = new_paged_cache(b * t, h_kv, 1, d, group_size, meta_dtype, x.device)
+    slots = torch.arange(b * t, dtype=torch.int64, device=x.device)
+    quantize_write(rows, cache, slots, rotation=rotation, mean=mean, clip_ratio=clip_ratio)
+
+    def back(u: torch.Tensor) -> torch.Tensor:
+        return u.reshape(b, t, h_kv, -1).permute(0, 2, 1, 3).contiguous()
+
+    return QuantizedRows(back(cache.packed), back(cache.scale), back(cache.zero))
