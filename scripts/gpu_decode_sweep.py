@@ -84,7 +84,9 @@ def sanitize() -> None:
 def measure(cfg: ops.DecodeConfig, batch: int, ctx: int, splits: int | None = None) -> None:
     bc = BenchConfig(shape=SHAPE, rep_ms=40)
     try:
-        us, g, s = bench_int2(SHAPE, batch, ctx, bc, DEV, L2, decode_config=cfg, splits=splits)
+        plans, _, s = int2_plans(SHAPE, batch, ctx, bc, DEV, L2, cfg, splits)
+        us, g = bench_int2(plans, bc.rep_ms)
+        del plans
     except Exception as exc:  # noqa: BLE001 - recorded
         R["errors"].append({"cfg": cfg.__dict__, "cell": [batch, ctx], "error": repr(exc)[:500]})
         print("ERROR", cfg, batch, ctx, repr(exc)[:300], flush=True)

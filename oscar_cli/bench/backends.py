@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from oscar_cli.bench.cases import bf16_bytes, int2_plans, orthogonal
+from oscar_cli.bench.cases import bf16_bytes, orthogonal
 from oscar_cli.bench.config import BenchConfig
 from oscar_cli.bench.shapes import AttnShape
 from oscar_cli.bench.timing import cycle, graph_over, median_us, rotating
@@ -18,22 +18,12 @@ from oscar_cli.bench.timing import cycle, graph_over, median_us, rotating
 log = logging.getLogger(__name__)
 
 
-def bench_int2(
-    shape: AttnShape,
-    batch: int,
-    ctx: int,
-    cfg: BenchConfig,
-    device: torch.device,
-    l2: int,
-    decode_config: Any = None,
-    splits: int | None = None,
-    graphs: bool = True,
-) -> tuple[float, float | None, int]:
-    """(eager µs, graph µs, splits) of one INT2 decode step over rotating caches."""
-    plans, _, s = int2_plans(shape, batch, ctx, cfg, device, l2, decode_config, splits)
-    eager = median_us(cycle(plans, lambda p: p.run()), cfg.rep_ms)
-    g = graph_over(plans, lambda p: p.run(), cfg.rep_ms) if graphs else None
-    return eager, g, s
+def bench_int2(plans: list[Any], rep_ms: int, graphs: bool = True) -> tuple[float, float | None]:
+    """(eager µs, graph µs) of one INT2 decode step, cycling over the rotating caches' launch plans
+    (:func:`~oscar_cli.bench.cases.int2_plans`)."""
+    eager = median_us(cycle(plans, lambda p: p.run()), rep_ms)
+    g = graph_over(plans, lambda p: p.run(), rep_ms) if graphs else None
+    return eager, g
 
 
 def bench_bf16(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from oscar_cli.bench.backends import bench_bf16, bench_int2, bench_quantize, flashinfer_version, has_flashinfer
-from oscar_cli.bench.cases import int2_bytes
+from oscar_cli.bench.cases import int2_bytes, int2_plans
 from oscar_cli.bench.config import BenchConfig
 from oscar_cli.bench.environment import environment, require_cuda
 from oscar_cli.bench.report import BenchResult, CellResult
@@ -35,7 +35,9 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
         for ctx in config.contexts:
             if progress:
                 progress(f"batch {batch} x ctx {ctx}")
-            i_us, i_g, s = bench_int2(config.shape, batch, ctx, config, device, l2, graphs=config.graphs)
+            plans, _, s = int2_plans(config.shape, batch, ctx, config, device, l2)
+            i_us, i_g = bench_int2(plans, config.rep_ms, graphs=config.graphs)
+            del plans  # the INT2 caches are freed before the BF16 ones are allocated
             b_us, b_g = bench_bf16(config.shape, batch, ctx, config, device, l2, graphs=config.graphs)
             cells.append(_cell(config, batch, ctx, s, i_us, i_g, b_us, b_g, copy))
             torch.cuda.empty_cache()
