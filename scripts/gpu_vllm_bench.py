@@ -7,7 +7,10 @@ merge into one JSON file (``--out``, key ``MODEL/BACKEND/STAGE[/CTX]``).
 Stages:
   smoke       a tiny Qwen3-shaped engine (random weights, or --model/--artifact) generates 8 tokens for 2 prompts
               with oscar INT2 and with BF16, printing both (run this first: it exercises plugin registration, the
-              page spec, quantize-on-write, chunked prefill through the INT2 history, decode and CUDA graphs)
+              page spec, quantize-on-write, chunked prefill through the INT2 history, decode and CUDA graphs);
+              --debug-steps: per-step wall times of the generation (engine steps one at a time), the backend's
+              per-step lines (OSCAR_VLLM_DEBUG_STEPS=1: metadata builds, the first layer's forward time) and every
+              process's Python stacks each --stacks-every seconds (OSCAR_VLLM_STACKS_EVERY): a stall shows where
   capacity    the KV-cache capacity vLLM reports (blocks x block size, tokens) at --gpu-mem
   throughput  output tokens/s for a batch of --ctx-token prompts (random ids), 256 output tokens each; the batch is
               as many as the backend's KV capacity holds (at most --max-num-seqs)
@@ -24,6 +27,7 @@ local HF model directory.
 GPU machine (vLLM from staged wheels; see scripts/ and ../shared/tools/README.md):
   export PYTHONPATH=/tmp/vsite:$PWD
   python3 scripts/gpu_vllm_bench.py --stage smoke --out $OUT/vllm.json
+  python3 scripts/gpu_vllm_bench.py --stage smoke --debug-steps --backends oscar --runner v1 --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage capacity --backend oscar --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage throughput --backend bf16 --ctx 32k --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage tpot --backend oscar --ctx 4k,32k,128k --out $OUT/vllm.json
@@ -164,6 +168,28 @@ def generate(llm: Any, ps: list[Any], tokens: int) -> tuple[float, list[list[int
     return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def generate_stepwise(llm: Any, ps: list[Any], tokens: int) -> tuple[float, list[list[int]]]:
+    """:func:`generate` one engine step at a time, printing each step's wall time and finished requests."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, sp)
+    done: dict[str, list[int]] = {}
+    t = time.perf_counter()
+    step = 0
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = eng.step()
+        step += 1
+        fin = [o for o in outs if o.finished]
+        done.update({o.request_id: list(o.outputs[0].token_ids) for o in fin})
+        print(f"[step {step}] {1e3 * (time.perf_counter() - t0):.1f} ms, {len(outs)} outputs, "
+              f"{len(fin)} finished", flush=True)
+    return time.perf_counter() - t, [done[str(i)] for i in range(len(ps))]
+
+
 def shutdown(llm: Any) -> None:
     import torch
 
@@ -184,13 +210,23 @@ def save(out: Path, key: str, value: dict[str, Any]) -> None:
 def smoke(args: argparse.Namespace, model: str, dummy: bool, artifact: str | None) -> None:
     ps = prompts(1, 700, args.vocab, 1) + prompts(1, 100, args.vocab, 2)  # one past S0 + W, one shorter
     args.chunk = 256  # the 700-token prompt prefills in 3 chunks: later ones attend through the INT2 history
-    res = {}
-    for backend in ("oscar", "bf16"):
+    res: dict[str, Any] = {}
+    backends = [b.strip() for b in args.backends.split(",")]
+    if not backends or any(b not in KV_DTYPES for b in backends):
+        raise SystemExit(f"--backends: expected a comma list of {sorted(KV_DTYPES)}, got {args.backends!r}")
+    if args.debug_steps:  # inherited by the engine-core process (oscar_cli/vllm/debug.py)
+        os.environ["OSCAR_VLLM_DEBUG_STEPS"] = "1"
+        os.environ["OSCAR_VLLM_STACKS_EVERY"] = str(args.stacks_every)
+    for backend in backends:
         llm = engine(model, dummy, backend, artifact, args, 2048, 0.3)
-        _, toks = generate(llm, ps, 8)
-        res[backend] = {"tokens": toks, **engine_facts(llm)}
-        print(f"[{backend}] {toks}  kv_tokens={res[backend]['kv_tokens']} graphs={res[backend]['cudagraph_mode']}")
+        wall, toks = (generate_stepwise if args.debug_steps else generate)(llm, ps, 8)
+        res[backend] = {"tokens": toks, "generate_s": wall, **engine_facts(llm)}
+        print(f"[{backend}] {toks}  kv_tokens={res[backend]['kv_tokens']} graphs={res[backend]['cudagraph_mode']} "
+              f"generate {wall:.2f} s")
         shutdown(llm)
+    if set(backends) != {"oscar", "bf16"}:
+        save(args.out, f"{args.model_name}/smoke/{'+'.join(backends)}", res)
+        return
     agree = [sum(a == b for a, b in zip(x, y, strict=True)) for x, y in zip(res["oscar"]["tokens"],
                                                                              res["bf16"]["tokens"], strict=True)]
     res["agreement"] = {"matching_tokens": agree, "of": 8}
@@ -248,10 +284,22 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=0, help="default: the largest --ctx + out tokens + 64")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (diagnosis only: no CUDA graphs)")
     ap.add_argument("--cudagraph-mode", help="vLLM's compilation_config.cudagraph_mode (default: vLLM's choice)")
+    ap.add_argument("--backends", default="oscar,bf16", help="smoke: the engines to run, in order")
+    ap.add_argument("--debug-steps", action="store_true",
+                    help="smoke: per-step timings and the backend's step log, periodic stack dumps")
+    ap.add_argument("--stacks-every", type=float, default=60.0, help="with --debug-steps: seconds between dumps")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="oscar: decode kernels without programmatic dependent launches (OSCAR_VLLM_PDL=0)")
+    ap.add_argument("--runner", choices=["auto", "v1", "v2"], default="auto",
+                    help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; auto: vLLM's choice)")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "oscar-vllm-bench")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.no_pdl:
+        os.environ["OSCAR_VLLM_PDL"] = "0"
+    if args.runner != "auto":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     expose_plugin()
     ctxs = parse_ctx(args.ctx)
     dummy = args.model == "qwen3-8b-dummy" or args.stage == "smoke" and not Path(args.model).is_dir()

@@ -13,6 +13,7 @@ K and V codes, K and V scale/zero), carved into the kernels' paged K rows and V 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,8 +32,8 @@ from vllm.v1.attention.backend import (
 )
 
 from oscar_cli.errors import OscarError
-from oscar_cli.vllm import layout
-from oscar_cli.vllm.core import PagedInt2Layer, Step, build_step
+from oscar_cli.vllm import debug, layout
+from oscar_cli.vllm.core import PagedInt2Layer, Step, TritonKernels, build_step
 from oscar_cli.vllm.spec import Int2KVSpec, slot_bytes
 
 _log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         self.settings = rt.settings
         self.rows = layout.SequenceRows(rt.num_rows)
         self._checks_left = 3
+        self._source: str | None = None  # where _first_blocks found the block table (logged once)
         self.recent_state = torch.zeros(rt.num_rows + 1, 2, dtype=torch.int32, device=device)
         sched = vllm_config.scheduler_config
         graphs = int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
@@ -214,6 +216,8 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         return st
 
     def _step(self, cam: CommonAttentionMetadata, rows: list[int] | None) -> Step:
+        t0 = time.perf_counter()
+        capture = rows is not None
         qsl = cam.query_start_loc_cpu.tolist()
         seq_t = cam.seq_lens_cpu_upper_bound
         seq = (seq_t if seq_t is not None else cam.seq_lens.cpu()).tolist()[: cam.num_reqs]
@@ -224,15 +228,21 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         n = cam.num_actual_tokens
         st = build_step(cam.query_start_loc, qsl, cam.seq_lens, seq, cam.block_table_tensor, cam.slot_mapping[:n], n,
                         rows, self.recent_state, self.settings, cam.is_prefilling)
-        return self._persist(st)
+        st = self._persist(st)
+        debug.STEPS.build(t0, cam.num_reqs, st.num_decodes, len(st.prefills), n, max(seq, default=0), capture)
+        return st
 
     def _first_blocks(self, cam: CommonAttentionMetadata) -> list[int]:
         """The batch's first block ids (request identities). vLLM 0.25 keeps the block table on the host too (the
         device copy is made from it); the builder reads it from the calling model runner's frame, which costs no
-        device sync. Where that is not found (another runner), it reads the device table back (one sync per step).
-        The first builds check the host copy against the device one and raise on a difference."""
+        device sync. Where that is not found (vLLM's V2 model runner, the default where it applies, keeps no host
+        copy of the gathered table), it reads the device table back: one sync per step, which waits for the previous
+        step's GPU work. The first builds check the host copy against the device one and raise on a difference."""
         n = cam.num_reqs
         host = layout.host_first_blocks(n)
+        if self._source is None:
+            self._source = "host" if host is not None else "device"
+            debug.STEPS.note(f"oscar: request identities from the {self._source} block table")
         if host is None or self._checks_left > 0:
             device = cam.block_table_tensor[:n, 0].tolist()  # host sync
             if host is not None and host != device:
@@ -290,7 +300,8 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
             idx = layout.layer_index(layer.layer_name)
             self.core = PagedInt2Layer(self.rt.layers[idx], self.rt.settings, self.rt.num_rows, self.num_heads,
                                        self.num_kv_heads, self.head_size, self.rt.block_size, query.dtype,
-                                       query.device, sm_scale=self.scale)
+                                       query.device, sm_scale=self.scale,
+                                       kernels=TritonKernels(pdl=debug.pdl_override()))
         return self.core
 
     def _carve(self, kv_cache: torch.Tensor) -> Any:
@@ -314,9 +325,17 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
             return output.fill_(0)
         k_pages, v_pages = self._carve(kv_cache)
         out = output.view(-1, self.num_heads, self.head_size)
-        core.forward(query.view(-1, self.num_heads, self.head_size), key.view(-1, self.num_kv_heads, self.head_size),
-                     value.view(-1, self.num_kv_heads, self.head_size), k_pages, v_pages, attn_metadata.step, out,
-                     attend=_flash_attend)
+        st = attn_metadata.step
+
+        def run() -> None:
+            core.forward(query.view(-1, self.num_heads, self.head_size),
+                         key.view(-1, self.num_kv_heads, self.head_size), value.view(-1, self.num_kv_heads, self.head_size),
+                         k_pages, v_pages, st, out, attend=_flash_attend)
+
+        if debug.STEPS.enabled and layout.layer_index(layer.layer_name) == 0:
+            debug.STEPS.forward(run, st.num_decodes, len(st.prefills), query.device)
+        else:
+            run()
         return output
 
 

@@ -108,10 +108,12 @@ def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
 
 
 class TritonKernels:
-    """The two kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin."""
+    """The two kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin. ``pdl``:
+    overrides the decode config's programmatic dependent launches (None: the config's choice)."""
 
-    def __init__(self, decode_config: object | None = None) -> None:
+    def __init__(self, decode_config: object | None = None, pdl: bool | None = None) -> None:
         self.config = decode_config
+        self.pdl = pdl
 
     def quantize_write(self, x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, mean: torch.Tensor,
                        clip: float, layout: str) -> None:
@@ -123,11 +125,16 @@ class TritonKernels:
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
                recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
                out: torch.Tensor | None) -> torch.Tensor:
+        from dataclasses import replace
+
         from oscar_kernels import ops
 
+        cfg = self.config or ops.default_config(int(q.shape[0]))
+        if self.pdl is not None:
+            cfg = replace(cfg, pdl=self.pdl)  # type: ignore[type-var]
         return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
                               recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
-                              sm_scale=scale, config=self.config, out=out).run()  # type: ignore[arg-type]
+                              sm_scale=scale, config=cfg, out=out).run()  # type: ignore[arg-type]
 
 
 class PagedInt2Layer:

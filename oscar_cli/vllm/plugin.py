@@ -17,7 +17,11 @@ _log = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register the backend and the page-size hook (no-op on a second call)."""
+    """Register the backend and the page-size hook (no-op on a second call); arms the periodic stack dumps of
+    ``OSCAR_VLLM_STACKS_EVERY`` (:mod:`oscar_cli.vllm.debug`) in every vLLM process."""
+    from oscar_cli.vllm.debug import arm_stack_dumps
+
+    arm_stack_dumps()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     custom = AttentionBackendEnum.CUSTOM

@@ -1,0 +1,108 @@
+"""Opt-in step diagnostics of the INT2 backend in vLLM (no vLLM import; off unless an environment variable is set).
+
+- ``OSCAR_VLLM_DEBUG_STEPS=1``: one log line per metadata build (requests, decodes, prefill chunks, tokens, longest
+  sequence, build time; the build reads the block table back from the GPU, so its time includes waiting for the
+  previous step) and one per forward of the first attention layer (decode / prefill split, time to completion:
+  the forward is synchronized, so this slows the engine down). Forwards inside a CUDA-graph capture are not timed.
+- ``OSCAR_VLLM_PDL=0``: the decode kernels launch without programmatic dependent launches (an A/B switch for a
+  stall inside the decode's CUDA graph; ``1`` forces them on; unset: the measured default).
+- ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
+  every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
+
+Both are inherited by vLLM's engine-core process (set them before the engine starts).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+STEPS_ENV = "OSCAR_VLLM_DEBUG_STEPS"
+STACKS_ENV = "OSCAR_VLLM_STACKS_EVERY"
+_log = logging.getLogger("oscar_cli.vllm")
+_stacks_armed = False
+
+
+PDL_ENV = "OSCAR_VLLM_PDL"
+
+
+def pdl_override() -> bool | None:
+    raw = os.environ.get(PDL_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV}: expected 0 or 1, got {raw!r}")
+    return None if raw == "" else raw == "1"
+
+
+def steps_enabled() -> bool:
+    return os.environ.get(STEPS_ENV) == "1"
+
+
+def arm_stack_dumps() -> float | None:
+    """Start periodic stack dumps when ``OSCAR_VLLM_STACKS_EVERY`` is a positive number of seconds (once per
+    process); returns the period, or None when off. A malformed value is refused in one line."""
+    global _stacks_armed
+    raw = os.environ.get(STACKS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        every = float(raw)
+    except ValueError:
+        raise ValueError(f"{STACKS_ENV}: expected seconds (e.g. 60), got {raw!r}") from None
+    if every <= 0:
+        return None
+    if not _stacks_armed:
+        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
+        _stacks_armed = True
+    return every
+
+
+class StepLog:
+    """Counts steps and writes the per-step lines of ``OSCAR_VLLM_DEBUG_STEPS`` (a no-op object when it is off)."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = steps_enabled() if enabled is None else enabled
+        self.step = 0
+        self.lines: list[str] = []  # the latest lines (tests read them; bounded)
+
+    def _emit(self, line: str) -> None:
+        _log.warning("%s", line)  # vLLM shows warnings of any logger; info of foreign loggers may be dropped
+        self.lines = [*self.lines[-63:], line]
+
+    def note(self, line: str) -> None:
+        if self.enabled:
+            self._emit(line)
+
+    def build(self, t0: float, num_reqs: int, num_decodes: int, num_prefills: int, num_tokens: int,
+              max_seq: int, capture: bool) -> None:
+        if not self.enabled:
+            return
+        self.step += 1
+        kind = "capture" if capture else "step"
+        self._emit(f"oscar {kind} {self.step}: {num_reqs} requests ({num_decodes} decodes, {num_prefills} prefill "
+                   f"chunks), {num_tokens} tokens, longest {max_seq}; build {1e3 * (time.perf_counter() - t0):.1f} ms")
+
+    def forward(self, fn: Callable[[], Any], num_decodes: int, num_prefills: int, device: torch.device) -> Any:
+        """Run ``fn`` (one layer's forward); when enabled and not capturing a CUDA graph, synchronize and log its
+        time."""
+        cuda = device.type == "cuda"
+        if not self.enabled or (cuda and torch.cuda.is_current_stream_capturing()):
+            return fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        self._emit(f"oscar step {self.step} layer 0 forward: {num_decodes} decodes, {num_prefills} prefill chunks, "
+                   f"{1e3 * (time.perf_counter() - t0):.1f} ms")
+        return out
+
+
+STEPS = StepLog()  # shared by the metadata builder and the impls of this process
