@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from oscar_cli.errors import ArtifactError, EvalError
+from oscar_cli.method_registry import METHOD_NAMES, REGISTRY
 
 logger = logging.getLogger(__name__)
 
-ALL_METHODS = ["bf16", "naive-int2", "quarot-int2", "kivi-2", "oscar"]
-NEEDS_ARTIFACT = "oscar"
 
 
 def default_methods(artifact: str | None, *, reference: bool = True) -> tuple[list[str], str | None]:
@@ -27,14 +26,14 @@ def default_methods(artifact: str | None, *, reference: bool = True) -> tuple[li
     and calibrating one on the fly would silently spend minutes and pick data for the user).
     ``reference=False`` leaves out ``bf16`` (eval-kl computes it anyway as the reference).
     """
-    names = [m for m in ALL_METHODS if reference or m != "bf16"]
+    names = [m for m in METHOD_NAMES if reference or m != "bf16"]
     if artifact is not None:
         return names, None
     note = (
         "oscar is left out: no --artifact given (make one with `oscar calibrate MODEL`, then pass --artifact ART; "
         "or pull one: --artifact hf://ORG/NAME@REV)"
     )
-    return [m for m in names if m != NEEDS_ARTIFACT], note
+    return [m for m in names if not REGISTRY[m].needs_artifact], note
 
 
 def check_out_dir(out: str | Path, what: str = "--out") -> Path:
@@ -127,7 +126,7 @@ def build_methods(
         try:
             methods[m] = build_method(m, config, artifact, windows)
         except ArtifactError:
-            other = _rope_only_difference(artifact, config, resolved) if artifact and m == NEEDS_ARTIFACT else None
+            other = _rope_only_difference(artifact, config, resolved) if artifact and REGISTRY[m].needs_artifact else None
             if other is None:
                 raise
             methods[m] = build_method(m, other, artifact, windows)
