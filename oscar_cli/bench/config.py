@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from oscar_cli.bench.shapes import AttnShape
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,8 @@ class BenchConfig:
     contexts: tuple[int, ...] = (4096, 32768, 131072)
     dtype: str = "bf16"
     page_size: int = 64
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
     num_splits: int | None = None
     # DecodeConfig fields that replace ``oscar_kernels.ops.default_config(batch)``'s (``oscar bench --kernel``)
     kernel: tuple[tuple[str, Any], ...] = ()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEMOTION_BLOCK = 8  # tokens demoted from the BF16 recent window to INT2 at once (the reference cache's rule)
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK
 
 
 def meta_bytes(meta_dtype: str) -> int:
@@ -49,8 +49,8 @@ class Int2KVSpec:
     head_dim: int
     block_size: int
     meta: int = 2  # bytes per scale / zero
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
     act_bytes: int = 2  # bf16 / fp16 tiers
 
     @property
