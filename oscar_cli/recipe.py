@@ -76,6 +76,8 @@ class ClipConfig(Schema):
     """Clip ratios: published global values or a per-layer search on held-out tokens."""
 
     mode: Literal["search", "global"] = "search"
+    objective: Literal["mean", "topk"] = "mean"
+    topk_keys: Annotated[int, Field(ge=1, le=MAX_WINDOW)] = 8
     k_ratio: Ratio = 0.96
     v_ratio: Ratio = 0.92
     k_grid: FloatList = (0.0, 0.9, 0.92, 0.94, 0.96, 0.98)  # floors: docs/RESULTS.md, "Clip grid"

@@ -102,3 +102,57 @@ def test_nothing_to_search_when_the_bf16_tiers_cover_everything() -> None:
     p = LayerClipProblem(q, k, v, r, r, zeros, zeros, D**-0.5, sink=T, recent=T, group_size=None,
                          meta_dtype="bfloat16")
     assert not p.has_int2 and p.key_error(0.9) == 0.0
+
+
+def _needle_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A layer where the mean error and the top-k error disagree about clipping (head_dim 16, 128 keys).
+
+    Bulk keys carry a ±10 spike on channel 1 that no query reads: clipping it (0.9 clips each row's largest
+    entry to its second largest) sharpens INT2 on the channels queries do read, which the mean error rewards.
+    One needle key instead holds its whole signal on channel 0, which only the first 4 queries read; clipping
+    flattens it and those queries lose the key they concentrate on.
+    """
+    g = torch.Generator().manual_seed(seed)
+    t, tq, d = 128, 64, 16
+    k = torch.randn(1, 1, t, d, generator=g)
+    k[..., 0] = 0
+    k[..., 1] = 10 * torch.sign(torch.randn(1, 1, t, generator=g))
+    needle = t // 4
+    k[0, 0, needle, :2] = torch.tensor([5.0, 0.0])
+    q = torch.randn(1, 1, tq, d, generator=g)
+    q[..., :2] = 0
+    q[0, 0, :4] = 0
+    q[0, 0, :4, 0] = 4.0
+    return q, k, torch.randn(1, 1, t, d, generator=g), needle
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_topk_objective_keeps_the_clip_that_protects_the_most_attended_key(seed: int) -> None:
+    q, k, v, needle = _needle_case(seed)
+    args = (q, k, v, None, None, None, None, 16**-0.5, SINK, RECENT, None, "float32")
+    weight = {}
+    choices = {}
+    for objective in ("mean", "topk"):
+        p = LayerClipProblem(*args, objective=objective, topk_keys=4)
+        choices[objective] = search_clip([p], (0.0, 0.9), (0.0,))
+        weight[objective] = float(p.p_k[0, 0, :4, needle].mean())  # keys at the chosen ratio
+    exact = float(torch.softmax(LayerClipProblem(*args).logits, -1)[0, 0, :4, needle].mean())
+    assert choices["mean"].k_ratio == 0.9 and choices["topk"].k_ratio == 0.0
+    assert weight["mean"] < 0.2 * exact  # the mean error's clip takes the needle away from its queries
+    assert weight["topk"] > 0.5 * exact
+    # whatever the objective, the recorded error is the mean objective at the chosen ratios
+    mean_at_topk = LayerClipProblem(*args)
+    mean_at_topk.set_key_ratio(0.0)
+    assert choices["topk"].error == pytest.approx(mean_at_topk.value_error(0.0), rel=1e-6)
+    assert choices["topk"].error > choices["mean"].error
+
+
+def test_topk_objective_only_counts_int2_keys_and_is_zero_without_quantization_error() -> None:
+    q, k, v, r = _data(4)
+    zeros = torch.zeros(HKV, D)
+    p = LayerClipProblem(q, k, v, r, r, zeros, zeros, D**-0.5, SINK, RECENT, None, "float32", "topk", 3)
+    assert bool((p.top <= p.int2).all())  # never a BF16-tier or future key
+    assert int(p.top.sum(-1).max()) == 3
+    assert p.key_error(0.9) > 0 and p.value_error(0.9) > 0
+    with pytest.raises(ValueError, match="objective"):
+        LayerClipProblem(q, k, v, r, r, zeros, zeros, D**-0.5, SINK, RECENT, None, "float32", "median")

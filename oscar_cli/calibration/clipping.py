@@ -10,6 +10,18 @@ rotated, centred space (an orthogonal rotation and the mean add-back do not chan
 with ``O`` exact attention and ``Ô`` attention over the tiered, fake-quantized keys/values. The search is
 coordinate-wise: first ``r_K`` over ``clip.k_grid`` with exact values, then ``r_V`` over ``clip.v_grid`` with
 keys quantized at the chosen ``r_K``. Ties keep the earlier grid entry.
+
+``clip.objective: topk`` scores the candidates instead by the error on the keys each query attends to most:
+with ``T_q`` the ``clip.topk_keys`` INT2 keys of largest exact attention weight ``p_qj`` for query ``q``, and
+``v_j`` the un-centred values,
+
+    objective_topk = Σ_q ‖Σ_{j∈T_q} (p̂_qj v̂_j − p_qj v_j)‖² / Σ_q ‖Σ_{j∈T_q} p_qj v_j‖²
+
+so a query that concentrates on a few keys (a needle, a copied number) weighs by the mass on those keys, and
+the many keys of small weight that dominate the mean error do not count. ``p̂`` is the full tiered softmax, so
+a clip that lowers a top key's logit moves mass away from it and is penalised. Whatever the objective, the
+recorded ``error`` of a choice is the mean objective above at the chosen ratios (what the per-layer scheme
+comparison, :mod:`oscar_cli.calibration.schemes`, and the reports read).
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from typing import Any
 import torch
 
 META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+OBJECTIVES = ("mean", "topk")
 
 
 @dataclass
@@ -54,14 +67,19 @@ class LayerClipProblem:
         q: ``[B, H_q, Tq, D]`` queries at the last ``Tq`` positions; k, v: ``[B, H_kv, T, D]``.
         k_rotation, v_rotation: ``[N, D, D]`` (``N`` = 1 or ``H_kv``; None = identity); k_mean, v_mean:
             ``[H_kv, D]`` or ``[1, D]`` in the rotated space (None = no centring).
+        objective: ``mean`` (the relative output error) or ``topk`` (the error on each query's ``topk_keys``
+            most attended INT2 keys; module docstring). :meth:`key_error` / :meth:`value_error` score with it,
+            :meth:`mean_value_error` always with ``mean``.
     """
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_rotation: torch.Tensor | None, v_rotation: torch.Tensor | None,
         k_mean: torch.Tensor | None, v_mean: torch.Tensor | None, scaling: float, sink: int, recent: int,
-        group_size: int | None, meta_dtype: str,
+        group_size: int | None, meta_dtype: str, objective: str = "mean", topk_keys: int = 8,
     ) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         b, hq, tq, d = q.shape
         h_kv, t = k.shape[1], k.shape[2]
         g = hq // h_kv
@@ -86,7 +104,20 @@ class LayerClipProblem:
         self.out = p @ self.v  # exact output, centred rotated space [B, H_kv, g·Tq, D]
         self.norm = float((self.out + self.mu_v).square().sum())
         self.p_k = p  # attention with quantized keys (set by set_key_ratio); starts exact
+        self.objective = objective
+        if objective == "topk":
+            self._init_topk(p, topk_keys)
         self._split()
+
+    def _init_topk(self, p: torch.Tensor, topk_keys: int) -> None:
+        """The mask of each query's ``topk_keys`` INT2 keys of largest exact weight and their exact output."""
+        k = max(1, min(topk_keys, p.shape[-1]))
+        masked = p.masked_fill(~self.int2, -1.0)  # BF16-tier and future keys never rank
+        top = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, masked.topk(k, dim=-1).indices, True)
+        self.top = top & self.int2
+        self.v_full = self.v + self.mu_v  # un-centred values: a shift of mass changes the served output
+        self.top_out = (p * self.top) @ self.v_full
+        self.top_norm = float(self.top_out.square().sum())
 
     @property
     def has_int2(self) -> bool:
@@ -101,12 +132,18 @@ class LayerClipProblem:
     def _error(self, out_hat: torch.Tensor) -> float:
         return float((out_hat - self.out).square().sum()) / max(self.norm, 1e-30)
 
+    def _top_error(self, probs: torch.Tensor, values: torch.Tensor) -> float:
+        out_hat = (probs * self.top) @ values
+        return float((out_hat - self.top_out).square().sum()) / max(self.top_norm, 1e-30)
+
     def _probs_with_keys(self, ratio: float) -> torch.Tensor:
         lq = self._logits(self._fake(self.k, ratio))
         return torch.softmax(torch.where(self.int2, lq, self.logits), -1)
 
     def key_error(self, ratio: float) -> float:
-        """Output error with keys quantized at ``ratio`` (INT2 tier only) and exact values."""
+        """Output error (under the objective) with keys quantized at ``ratio`` (INT2 tier only), exact values."""
+        if self.objective == "topk":
+            return self._top_error(self._probs_with_keys(ratio), self.v_full)
         return self._error(self._probs_with_keys(ratio) @ self.v)
 
     def set_key_ratio(self, ratio: float) -> None:
@@ -119,7 +156,14 @@ class LayerClipProblem:
         self._exact_part = (self.p_k - self._p_int2) @ self.v  # output from the BF16 tiers
 
     def value_error(self, ratio: float) -> float:
-        """Output error with keys at the chosen ratio and values quantized at ``ratio`` (INT2 tier only)."""
+        """Output error (under the objective) with keys at the chosen ratio and values quantized at ``ratio``
+        (INT2 tier only)."""
+        if self.objective == "topk":
+            return self._top_error(self.p_k, self._fake(self.v, ratio) + self.mu_v)
+        return self.mean_value_error(ratio)
+
+    def mean_value_error(self, ratio: float) -> float:
+        """:meth:`value_error` under the ``mean`` objective, whatever the problem's objective."""
         return self._error(self._p_int2 @ self._fake(self.v, ratio) + self._exact_part)
 
 
@@ -141,7 +185,8 @@ def _argmin(errors: dict[float, float]) -> float:
 
 
 def search_clip(problems: list[LayerClipProblem], k_grid: tuple[float, ...], v_grid: tuple[float, ...]) -> ClipChoice:
-    """Coordinate search over the grids; errors are averaged over the layer's held-out sequences."""
+    """Coordinate search over the grids under the problems' objective; errors are averaged over the layer's
+    held-out sequences. The choice's ``error`` is the mean objective at the chosen ratios."""
     k_err = {r: 0.0 for r in k_grid}
     for p in problems:
         for r in k_grid:
@@ -153,7 +198,11 @@ def search_clip(problems: list[LayerClipProblem], k_grid: tuple[float, ...], v_g
         for r in v_grid:
             v_err[r] += p.value_error(r) / len(problems)
     v_best = _argmin(v_err)
-    return ClipChoice(k_best, v_best, k_err, v_err, v_err[v_best])
+    if all(p.objective == "mean" for p in problems):
+        error = v_err[v_best]
+    else:  # the keys are still at k_best (set_key_ratio above)
+        error = sum(p.mean_value_error(v_best) / len(problems) for p in problems)
+    return ClipChoice(k_best, v_best, k_err, v_err, error)
 
 
 def evaluate_clip(problems: list[LayerClipProblem], k_ratio: float, v_ratio: float) -> ClipChoice:

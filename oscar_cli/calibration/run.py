@@ -239,6 +239,8 @@ def _clip(
                 q.recent,
                 q.group_size,
                 q.meta_dtype,
+                c.objective,
+                c.topk_keys,
             )
             for qq, k, v in store.layers[i]
         ]
