@@ -7,7 +7,8 @@ Per call (one decoder layer), with ``key``/``value`` as returned by :class:`osca
 (rotated; on the reference path and for prefill chunks a transient dense ``[B, H_kv, T, D]`` of the tiers):
 
 1. **run time**: ``q <- q·R_K`` (post-RoPE; query head ``j`` uses the rotation of KV head ``j // g``), float32
-   then cast back to the activation dtype;
+   then cast back to the activation dtype (the per-query-head matrices are expanded for the call from the
+   ``[N, D, D]`` rotation the runtime keeps, so only ``N`` matrices per layer stay allocated);
 2. softmax attention through transformers' own ``sdpa_attention_forward`` (same masks, GQA handling and
    numerics as the stock ``sdpa`` path — the BF16 method is token-for-token the plain model);
 3. **run time only when not folded**: ``o <- o·R_Vᵀ`` per query head. By default
@@ -36,8 +37,10 @@ class LayerRuntime:
     """Run-time transforms of one attention module.
 
     Attributes:
-        q_rotation: ``[H_q, D, D]`` or ``[D, D]`` float32 (``R_K`` per query head), or None.
-        out_rotation: ``[H_q, D, D]`` or ``[D, D]`` float32 (``R_Vᵀ`` per query head) when not folded, or None.
+        q_rotation: ``R_K`` as calibrated, ``[N, D, D]`` float32 (``N = 1`` or ``H_kv``), or None.
+        out_rotation: ``R_Vᵀ`` ``[N, D, D]`` float32 when not folded, or None.
+
+    :func:`rotate_heads` maps them onto the query heads per call (:func:`per_head`).
     """
 
     q_rotation: torch.Tensor | None = None
@@ -45,15 +48,26 @@ class LayerRuntime:
     session: Any = None  # the MethodSession that attached it
 
 
+def per_head(r: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``[N, D, D]`` -> ``[n_heads, D, D]`` (``N = 1`` broadcast, or ``N`` KV heads repeated ``g`` times)."""
+    if r.shape[0] == n_heads:
+        return r
+    if n_heads % r.shape[0]:
+        raise ValueError(f"rotation has {r.shape[0]} heads, cannot map onto {n_heads}")
+    return r.repeat_interleave(n_heads // r.shape[0], dim=0)
+
+
 def rotate_heads(x: torch.Tensor, r: torch.Tensor, head_axis: int) -> torch.Tensor:
     """``x @ R`` per head in float32, cast back to ``x.dtype``.
 
     Args:
         x: ``[B, H, T, D]`` (``head_axis=1``) or ``[B, T, H, D]`` (``head_axis=2``).
-        r: ``[D, D]`` or ``[H, D, D]``.
+        r: ``[D, D]``, or ``[N, D, D]`` with ``N`` dividing ``H`` (head ``j`` uses matrix ``j // (H / N)``).
     """
     x32 = x.float()
     r = r.to(device=x.device, dtype=torch.float32)
+    if r.dim() == 3:
+        r = per_head(r, int(x.shape[head_axis]))
     if r.dim() == 2:
         return (x32 @ r).to(x.dtype)
     eq = "bhtd,hde->bhte" if head_axis == 1 else "bthd,hde->bthe"

@@ -306,10 +306,8 @@ class Int2Layer(AppendLayer):
             rec_pad = (pads - (length - self.n_recent)).clamp(min=0, max=self.n_recent)
             recent_k, recent_v = front(self.recent_k, rec_pad), front(self.recent_v, rec_pad)
             recent_len = (self.n_recent - rec_pad).to(torch.int32)
-        if self._kernel_rot is None and self.transform.k_rotation is not None:  # R_K as the kernel takes it, once
-            r = rotation_matrix(self.transform.k_rotation)
-            assert r is not None
-            self._kernel_rot = r.to(query.device).float().contiguous()
+        if self._kernel_rot is None and self.k_rot is not None:  # R_K as the kernel takes it (no copy if float32)
+            self._kernel_rot = self.k_rot.to(query.device).float().contiguous()
         out = decode_attention(
             query[:, :, 0].contiguous(),
             self.pool.k,

@@ -9,15 +9,15 @@ layer, **in place**:
   so ``o_proj`` consumes the rotated output, i.e. ``o·R_Vᵀ`` happens inside ``o_proj``. With
   ``fold_values=False`` both run at run time instead (the cache rotates v, the attention function rotates
   the output back);
-- set ``module._oscar_runtime`` with ``R_K`` per query head: ``q·R_K`` runs at **run time** in the
-  attention function (RoPE sits between ``k_proj`` and the rotation, so ``R_K`` cannot be folded; keys are
+- set ``module._oscar_runtime`` with ``R_K`` (``[N, D, D]``, mapped onto the query heads per call): ``q·R_K``
+  runs at **run time** in the attention function (RoPE sits between ``k_proj`` and the rotation, so ``R_K`` cannot be folded; keys are
   rotated at run time by the cache);
 - switch the model to the registered ``oscar_int2`` attention;
 - add a forward pre-hook that reads a batch's left padding off the attention mask when ``model.generate``
   starts on a fresh cache (so the BF16 sink covers it, as with :func:`oscar_cli.quant.generation.prefill`).
 
-``session.close()`` (the end of the ``with`` block) restores the original weights (kept as copies of
-``v_proj``/``o_proj``), removes the hook and the transforms and restores the attention implementation, so one
+``session.close()`` (the end of the ``with`` block) restores the original weights (copies of ``v_proj``/``o_proj``
+kept in host memory, so attaching takes no accelerator memory for them), removes the hook and the transforms and restores the attention implementation, so one
 loaded model serves every method in turn.
 """
 
@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
 
 from oscar_cli.errors import OscarError
-from oscar_cli.quant.attention import LayerRuntime, register_attention
+from oscar_cli.quant.attention import LayerRuntime, per_head, register_attention
 from oscar_cli.quant.cache import Int2Cache
 from oscar_cli.quant.kernel_path import BACKENDS
 from oscar_cli.quant.methods import QuantMethod
@@ -85,25 +85,16 @@ def decoder_attention_modules(model: Any) -> list[Any]:
     return [layer.self_attn for layer in layers]
 
 
-def _per_head(r: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """``[N, D, D]`` -> ``[n_heads, D, D]`` (``N = 1`` broadcast, or ``N`` KV heads repeated ``g`` times)."""
-    if r.shape[0] == n_heads:
-        return r
-    if n_heads % r.shape[0]:
-        raise ValueError(f"rotation has {r.shape[0]} heads, cannot map onto {n_heads}")
-    return r.repeat_interleave(n_heads // r.shape[0], dim=0)
-
-
 def _fold_values(attn: Any, r_v: torch.Tensor, n_kv: int, n_q: int, d: int) -> None:
     """Fold ``R_V`` into ``v_proj`` (rows per KV head) and ``R_Vᵀ`` into ``o_proj`` (columns per query head)."""
-    rk = _per_head(r_v.float(), n_kv).to(attn.v_proj.weight.device)  # [H_kv, D, D]
+    rk = per_head(r_v.float(), n_kv).to(attn.v_proj.weight.device)  # [H_kv, D, D]
     w = attn.v_proj.weight.data
     wv = w.float().reshape(n_kv, d, -1)
     w.copy_(torch.einsum("hde,hdi->hei", rk, wv).reshape(w.shape).to(w.dtype))  # R_Vᵀ · W_v per head
     if attn.v_proj.bias is not None:
         b = attn.v_proj.bias.data
         b.copy_(torch.einsum("hd,hde->he", b.float().reshape(n_kv, d), rk).reshape(b.shape).to(b.dtype))
-    rq = _per_head(r_v.float(), n_q).to(attn.o_proj.weight.device)  # [H_q, D, D]
+    rq = per_head(r_v.float(), n_q).to(attn.o_proj.weight.device)  # [H_q, D, D]
     wo = attn.o_proj.weight.data
     wo3 = wo.float().reshape(wo.shape[0], n_q, d)
     wo.copy_(torch.einsum("ojd,jde->oje", wo3, rq).reshape(wo.shape).to(wo.dtype))  # W_o[:, j] · R_V
@@ -148,11 +139,12 @@ def attach(model: Any, method: QuantMethod, *, fold_values: bool = True, backend
         raise OscarError(
             f"the model already has method {other.method.name} attached", hint="close that session first"
         )
+    attns = decoder_attention_modules(model)
+    method = _on_layer_devices(method, attns)
     session = MethodSession(model, method, rotate_values=not fold_values, backend=backend)
     name = register_attention()
     cfg = model.config
     n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    attns = decoder_attention_modules(model)
     previous = getattr(cfg, "_attn_implementation", None) or "sdpa"
     undo = session._restore
     model._oscar_session = session
@@ -161,14 +153,14 @@ def attach(model: Any, method: QuantMethod, *, fold_values: bool = True, backend
         for i, attn in enumerate(attns):
             t = method.layer(i)
             d = int(attn.head_dim)
-            q_rot = None if t.k_rotation is None else _per_head(t.k_rotation.float(), n_q)
+            q_rot = None if t.k_rotation is None else t.k_rotation.float()
             out_rot = None
             if t.v_rotation is not None:
                 if fold_values:
                     undo.append(_weights_restorer(attn))
                     _fold_values(attn, t.v_rotation, n_kv, n_q, d)
                 else:
-                    out_rot = _per_head(t.v_rotation.float(), n_q).transpose(-1, -2).contiguous()
+                    out_rot = t.v_rotation.float().transpose(-1, -2).contiguous()
             dev = attn.o_proj.weight.device
             attn._oscar_runtime = LayerRuntime(
                 q_rotation=None if q_rot is None else q_rot.to(dev),
@@ -186,12 +178,30 @@ def attach(model: Any, method: QuantMethod, *, fold_values: bool = True, backend
     return session
 
 
+def _on_layer_devices(method: QuantMethod, attns: list[Any]) -> QuantMethod:
+    """``method`` with each layer's transform tensors on that layer's device, so the attention runtime and every
+    cache the session makes share one copy of them (a tensor already there is not copied)."""
+    if not method.layers:
+        return method
+    layers = list(method.layers)
+    for i, attn in enumerate(attns[: len(layers)]):
+        t, dev = layers[i], attn.o_proj.weight.device
+        moved = {f: getattr(t, f).to(dev) for f in ("k_rotation", "v_rotation", "k_mean", "v_mean")
+                 if isinstance(getattr(t, f), torch.Tensor)}
+        layers[i] = replace(t, **moved)
+    return replace(method, layers=tuple(layers))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
 def _weights_restorer(attn: Any) -> Callable[[], None]:
-    """Copies of ``v_proj``/``o_proj`` weights and a function that puts them back."""
-    wv = attn.v_proj.weight.data.clone()
+    """Copies of ``v_proj``/``o_proj`` weights in host memory and a function that puts them back."""
+    wv = _host_copy(attn.v_proj.weight.data)
     bias = attn.v_proj.bias
-    bv = None if bias is None else bias.data.clone()
-    wo = attn.o_proj.weight.data.clone()
+    bv = None if bias is None else _host_copy(bias.data)
+    wo = _host_copy(attn.o_proj.weight.data)
 
     def restore() -> None:
         attn.v_proj.weight.data.copy_(wv)
