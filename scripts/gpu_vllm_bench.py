@@ -267,9 +267,34 @@ def ruler(args: argparse.Namespace, llm: Any, model_dir: Path, ctxs: list[int], 
                                                          "seed": cfg.seed})
 
 
+def throughput(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[int], base: str) -> None:
+    for ctx in ctxs:
+        n = max(1, min(args.max_num_seqs, facts["kv_tokens"] // (ctx + args.out_tokens)))
+        wall, toks = generate(llm, prompts(n, ctx, args.vocab, ctx), args.out_tokens)
+        out_tok = sum(len(t) for t in toks)
+        save(args.out, f"{base}/throughput/{ctx}", facts | {"batch": n, "prompt_tokens": ctx, "wall_s": wall,
+                                                            "output_tokens": out_tok,
+                                                            "output_tok_per_s": out_tok / wall})
+
+
+def tpot(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[int], base: str) -> None:
+    generate(llm, prompts(1, 64, args.vocab, 7), 8)  # warm-up
+    for ctx in ctxs:
+        p = prompts(1, ctx, args.vocab, ctx)
+        t1, _ = generate(llm, p, 1)
+        t2, toks = generate(llm, p, args.out_tokens + 1)
+        save(args.out, f"{base}/tpot/{ctx}", facts | {"prompt_tokens": ctx, "ttft_s": t1, "total_s": t2,
+                                                      "tpot_ms": 1e3 * (t2 - t1) / args.out_tokens,
+                                                      "output_tokens": len(toks[0])})
+
+
+STAGES = ("smoke", "capacity", "throughput", "tpot", "ruler")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", required=True, choices=["smoke", "capacity", "throughput", "tpot", "ruler"])
+    ap.add_argument("--stage", required=True,
+                    help="smoke, or a comma list of capacity, throughput, tpot, ruler (run in order on one engine)")
     ap.add_argument("--backend", choices=sorted(KV_DTYPES), default="oscar")
     ap.add_argument("--model", default="qwen3-8b-dummy", help="qwen3-8b-dummy or a local HF model directory")
     ap.add_argument("--artifact", help="oscar artifact (path or hf://); default for dummy models: a Hadamard one")
@@ -296,17 +321,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # every run here samples greedily; FlashInfer's top-k/top-p sampler JIT-compiles its CUDA sources during the
+    # engine's warm-up on a machine without its cache (minutes on the H200 image), the same for every backend
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    stages = [x.strip() for x in args.stage.split(",") if x.strip()]
+    bad = [x for x in stages if x not in STAGES] + (["smoke (alone)"] if "smoke" in stages and len(stages) > 1 else [])
+    if not stages or bad:
+        raise SystemExit(f"--stage: expected smoke or a comma list of {', '.join(STAGES[1:])}; got {args.stage!r}")
     if args.no_pdl:
         os.environ["OSCAR_VLLM_PDL"] = "0"
     if args.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     expose_plugin()
     ctxs = parse_ctx(args.ctx)
-    dummy = args.model == "qwen3-8b-dummy" or args.stage == "smoke" and not Path(args.model).is_dir()
+    smoke_only = stages == ["smoke"]
+    dummy = args.model == "qwen3-8b-dummy" or smoke_only and not Path(args.model).is_dir()
     max_len = args.max_model_len or max(ctxs) + max(args.out_tokens, 128) + 64
     if dummy:
-        shape = TINY if args.stage == "smoke" else QWEN3_8B
-        name = "qwen3-tiny-dummy" if args.stage == "smoke" else "qwen3-8b-dummy"
+        shape = TINY if smoke_only else QWEN3_8B
+        name = "qwen3-tiny-dummy" if smoke_only else "qwen3-8b-dummy"
         model_dir = write_qwen3_config(args.work / name, shape, max(262144, max_len))
         args.vocab = shape["vocab_size"]
     else:
@@ -316,36 +349,24 @@ def main() -> None:
     artifact = args.artifact
     if artifact is None and dummy:
         artifact = str(write_hadamard_artifact(model_dir, args.work / f"{name}-hadamard"))
-    if args.stage == "smoke":
+    if smoke_only:
         smoke(args, str(model_dir), dummy, artifact)
         return
+    if "ruler" in stages and dummy:
+        raise SystemExit("--stage ruler needs --model DIR (a model with a tokenizer and real weights)")
     llm = engine(str(model_dir), dummy, args.backend, artifact, args, max_len, args.gpu_mem)
     facts = engine_facts(llm) | {"gpu_memory_utilization": args.gpu_mem, "max_num_seqs": args.max_num_seqs,
                                  "chunk": args.chunk, "max_model_len": max_len}
     base = f"{name}/{args.backend}"
-    if args.stage == "capacity":
-        save(args.out, f"{base}/capacity", facts)
-    elif args.stage == "ruler":
-        if dummy:
-            raise SystemExit("--stage ruler needs --model DIR (a model with a tokenizer and real weights)")
-        ruler(args, llm, model_dir, ctxs, base)
-    elif args.stage == "throughput":
-        for ctx in ctxs:
-            n = max(1, min(args.max_num_seqs, facts["kv_tokens"] // (ctx + args.out_tokens)))
-            wall, toks = generate(llm, prompts(n, ctx, args.vocab, ctx), args.out_tokens)
-            out_tok = sum(len(t) for t in toks)
-            save(args.out, f"{base}/throughput/{ctx}", facts | {"batch": n, "prompt_tokens": ctx, "wall_s": wall,
-                                                                "output_tokens": out_tok,
-                                                                "output_tok_per_s": out_tok / wall})
-    else:
-        for ctx in ctxs:
-            p = prompts(1, ctx, args.vocab, ctx)
-            generate(llm, prompts(1, 64, args.vocab, 7), 8)  # warm-up
-            t1, _ = generate(llm, p, 1)
-            t2, toks = generate(llm, p, args.out_tokens + 1)
-            tpot = (t2 - t1) / args.out_tokens
-            save(args.out, f"{base}/tpot/{ctx}", facts | {"prompt_tokens": ctx, "ttft_s": t1, "total_s": t2,
-                                                          "tpot_ms": 1e3 * tpot, "output_tokens": len(toks[0])})
+    for stage in stages:
+        if stage == "capacity":
+            save(args.out, f"{base}/capacity", facts)
+        elif stage == "ruler":
+            ruler(args, llm, model_dir, ctxs, base)
+        elif stage == "throughput":
+            throughput(args, llm, facts, ctxs, base)
+        else:
+            tpot(args, llm, facts, ctxs, base)
     shutdown(llm)
 
 
