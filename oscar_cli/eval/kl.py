@@ -102,6 +102,15 @@ def teacher_forced_logprobs(model: Any, session: Any, batch: torch.Tensor, lengt
     return torch.stack(out, 1)
 
 
+def method_logprobs(model: Any, method: Any, batch: torch.Tensor, length: int, chunk: int,
+                    backend: str = "auto") -> torch.Tensor:
+    """:func:`teacher_forced_logprobs` with ``method`` attached to ``model`` for the call (restored after)."""
+    from oscar_cli.quant import use_method
+
+    with use_method(model, method, backend=backend) as session:
+        return teacher_forced_logprobs(model, session, batch, length, chunk)
+
+
 def compare(ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     """KL(ref || lp), top-1 agreement and NLL of ``targets [N, M]`` for log-probs ``[N, M, V]``."""
     kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
@@ -115,7 +124,6 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
     from oscar_cli._output import progress
     from oscar_cli.environment import environment
     from oscar_cli.eval.prepare import build_methods, check_backend, default_methods, read_text_file
-    from oscar_cli.quant import use_method
 
     if cfg.tokens < 1 or cfg.windows < 1:
         raise EvalError("--tokens and --windows must be at least 1")
@@ -150,8 +158,7 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
             targets = batch[:, length:]
             ref: torch.Tensor | None = None
             for m in names:
-                with use_method(model, methods[m], backend=cfg.backend) as session:
-                    lp = teacher_forced_logprobs(model, session, batch, length, cfg.chunk_size)
+                lp = method_logprobs(model, methods[m], batch, length, cfg.chunk_size, cfg.backend)
                 if ref is None:
                     ref = lp
                 metrics[m][length] = compare(ref, lp, targets)

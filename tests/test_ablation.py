@@ -1,0 +1,131 @@
+"""The ablation driver (scripts/ablate.py over oscar_cli.eval.ablation): variants, resumability, the table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.calib import TINY_RECIPE
+from helpers.evaldata import prose
+from helpers.tiny import tiny_loaded
+
+from oscar_cli.errors import EvalError, RecipeError
+from oscar_cli.eval.ablation import check_held_out, markdown_table
+from oscar_cli.eval.variants import default_variants, parse_variant, recipe_diff
+from oscar_cli.recipe import load_recipe
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ablate.py"
+VARIANTS = {"rotation.grouping=head": {"rotation.grouping": ["layer", "head"]},
+            "topk:clip.objective=topk": {"clip.objective": ["mean", "topk"]}}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """Tiny matmuls: on a busy 2-core machine a second OpenMP thread makes them many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _ablate() -> Any:
+    spec = importlib.util.spec_from_file_location("ablate", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(load_recipe(overrides=TINY_RECIPE).to_yaml())
+    text = prose(tmp_path / "held_out") / "essay.txt"
+    args = ["tiny", "--recipe", str(recipe), "--text", str(text), "--ctx", "160", "--kl-tokens", "6",
+            "--windows", "2", "--out", str(tmp_path / "abl")]
+    for v in VARIANTS:
+        args += ["--variant", v]
+    return args + list(extra)
+
+
+def test_driver_resumes_and_each_row_differs_from_base_in_its_knob_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ablate, loaded = _ablate(), tiny_loaded()
+    # a budget of 0 s stops after the first row (the estimate needs one finished row)
+    assert ablate.main(_args(tmp_path, "--budget", "0"), loaded=loaded) == 0
+    err = capsys.readouterr().err
+    assert "budget:" in err and "stopping before rotation.grouping=head, topk" in err
+    state_path = tmp_path / "abl" / "ablation.json"
+    first = json.loads(state_path.read_text())
+    assert list(first["rows"]) == ["base"] and first["rows"]["base"]["status"] == "done"
+
+    assert ablate.main(_args(tmp_path), loaded=loaded) == 0
+    out = capsys.readouterr()
+    assert "base: calibrating" not in out.err  # the finished row is not redone
+    assert "rotation.grouping=head: calibrating" in out.err and "topk: calibrating" in out.err
+    state = json.loads(state_path.read_text())
+    assert state["rows"]["base"] == first["rows"]["base"]
+    base = state["rows"]["base"]["recipe"]
+    for spec, change in VARIANTS.items():
+        row = state["rows"][spec.split(":")[0] if ":" in spec else spec]
+        assert row["status"] == "done" and row["change"] == change
+        assert {k: list(v) for k, v in recipe_diff(base, row["recipe"]).items()} == change
+        assert Path(row["artifact"]).is_dir() and set(row["kl"]) == {"160"} and "32768" in row["bpe"]
+    assert set(state["references"]) == {"kivi-2"}
+
+    lines = out.out.strip().splitlines()
+    assert lines[0].startswith("| variant | change vs base | BPE @32K")
+    rows = {ln.split(" | ")[0].strip("| "): ln.split(" | ")[1] for ln in lines[2:]}
+    assert rows == {"base": "—", "rotation.grouping=head": "rotation.grouping layer→head",
+                    "topk": "clip.objective mean→topk", "kivi-2": "reference method"}
+    assert markdown_table(state) == out.out.strip()
+
+    assert ablate.main(_args(tmp_path), loaded=loaded) == 0  # everything done: nothing recalibrated
+    assert "calibrating" not in capsys.readouterr().err
+    assert ablate.main(_args(tmp_path, "--windows", "3"), loaded=loaded) == 1  # other prompts: refused
+    assert "different eval" in capsys.readouterr().err
+
+
+def test_variant_specs() -> None:
+    base = load_recipe(overrides=TINY_RECIPE)
+    split = parse_variant("sink/recent=0/40", base)
+    assert split.name == "sink/recent=0/40"
+    assert recipe_diff(base.to_dict(), split.recipe.to_dict()) == {"quant.sink": (8, 0), "quant.recent": (32, 40)}
+    named = parse_variant("long:data.seq_len=512", base)
+    assert named.name == "long" and named.recipe.data.seq_len == 512
+    assert parse_variant("group_size=8", base).recipe.quant.group_size == 8
+    for bad, match in [("grouping", "KEY=VALUE"), ("groupin=head", "not a recipe knob"), ("sink/recent=8", "2 keys"),
+                       ("rotation.grouping=layer", "changes nothing"), ("mean=1", "not a recipe knob")]:
+        with pytest.raises(EvalError, match=match):
+            parse_variant(bad, base)
+    with pytest.raises(EvalError) as exc:
+        parse_variant("groupin=head", base)
+    assert exc.value.hint is not None and "grouping" in exc.value.hint
+    with pytest.raises(RecipeError, match="rotation.grouping"):
+        parse_variant("rotation.grouping=heads", base)
+
+
+def test_default_variants_are_valid_single_levers() -> None:
+    base = load_recipe(overrides=TINY_RECIPE)
+    specs = default_variants(base, native_positions=4096, head_dim=16)
+    assert specs[0] == "clip.objective=topk" and "data.seq_len=512" in specs and "sink/recent=0/40" in specs
+    for s in specs:
+        diff = recipe_diff(base.to_dict(), parse_variant(s, base).recipe.to_dict())
+        assert len(diff) == (2 if s.startswith("sink/recent") else 1)
+    assert not any("seq_len" in s for s in default_variants(base, native_positions=256, head_dim=16))
+
+
+def test_evaluation_text_must_be_held_out(tmp_path: Path) -> None:
+    folder = prose(tmp_path / "calib")
+    with pytest.raises(EvalError, match="would not be held out"):
+        check_held_out(str(folder / "essay.txt"), str(folder))
+    with pytest.raises(EvalError, match="would not be held out"):
+        check_held_out(str(folder / "essay.txt"), str(folder / "essay.txt"))
+    check_held_out(str(folder / "essay.txt"), str(tmp_path / "other.txt"))
+    check_held_out(str(folder / "essay.txt"), "self")
