@@ -17,7 +17,7 @@ from helpers.calib import random_transform
 from helpers.layers import feed
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oscar_cli.quant import LayerTransform, oscar_method
+from oscar_cli.quant import LayerTransform, int2_layer, oscar_method
 from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.methods import QuantMethod
 from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
@@ -93,9 +93,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("piece", [None, 24], ids=["piece-default", "piece-24"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_cache_equals_dense_reference(case: tuple) -> None:
-    """Every prefill chunk and decode step returns bitwise what the dense reference computes (valid slots)."""
+def test_cache_equals_dense_reference(case: tuple, piece: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prefill chunk and decode step returns bitwise what the dense reference computes (valid slots), also
+    when writes and reads go in pieces of 24 tokens (not a multiple of a token quad's 4 or of a page)."""
+    if piece is not None:
+        monkeypatch.setattr(int2_layer, "PIECE", piece)
     _, lengths, sink, recent, chunk, h, n_rot, page = case
     d, b, total, decode = 16, len(lengths), max(lengths), 21
     t = random_transform(len(lengths) + sink, n_rot, clip=0.9, d=d)

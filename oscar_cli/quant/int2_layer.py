@@ -50,6 +50,7 @@ from oscar_cli.quant.methods import LayerTransform, QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
 
 log = logging.getLogger(__name__)
+PIECE = 1024  # tokens quantized (prefill writes) or dequantized (what attention reads) at a time
 _current = threading.local()  # the Int2Layer whose decode step the next attention call runs through the kernel
 
 
@@ -201,7 +202,9 @@ class Int2Layer(AppendLayer):
             demote = max(0, total - w) if self.final_chunk else total
         old = min(demote, self.n_recent)  # demoted from the stored recent tier, then from the new tokens
         new = demote - old
-        if demote:
+        if demote and not old:  # only new tokens: quantize them where they are
+            self._demote(rest_k[..., :new, :], rest_v[..., :new, :])
+        elif demote:
             rows_k = torch.cat([self.recent_k[..., :old, :], rest_k[..., :new, :]], -2)
             rows_v = torch.cat([self.recent_v[..., :old, :], rest_v[..., :new, :]], -2)
             self._demote(rows_k, rows_v)
@@ -226,31 +229,32 @@ class Int2Layer(AppendLayer):
         start = first - row_start  # history position of slot `first` per row (negative: pad slots)
         added = (first + m - torch.maximum(row_start, torch.tensor(first))).clamp(min=0, max=m)
         self.pool.extend([int(a) for a in added])
-        slots = self.pool.slots(start, m)
+        slots = self.pool.slots(start, m).view(b, m)
         self.hist_slots += m
         t, meth = self.transform, self.method
-        if self.path == "triton":
-            flat_k = rows_k.permute(0, 2, 1, 3).reshape(b * m, h, d)
-            flat_v = rows_v.permute(0, 2, 1, 3).reshape(b * m, h, d)
-            self.pool.write_kernel(
-                flat_k, flat_v, slots, (flat_mean(self.k_mean), flat_mean(self.v_mean)), (t.k_clip, t.v_clip)
-            )
-            return
-        from oscar_kernels.reference import QuantizedRows, quantize_rows
+        from oscar_kernels.reference import quantize_rows
 
-        def flat(q: QuantizedRows) -> QuantizedRows:
-            return QuantizedRows(*(x.permute(0, 2, 1, 3).reshape(b * m, h, -1) for x in (q.packed, q.scale, q.zero)))
+        def flat(x: torch.Tensor) -> torch.Tensor:  # [B, H, n, X] -> [B·n, H, X], row-major like the slots
+            return x.permute(0, 2, 1, 3).reshape(-1, h, x.shape[-1])
 
-        qk = quantize_rows(rows_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype)
-        qv = quantize_rows(rows_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype)
-        self.pool.write(flat(qk), flat(qv), slots)
+        for a in range(0, m, PIECE):  # per-token quantization: pieces bound the scratch, the rows are the same
+            e = min(m, a + PIECE)
+            piece_k, piece_v, to = rows_k[..., a:e, :], rows_v[..., a:e, :], slots[:, a:e].reshape(-1)
+            if self.path == "triton":
+                means = (flat_mean(self.k_mean), flat_mean(self.v_mean))
+                self.pool.write_kernel(flat(piece_k), flat(piece_v), to, means, (t.k_clip, t.v_clip))
+                continue
+            qk = quantize_rows(piece_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype)
+            qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype)
+            self.pool.write(_rows(qk, flat), _rows(qv, flat), to)
 
     # ---------------------------------------------------------------- what attention reads
     def stored(
         self, upto: int | None = None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored slots ``[0, upto)`` as dense rotated K and V in the activation dtype (history dequantized
-        plus the centring mean), followed by ``k_new``/``v_new``. Transient: built from the tiers on each call."""
+        plus the centring mean), followed by ``k_new``/``v_new``. Transient: built from the tiers on each call,
+        the history dequantized :data:`PIECE` tokens at a time straight into the returned tensors."""
         from oscar_kernels.reference import dequantize_codes
 
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
@@ -258,22 +262,28 @@ class Int2Layer(AppendLayer):
         length = self.cumulative_length
         upto = length if upto is None else upto
         s = min(self.n_sink, upto)
-        ks, vs = [self.sink_k[..., :s, :]], [self.sink_v[..., :s, :]]
         width = max(0, min(self.hist_slots, upto - self.n_sink))
-        if width:
-            qk, qv = self.pool.codes(self.hist_slots, width)
-            for out, q, mean in ((ks, qk, self.k_mean), (vs, qv, self.v_mean)):
-                deq = dequantize_codes(*q, torch.float32)
-                if mean is not None:
-                    deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
-                out.append(deq.to(self.dtype))
         r = max(0, upto - (length - self.n_recent))
-        ks.append(self.recent_k[..., :r, :])
-        vs.append(self.recent_v[..., :r, :])
-        if k_new is not None and v_new is not None:
-            ks.append(k_new)
-            vs.append(v_new)
-        return torch.cat(ks, -2), torch.cat(vs, -2)
+        n = 0 if k_new is None else int(k_new.shape[-2])
+        b, h, d = self.dims
+        outs = self.sink_k.new_empty(b, h, s + width + r + n, d), self.sink_v.new_empty(b, h, s + width + r + n, d)
+        codes = self.pool.codes(self.hist_slots, width) if width else None
+        for i, (out, sink, recent, new) in enumerate(
+            zip(outs, (self.sink_k, self.sink_v), (self.recent_k, self.recent_v), (k_new, v_new), strict=True)
+        ):
+            out[..., :s, :] = sink[..., :s, :]
+            if codes is not None:
+                q, mean = codes[i], (self.k_mean, self.v_mean)[i]
+                for a in range(0, width, PIECE):
+                    e = min(width, a + PIECE)
+                    deq = dequantize_codes(*(x[..., a:e, :] for x in q), torch.float32)
+                    if mean is not None:
+                        deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
+                    out[..., s + a : s + e, :] = deq
+            out[..., s + width : s + width + r, :] = recent[..., :r, :]
+            if new is not None:
+                out[..., s + width + r :, :] = new
+        return outs
 
     def kernel_attention(
         self, query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scaling: float | None
@@ -382,3 +392,10 @@ class Int2Layer(AppendLayer):
             self.method, self.transform, self.rotate_values, self.backend, layer_idx=self.layer_idx,
             page_size=self.page_size,
         )
+
+
+def _rows(q: Any, fn: Any) -> Any:
+    """``QuantizedRows`` with ``fn`` applied to its packed codes, scales and zeros."""
+    from oscar_kernels.reference import QuantizedRows
+
+    return QuantizedRows(fn(q.packed), fn(q.scale), fn(q.zero))
