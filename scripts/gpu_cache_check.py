@@ -2,16 +2,20 @@
 """CUDA check of the paged INT2 cache: the Triton path against the reference path, and its memory against BF16.
 
     python3 scripts/gpu_cache_check.py --model PATH_OR_ALIAS --artifact DIR [--ctx 4k,16k] [--samples 20]
-        [--long 32k] [--out gpu_cache_check.json]
+        [--long 32k] [--stage all|ruler|kl|memory] [--out gpu_cache_check.json]
 
 1. RULER agreement: NIAH samples (4 tasks x ``--samples`` at each ``--ctx``) through ``greedy_generate`` with the
    ``oscar`` method on ``backend="reference"`` and on ``backend="triton"``; the share of samples whose greedy
    answers are identical (target >= 98 %) and each backend's score.
 2. eval-kl: teacher-forced KL(bf16 || method) over windows of the shipped haystack prose for both backends
    (target: within 10 % of each other).
-3. Memory: ``torch.cuda.max_memory_allocated`` during one ``model.generate`` of ``--long`` tokens (prompt + 64 new)
-   with the ``bf16`` cache and with the ``oscar`` cache (Triton path); target: BF16's peak minus oscar's is at least
-   the KV difference the formula predicts (``QuantMethod.bits_per_element``).
+3. Memory: one ``model.generate`` of ``--long`` tokens (prompt + 64 new; the prompt in one forward) with the
+   ``bf16`` cache and with the ``oscar`` cache (Triton path), ``torch.cuda.max_memory_allocated`` of the prefill
+   and of the decode steps apart (:class:`PhasePeaks`); per cache the weights, what attaching keeps on the GPU
+   (the method's transforms), the KV bytes the cache allocated (pages, tiers, tables) against the formula at the
+   prompt's and at the final length. Target: BF16's peak minus oscar's is at least the KV difference the formula
+   predicts at the final length (``QuantMethod.bits_per_element``); ``saved_bytes`` /
+   ``predicted_kv_difference_bytes`` also give the prefill (formula at the prompt length) and decode phases.
 
 Prints one JSON object (also written to ``--out``); exits 1 when a target is missed.
 """
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 TASKS = "niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue"
+STAGES = ("ruler", "kl", "memory")
 
 
 def ruler_agreement(loaded: Any, method: Any, ctx: list[int], samples: int, batch: int) -> dict[str, Any]:
@@ -86,32 +91,111 @@ def kl_agreement(loaded: Any, method: Any, length: int, tokens: int, windows: in
     return {"length": length, "reference": ref, "triton": tri, "kl_rel_diff": round(rel, 4), "pass": rel <= 0.10}
 
 
+class PhasePeaks:
+    """Split one ``model.generate`` into its prefill (the first forward) and decode (the rest) memory peaks.
+
+    A forward pre-hook on the model reads the peak when the second forward starts and resets it, so ``prefill``
+    is the peak of the prompt's forward (and the first token's sampling) and ``decode`` that of every later step.
+    ``peak()`` / ``reset()`` default to ``torch.cuda.max_memory_allocated`` / ``reset_peak_memory_stats``.
+    """
+
+    def __init__(self, model: Any, peak: Any = None, reset: Any = None) -> None:
+        self.peak = peak or torch.cuda.max_memory_allocated
+        self.reset = reset or torch.cuda.reset_peak_memory_stats
+        self.model, self.forwards = model, 0
+        self.prefill: int | None = None
+        self.decode: int | None = None
+
+    def _pre(self, *_: Any) -> None:
+        self.forwards += 1
+        if self.forwards == 2:
+            self.prefill = int(self.peak())
+            self.reset()
+
+    def __enter__(self) -> PhasePeaks:
+        self.reset()
+        self._hook = self.model.register_forward_pre_hook(self._pre)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hook.remove()
+        if self.prefill is None:
+            self.prefill = int(self.peak())
+        else:
+            self.decode = int(self.peak())
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages among ``tensors``."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[(str(t.device), st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
+
+
+def method_tensor_bytes(method: Any, device: torch.device) -> int:
+    """Bytes of the method's transform tensors on ``device`` (rotations, means: not part of the KV formula)."""
+    ts = [getattr(t, f, None) for t in method.layers for f in ("k_rotation", "v_rotation", "k_mean", "v_mean")]
+    return tensor_bytes(t for t in ts if isinstance(t, torch.Tensor) and t.device.type == device.type)
+
+
+def kv_formula_bytes(method: Any, geo: Any, tokens: int) -> int:
+    """The formula's KV bytes at ``tokens`` (batch 1): ``2·layers·H_kv·tokens·D·bits_per_element/8``."""
+    elements = 2 * geo.num_layers * geo.num_key_value_heads * tokens * geo.head_dim
+    return int(elements * method.bits_per_element(tokens, geo.head_dim) / 8)
+
+
 def memory(loaded: Any, artifact: str, long: int, new: int = 64) -> dict[str, Any]:
+    """``model.generate`` of ``long - new`` prompt tokens (one prefill forward) + ``new`` tokens per cache,
+    peaks of the prefill and of the decode steps apart (:class:`PhasePeaks`), against the formula."""
     import oscar_cli as oscar
     from oscar_cli.model.geometry import ModelGeometry
     from oscar_cli.quant.generation import cache_kwarg
 
     model, dev = loaded.model, loaded.device
     geo = ModelGeometry.of(model.config)
-    ids = torch.randint(100, 1000, (1, long - new), generator=torch.Generator().manual_seed(0)).to(dev)
-    peaks, paths = {}, {}
+    prompt = long - new
+    ids = torch.randint(100, 1000, (1, prompt), generator=torch.Generator().manual_seed(0)).to(dev)
+    weights = tensor_bytes([*model.parameters(), *model.buffers()])
+    out: dict[str, Any] = {"tokens": long, "prompt_tokens": prompt, "new_tokens": new, "weights_bytes": weights}
     for name in ("bf16", "oscar"):
-        cache = oscar.kv_cache(model, artifact if name == "oscar" else None, method=name)
+        oscar.detach(model)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, **{cache_kwarg(model): cache})
-        torch.cuda.synchronize()
-        peaks[name], paths[name] = int(torch.cuda.max_memory_allocated(dev)), cache.path
+        before = torch.cuda.memory_allocated(dev)
+        session = oscar.attach(model, artifact if name == "oscar" else None, method=name)
+        cache = session.new_cache()
+        attached = torch.cuda.memory_allocated(dev) - before
+        with PhasePeaks(model) as peaks:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, **{cache_kwarg(model): cache})
+            torch.cuda.synchronize()
+        predicted = {f"at_{n}": kv_formula_bytes(session.method, geo, n) for n in (prompt, long)}
+        allocated = int(cache.allocated_bytes())
+        out[name] = {
+            "path": cache.path, "peak_bytes": max(peaks.prefill or 0, peaks.decode or 0),
+            "prefill_peak_bytes": peaks.prefill, "decode_peak_bytes": peaks.decode,
+            "attach_device_bytes": int(attached), "method_tensor_device_bytes": method_tensor_bytes(session.method, dev),
+            "kv_allocated_bytes": allocated, "kv_formula_bytes": predicted,
+            "kv_allocated_over_formula": round(allocated / max(predicted[f"at_{long}"], 1), 4),
+            "persistent_after_bytes": int(torch.cuda.memory_allocated(dev) - before),
+        }
         del cache
-    session = oscar.attach(model, artifact)
-    elements = 2 * geo.num_layers * geo.num_key_value_heads * long * geo.head_dim
-    predicted = int(elements * (16 - session.method.bits_per_element(long, geo.head_dim)) / 8)
     oscar.detach(model)
-    saved = peaks["bf16"] - peaks["oscar"]
-    return {"tokens": long, "peak_bytes": peaks, "paths": paths, "saved_bytes": saved,
-            "predicted_kv_difference_bytes": predicted, "pass": saved >= predicted and paths["oscar"] == "triton"}
+    b, o = out["bf16"], out["oscar"]
+    diff = {k: b["kv_formula_bytes"][k] - o["kv_formula_bytes"][k] for k in b["kv_formula_bytes"]}
+    saved = {"peak": b["peak_bytes"] - o["peak_bytes"],
+             "prefill": b["prefill_peak_bytes"] - o["prefill_peak_bytes"],
+             "decode": b["decode_peak_bytes"] - o["decode_peak_bytes"]}
+    out.update({
+        "saved_bytes": saved,
+        "predicted_kv_difference_bytes": {"prefill": diff[f"at_{prompt}"], "decode": diff[f"at_{long}"],
+                                          "peak": diff[f"at_{long}"]},
+        "pass": saved["peak"] >= diff[f"at_{long}"] and o["path"] == "triton",
+    })
+    return out
 
 
 def main() -> int:
@@ -123,6 +207,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="RULER batch size")
     ap.add_argument("--kl-ctx", default="4k", help="eval-kl context length")
     ap.add_argument("--long", default="32k", help="tokens of the memory generation")
+    ap.add_argument("--stage", choices=("all", *STAGES), default="all", help="run one stage only")
     ap.add_argument("--out", default="gpu_cache_check.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -134,17 +219,18 @@ def main() -> int:
 
     loaded = load_model(args.model, device="cuda", dtype="bfloat16")
     method = build_method("oscar", loaded.model.config, args.artifact)
-    res = {
-        "model": args.model, "artifact": args.artifact,
-        "ruler": ruler_agreement(loaded, method, parse_ctx_list(args.ctx), args.samples, args.batch),
-        "kl": kl_agreement(loaded, method, parse_ctx(args.kl_ctx), 64, 4),
-        "memory": memory(loaded, args.artifact, parse_ctx(args.long)),
-        "gpu": torch.cuda.get_device_name(),
-    }
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    res: dict[str, Any] = {"model": args.model, "artifact": args.artifact, "gpu": torch.cuda.get_device_name()}
+    if "ruler" in stages:
+        res["ruler"] = ruler_agreement(loaded, method, parse_ctx_list(args.ctx), args.samples, args.batch)
+    if "kl" in stages:
+        res["kl"] = kl_agreement(loaded, method, parse_ctx(args.kl_ctx), 64, 4)
+    if "memory" in stages:
+        res["memory"] = memory(loaded, args.artifact, parse_ctx(args.long))
     text = json.dumps(res, indent=2)
     Path(args.out).write_text(text + "\n", encoding="utf-8")
     print(text)
-    return 0 if all(res[k]["pass"] for k in ("ruler", "kl", "memory")) else 1
+    return 0 if all(res[k]["pass"] for k in stages) else 1
 
 
 if __name__ == "__main__":

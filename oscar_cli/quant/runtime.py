@@ -140,7 +140,7 @@ def attach(model: Any, method: QuantMethod, *, fold_values: bool = True, backend
             f"the model already has method {other.method.name} attached", hint="close that session first"
         )
     attns = decoder_attention_modules(model)
-    method = _on_layer_devices(method, attns)
+    method = _on_layer_devices(method, attns, fold_values)
     session = MethodSession(model, method, rotate_values=not fold_values, backend=backend)
     name = register_attention()
     cfg = model.config
@@ -178,16 +178,17 @@ def attach(model: Any, method: QuantMethod, *, fold_values: bool = True, backend
     return session
 
 
-def _on_layer_devices(method: QuantMethod, attns: list[Any]) -> QuantMethod:
-    """``method`` with each layer's transform tensors on that layer's device, so the attention runtime and every
-    cache the session makes share one copy of them (a tensor already there is not copied)."""
+def _on_layer_devices(method: QuantMethod, attns: list[Any], fold_values: bool) -> QuantMethod:
+    """``method`` with each layer's run-time transform tensors on that layer's device, so the attention runtime
+    and every cache the session makes share one copy of them (a tensor already there is not copied). A folded
+    ``R_V`` is used only while folding and stays where it is."""
     if not method.layers:
         return method
+    fields = ("k_rotation", "k_mean", "v_mean") + (() if fold_values else ("v_rotation",))
     layers = list(method.layers)
     for i, attn in enumerate(attns[: len(layers)]):
         t, dev = layers[i], attn.o_proj.weight.device
-        moved = {f: getattr(t, f).to(dev) for f in ("k_rotation", "v_rotation", "k_mean", "v_mean")
-                 if isinstance(getattr(t, f), torch.Tensor)}
+        moved = {f: getattr(t, f).to(dev) for f in fields if isinstance(getattr(t, f), torch.Tensor)}
         layers[i] = replace(t, **moved)
     return replace(method, layers=tuple(layers))
 
