@@ -207,11 +207,15 @@ def test_decode_step_allocations_do_not_grow_with_the_history() -> None:
     assert large[2] <= 1 and small[2] <= 3
 
 
-def test_kernel_path_equals_dense_reference() -> None:
+@pytest.mark.parametrize("piece", [None, 24], ids=["piece-default", "piece-24"])
+def test_kernel_path_equals_dense_reference(piece: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton path (quantize_write + paged decode_attention; on CPU the interpreter) against the dense
-    reference's attention: ragged batch, GQA, a sink, and W = 0 (the new token demoted on arrival)."""
+    reference's attention: ragged batch, GQA, a sink, and W = 0 (the new token demoted on arrival); the prefill
+    written in one piece or in pieces of 24 tokens."""
     if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("needs CUDA or the Triton interpreter (conftest sets it on CPU-only machines)")
+    if piece is not None:
+        monkeypatch.setattr(int2_layer, "PIECE", piece)
     from oscar_kernels.reference import attention_partial
 
     h_q, h, d = 4, 2, 64

@@ -265,6 +265,8 @@ class Int2Layer(AppendLayer):
         width = max(0, min(self.hist_slots, upto - self.n_sink))
         r = max(0, upto - (length - self.n_recent))
         n = 0 if k_new is None else int(k_new.shape[-2])
+        if k_new is not None and v_new is not None and s + width + r == 0:
+            return k_new, v_new  # nothing stored before (a first chunk): the new tokens as they are, no copy
         b, h, d = self.dims
         outs = self.sink_k.new_empty(b, h, s + width + r + n, d), self.sink_v.new_empty(b, h, s + width + r + n, d)
         codes = self.pool.codes(self.hist_slots, width) if width else None
