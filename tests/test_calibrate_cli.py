@@ -28,6 +28,7 @@ from oscar_cli.recipe import load_recipe
         ("qwen3", {"rotation": {"grouping": "head"}, "statistics": {"v_target": "softmax"}}),
         ("qwen2", {"method": "hadamard", "clip": {"mode": "global"}}),
         ("mistral", {"method": "identity", "statistics": {"k_target": "ktk", "v_target": "sv"}}),
+        ("llama", {"clip": {"objective": "topk", "topk_keys": 4}}),
     ],
 )
 def test_calibrate_tiny_models_end_to_end(tmp_path: Path, family: str, over: dict) -> None:
@@ -52,6 +53,8 @@ def test_calibrate_tiny_models_end_to_end(tmp_path: Path, family: str, over: dic
     assert m.calibration["statistics_tokens"] == 1280 and m.calibration["holdout_tokens"] == 256
     clip_layers = m.calibration["clip"]["layers"]
     assert len(clip_layers) == 2 and all(c["error"] >= 0 for c in clip_layers)
+    objective = m.calibration["clip"]["objective"]
+    assert ("4 most attended" in objective) == (recipe.clip.objective == "topk"), objective
     assert set(res.timings) == {"data", "capture", "solve", "clip", "write"}
 
 

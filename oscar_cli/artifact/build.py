@@ -18,7 +18,11 @@ from oscar_cli.artifact.manifest import Manifest
 from oscar_cli.environment import environment
 from oscar_cli.recipe import Recipe
 
-CLIP_OBJECTIVE = "relative attention-output error, held-out tokens, INT2 tier only"
+CLIP_OBJECTIVES = {  # what each clip.objective minimized (oscar_cli.calibration.clipping); "error" is the mean one
+    "mean": "relative attention-output error, held-out tokens, INT2 tier only",
+    "topk": "relative output error on each query's {k} most attended INT2 keys, held-out tokens (layers' error: "
+            "the mean objective)",
+}
 
 
 def build_manifest(
@@ -71,7 +75,9 @@ def build_manifest(
             "statistics_tokens": statistics_tokens,
             "holdout_tokens": holdout_tokens,
             "orthogonality_error": orthogonality_error,
-            "clip": {"mode": recipe.clip.mode, "objective": CLIP_OBJECTIVE, "layers": clip_layers},
+            "clip": {"mode": recipe.clip.mode,
+                     "objective": CLIP_OBJECTIVES[recipe.clip.objective].format(k=recipe.clip.topk_keys),
+                     "layers": clip_layers},
             "timings_s": {k: round(v, 3) for k, v in timings.items()},
         },
         extra={"environment": environment(device, dtype)},
