@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """vLLM end to end on one GPU: BF16 (vLLM's default FlashAttention), TurboQuant and oscar INT2 (docs/VLLM.md).
 
-One engine per call (an engine start is about 2 minutes), so each stage fits a 10-minute device call; results
-merge into one JSON file (``--out``, key ``MODEL/BACKEND/STAGE[/CTX]``).
+One engine per call (an engine start is 1-3 minutes); the stages of one comma-separated --stage list share it.
+Results merge into one JSON file (``--out``, key ``MODEL/BACKEND/STAGE[/CTX]``).
 
 Stages:
   smoke       a tiny Qwen3-shaped engine (random weights, or --model/--artifact) generates 8 tokens for 2 prompts
@@ -15,6 +15,8 @@ Stages:
   throughput  output tokens/s for a batch of --ctx-token prompts (random ids), 256 output tokens each; the batch is
               as many as the backend's KV capacity holds (at most --max-num-seqs)
   tpot        time per output token at batch 1 for each --ctx (4k,32k,128k): (t(257 tokens) - t(1 token)) / 256
+  profile     a torch-profiler trace of one --ctx request generating --profile-tokens tokens (--profile-dir; vLLM
+              writes the trace and a table of CUDA time per op there): where a decode step's time goes
   ruler       RULER NIAH through vLLM (oscar's sample generator and scoring: the samples `oscar eval-ruler` builds for
               the same --tasks/--samples/--ctx and seed), greedy, 128 new tokens; needs --model DIR with a tokenizer
 
@@ -31,6 +33,8 @@ GPU machine (vLLM from staged wheels; see scripts/ and ../shared/tools/README.md
   python3 scripts/gpu_vllm_bench.py --stage capacity --backend oscar --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage throughput --backend bf16 --ctx 32k --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage tpot --backend oscar --ctx 4k,32k,128k --out $OUT/vllm.json
+  python3 scripts/gpu_vllm_bench.py --stage capacity,tpot,profile --backend oscar --ctx 4k --profile-dir $OUT/prof \
+      --out $OUT/vllm.json
   python3 scripts/gpu_vllm_bench.py --stage ruler --backend oscar --model DIR --artifact REF --ctx 4k,16k,32k \
       --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue --samples 20 --out $OUT/vllm.json
 """
@@ -133,6 +137,9 @@ def engine(model: str, dummy: bool, backend: str, artifact: str | None, args: ar
         kw["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     if KV_DTYPES[backend]:
         kw["kv_cache_dtype"] = KV_DTYPES[backend]
+    if getattr(args, "profile_dir", None):
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(args.profile_dir),
+                                 "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True}
     if backend == "oscar":
         if artifact is None:
             raise SystemExit("--backend oscar needs --artifact for a model with real weights")
@@ -288,7 +295,19 @@ def tpot(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[i
                                                       "output_tokens": len(toks[0])})
 
 
-STAGES = ("smoke", "capacity", "throughput", "tpot", "ruler")
+def profile(args: argparse.Namespace, llm: Any, ctxs: list[int], base: str) -> None:
+    """A torch-profiler trace (and vLLM's table of CUDA time per op) of one request of the first --ctx tokens
+    generating --profile-tokens tokens, written under --profile-dir by the engine's worker."""
+    p = prompts(1, ctxs[0], args.vocab, ctxs[0])
+    generate(llm, p, 2)  # compile / warm every shape first
+    llm.start_profile()
+    wall, toks = generate(llm, p, args.profile_tokens)
+    llm.stop_profile()
+    save(args.out, f"{base}/profile/{ctxs[0]}", {"prompt_tokens": ctxs[0], "output_tokens": len(toks[0]),
+                                                 "wall_s": wall, "dir": str(args.profile_dir)})
+
+
+STAGES = ("smoke", "capacity", "throughput", "tpot", "ruler", "profile")
 
 
 def main() -> None:
@@ -317,6 +336,8 @@ def main() -> None:
                     help="oscar: decode kernels without programmatic dependent launches (OSCAR_VLLM_PDL=0)")
     ap.add_argument("--runner", choices=["auto", "v1", "v2"], default="auto",
                     help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; auto: vLLM's choice)")
+    ap.add_argument("--profile-dir", type=Path, help="--stage profile: where the engine writes its torch trace")
+    ap.add_argument("--profile-tokens", type=int, default=32, help="--stage profile: output tokens traced")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "oscar-vllm-bench")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -352,6 +373,8 @@ def main() -> None:
     if smoke_only:
         smoke(args, str(model_dir), dummy, artifact)
         return
+    if "profile" in stages and args.profile_dir is None:
+        raise SystemExit("--stage profile needs --profile-dir DIR")
     if "ruler" in stages and dummy:
         raise SystemExit("--stage ruler needs --model DIR (a model with a tokenizer and real weights)")
     llm = engine(str(model_dir), dummy, args.backend, artifact, args, max_len, args.gpu_mem)
@@ -365,6 +388,8 @@ def main() -> None:
             ruler(args, llm, model_dir, ctxs, base)
         elif stage == "throughput":
             throughput(args, llm, facts, ctxs, base)
+        elif stage == "profile":
+            profile(args, llm, ctxs, base)
         else:
             tpot(args, llm, facts, ctxs, base)
     shutdown(llm)
