@@ -147,7 +147,27 @@ def kv_formula_bytes(method: Any, geo: Any, tokens: int) -> int:
     return int(elements * method.bits_per_element(tokens, geo.head_dim) / 8)
 
 
-def memory(loaded: Any, artifact: str, long: int, new: int = 64) -> dict[str, Any]:
+class CudaMeter:
+    """The CUDA allocator's counters :func:`memory` reads (a test passes another meter on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def settle(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+
+def memory(loaded: Any, artifact: str, long: int, new: int = 64, meter: Any = None) -> dict[str, Any]:
     """``model.generate`` of ``long - new`` prompt tokens (one prefill forward) + ``new`` tokens per cache,
     peaks of the prefill and of the decode steps apart (:class:`PhasePeaks`), against the formula."""
     import oscar_cli as oscar
@@ -155,23 +175,24 @@ def memory(loaded: Any, artifact: str, long: int, new: int = 64) -> dict[str, An
     from oscar_cli.quant.generation import cache_kwarg
 
     model, dev = loaded.model, loaded.device
+    meter = meter or CudaMeter(dev)
     geo = ModelGeometry.of(model.config)
     prompt = long - new
-    ids = torch.randint(100, 1000, (1, prompt), generator=torch.Generator().manual_seed(0)).to(dev)
+    high = min(1000, int(model.config.vocab_size))
+    ids = torch.randint(high // 10, high, (1, prompt), generator=torch.Generator().manual_seed(0)).to(dev)
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
     out: dict[str, Any] = {"tokens": long, "prompt_tokens": prompt, "new_tokens": new, "weights_bytes": weights}
     for name in ("bf16", "oscar"):
         oscar.detach(model)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated(dev)
+        meter.settle()
+        before = meter.allocated()
         session = oscar.attach(model, artifact if name == "oscar" else None, method=name)
         cache = session.new_cache()
-        attached = torch.cuda.memory_allocated(dev) - before
-        with PhasePeaks(model) as peaks:
+        attached = meter.allocated() - before
+        with PhasePeaks(model, peak=meter.peak, reset=meter.reset) as peaks:
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, **{cache_kwarg(model): cache})
-            torch.cuda.synchronize()
+            meter.settle()
         predicted = {f"at_{n}": kv_formula_bytes(session.method, geo, n) for n in (prompt, long)}
         allocated = int(cache.allocated_bytes())
         out[name] = {
@@ -180,7 +201,7 @@ def memory(loaded: Any, artifact: str, long: int, new: int = 64) -> dict[str, An
             "attach_device_bytes": int(attached), "method_tensor_device_bytes": method_tensor_bytes(session.method, dev),
             "kv_allocated_bytes": allocated, "kv_formula_bytes": predicted,
             "kv_allocated_over_formula": round(allocated / max(predicted[f"at_{long}"], 1), 4),
-            "persistent_after_bytes": int(torch.cuda.memory_allocated(dev) - before),
+            "persistent_after_bytes": meter.allocated() - before,
         }
         del cache
     oscar.detach(model)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.calib import random_transform
-from helpers.tiny import tiny_causal_lm
+from helpers.tiny import tiny_causal_lm, tiny_loaded
 
 from oscar_cli.bench.allocations import AllocationTrace, phase_hooks
 from oscar_cli.quant import attach, oscar_method
@@ -140,3 +140,46 @@ def test_gpu_cache_check_byte_counts(cache_check) -> None:
     assert cache_check.tensor_bytes([x, x[1:], torch.zeros(3)]) == 400 + 12  # views counted once
     meth = oscar_method([random_transform(0, 2, d=16)], sink=8, recent=16)
     assert cache_check.method_tensor_bytes(meth, torch.device("cpu")) == 2 * 2 * 16 * 16 * 4 + 2 * 2 * 16 * 4
+
+
+class CountingMeter:
+    """A stand-in for gpu_cache_check.CudaMeter on CPU: peaks climb by 1000 per read, nothing is allocated."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def allocated(self) -> int:
+        return 0
+
+    def peak(self) -> int:
+        self.reads += 1
+        return 1000 * self.reads
+
+    def reset(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+
+def test_gpu_cache_check_memory_stage_runs_and_reports_both_caches(cache_check, tmp_path) -> None:
+    from helpers.fakehub.artifacts import make_artifact
+
+    from oscar_cli.model.geometry import ModelGeometry
+    from oscar_cli.quant import build_method
+
+    loaded = tiny_loaded(seed=2)
+    loaded.model.to(torch.bfloat16)  # the formula counts the BF16 tiers at 2 bytes
+    art = str(make_artifact(tmp_path))
+    res = cache_check.memory(loaded, art, long=600, new=8, meter=CountingMeter())
+    b, o = res["bf16"], res["oscar"]
+    assert (res["prompt_tokens"], b["path"], o["path"]) == (592, "dense", "reference")
+    assert (b["prefill_peak_bytes"], b["decode_peak_bytes"], o["prefill_peak_bytes"]) == (1000, 2000, 3000)
+    bf16 = build_method("bf16", loaded.model.config)
+    assert b["kv_formula_bytes"]["at_600"] == 2 * 2 * 2 * 600 * 16 * 2 == cache_check.kv_formula_bytes(
+        bf16, ModelGeometry.of(loaded.model.config), 600)
+    assert b["kv_allocated_bytes"] == 2 * 2 * 2 * 599 * 16 * 2  # the last generated token is never fed
+    assert 0.95 < o["kv_allocated_over_formula"] < 1.1, o
+    assert o["method_tensor_device_bytes"] > 0 == b["method_tensor_device_bytes"]
+    assert res["saved_bytes"]["prefill"] == -2000 and res["pass"] is False  # reference path: never a pass
+    assert not hasattr(loaded.model, "_oscar_session")  # detached at the end
