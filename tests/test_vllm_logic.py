@@ -180,6 +180,44 @@ def test_host_first_blocks_reads_the_calling_runners_table() -> None:
     assert layout.host_first_blocks(2) is None  # no runner among the callers
 
 
+def _v2_execute_model(scheduler_output: object, batch: object, num_reqs: int, dummy_run: bool = False):
+    """The frames of vLLM 0.25's V2 runner that host_request_slots reads: execute_model -> prepare_attn."""
+    return _v2_prepare_attn(batch, num_reqs)
+
+
+def _v2_prepare_attn(input_batch: object, num_reqs: int):
+    return (lambda: layout.host_request_slots(num_reqs))()
+
+
+def _v2_batch(slots: list[int], num_reqs: int) -> SimpleNamespace:
+    import numpy as np
+
+    return SimpleNamespace(idx_mapping_np=np.array(slots, dtype=np.int32), num_reqs=num_reqs)
+
+
+@pytest.mark.unit
+def test_host_request_slots_reads_the_v2_runners_batch() -> None:
+    assert _v2_execute_model(object(), _v2_batch([5, 0, 3], 3), 3) == [5, 0, 3]
+    # a full-graph batch padded from 2 to 4 requests: the padding has no slot
+    assert _v2_execute_model(object(), _v2_batch([5, 0], 2), 4) == [5, 0, -1, -1]
+    # a dummy batch (profiling, DP padding): its arange slots are not requests
+    assert _v2_execute_model(object(), _v2_batch([0, 1], 2), 2, dummy_run=True) == [-1, -1]
+    assert layout.host_request_slots(2) is None  # no runner among the callers
+    assert _v2_prepare_attn(_v2_batch([1], 1), 1) is None  # no execute_model frame above prepare_attn: unknown caller
+
+
+@pytest.mark.unit
+def test_rows_from_slots_and_their_check() -> None:
+    assert layout.rows_from_slots([3, -1, 0], num_rows=4, scratch=4) == [3, 4, 0]
+    with pytest.raises(OscarError, match="slot 4 is beyond the 4 rows"):
+        layout.rows_from_slots([4], num_rows=4, scratch=4)
+    layout.check_slots_against_blocks([3, 0, -1], [17, 9, 0])
+    layout.check_slots_against_blocks([-1, -1], [5, 0])  # dummy rows are not checked
+    for slots, blocks in (([3, 3], [17, 9]), ([3, 1], [17, 17]), ([2], [0])):
+        with pytest.raises(OscarError, match="do not match the batch's block table"):
+            layout.check_slots_against_blocks(slots, blocks)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(("p", "h_kv", "d"), [(16, 2, 64), (64, 8, 128), (32, 1, 64)])
 def test_carved_pages_partition_the_page_bytes(p: int, h_kv: int, d: int) -> None:

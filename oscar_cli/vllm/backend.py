@@ -175,8 +175,8 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
     """Once per step: tier rows of the batch's requests, recent lengths, token positions, decode lengths.
 
     Decode-only batches run in vLLM's full CUDA graphs: every tensor the forward reads is copied into a buffer
-    allocated here once, at a fixed address. Requests are identified by their first block id (see
-    :meth:`_first_blocks` and docs/VLLM.md).
+    allocated here once, at a fixed address. Requests are identified by the V2 runner's request slots, else by their
+    first block id (see :meth:`_request_rows` and docs/VLLM.md).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -188,7 +188,7 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         self.settings = rt.settings
         self.rows = layout.SequenceRows(rt.num_rows)
         self._checks_left = 3
-        self._source: str | None = None  # where _first_blocks found the block table (logged once)
+        self._source: str | None = None  # "slots", "host" or "device": where request identities come from (logged once)
         self.recent_state = torch.zeros(rt.num_rows + 1, 2, dtype=torch.int32, device=device)
         sched = vllm_config.scheduler_config
         graphs = int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
@@ -222,9 +222,7 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         seq_t = cam.seq_lens_cpu_upper_bound
         seq = (seq_t if seq_t is not None else cam.seq_lens.cpu()).tolist()[: cam.num_reqs]
         if rows is None:
-            first = self._first_blocks(cam)
-            new = [seq[i] == qsl[i + 1] - qsl[i] for i in range(cam.num_reqs)]
-            rows = self.rows.assign(first, new)
+            rows = self._request_rows(cam, qsl, seq)
         n = cam.num_actual_tokens
         st = build_step(cam.query_start_loc, qsl, cam.seq_lens, seq, cam.block_table_tensor, cam.slot_mapping[:n], n,
                         rows, self.recent_state, self.settings, cam.is_prefilling)
@@ -232,12 +230,34 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
         debug.STEPS.build(t0, cam.num_reqs, st.num_decodes, len(st.prefills), n, max(seq, default=0), capture)
         return st
 
+    def _request_rows(self, cam: CommonAttentionMetadata, qsl: list[int], seq: list[int]) -> list[int]:
+        """Tier rows of the batch's requests. Under vLLM's V2 model runner its request slots are the rows
+        (:func:`~oscar_cli.vllm.layout.host_request_slots`: no device sync; the first builds check them against the
+        device block table); otherwise rows are keyed by first block id (:meth:`_first_blocks`)."""
+        n = cam.num_reqs
+        if self._source in (None, "slots"):
+            slots = layout.host_request_slots(n)
+            if slots is not None:
+                if self._source is None:
+                    self._source = "slots"
+                    debug.STEPS.note("oscar: request identities from the V2 runner's request slots")
+                if self._checks_left > 0 and any(x >= 0 for x in slots):
+                    layout.check_slots_against_blocks(slots, cam.block_table_tensor[:n, 0].tolist())  # host sync
+                    self._checks_left -= 1
+                return layout.rows_from_slots(slots, self.rows.num_rows, self.rows.scratch)
+            if self._source == "slots":
+                raise OscarError("oscar: vLLM's V2 model runner stopped passing its request slots to the INT2 "
+                                 "backend mid-run; this vLLM version is not supported")
+        first = self._first_blocks(cam)
+        new = [seq[i] == qsl[i + 1] - qsl[i] for i in range(n)]
+        return self.rows.assign(first, new)
+
     def _first_blocks(self, cam: CommonAttentionMetadata) -> list[int]:
         """The batch's first block ids (request identities). vLLM 0.25 keeps the block table on the host too (the
         device copy is made from it); the builder reads it from the calling model runner's frame, which costs no
-        device sync. Where that is not found (vLLM's V2 model runner, the default where it applies, keeps no host
-        copy of the gathered table), it reads the device table back: one sync per step, which waits for the previous
-        step's GPU work. The first builds check the host copy against the device one and raise on a difference."""
+        device sync. Where that is not found either, it reads the device table back: one sync per step, which waits
+        for the previous step's GPU work. The first builds check the host copy against the device one and raise on a
+        difference."""
         n = cam.num_reqs
         host = layout.host_first_blocks(n)
         if self._source is None:

@@ -9,7 +9,9 @@
   :func:`ring_gather_index`,
   :func:`tier_write_index`: vLLM's ``query_start_loc`` / ``seq_lens`` / ``slot_mapping`` -> the kernels' lengths
   and the BF16 tiers' indices, as device tensor ops (no host sync: CUDA-graph capturable).
-- :class:`SequenceRows`: which row of the per-sequence BF16 tiers a request owns (host side).
+- :func:`host_request_slots` / :func:`rows_from_slots` (vLLM's V2 model runner: its request slots are the tier rows)
+  and :class:`SequenceRows` (otherwise: rows keyed by a request's first block): which row of the per-sequence BF16
+  tiers a request owns (host side).
 """
 
 from __future__ import annotations
@@ -296,6 +298,56 @@ def host_first_blocks(num_reqs: int, max_depth: int = 8) -> list[int] | None:
             except (AttributeError, IndexError, TypeError):
                 return None
     return None
+
+
+def host_request_slots(num_reqs: int, max_depth: int = 10) -> list[int] | None:
+    """The batch's request-state slots from the calling vLLM V2 model runner, or None when no caller is one.
+
+    vLLM 0.25's V2 runner (``vllm/v1/worker/gpu``) calls the metadata builders from
+    ``model_state.prepare_attn(input_batch, ...)`` inside ``GPUModelRunner.execute_model(..., dummy_run)``;
+    ``input_batch.idx_mapping_np[i]`` is batch row ``i``'s index into the runner's request states: a slot in
+    ``[0, max_num_seqs)`` that a request keeps from admission to its end. Rows past ``input_batch.num_reqs`` (padding
+    of a full-graph batch) and every row of a dummy batch (``dummy_run=True``: its slots are ``arange``, not requests)
+    come back as -1. Both frames must be found (else None: the caller falls back to the device block table). Reading
+    the slots costs no device sync.
+    """
+    frame = sys._getframe(1)
+    batch = None
+    for _ in range(max_depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        loc = frame.f_locals
+        if batch is None:
+            cand = loc.get("input_batch")
+            if hasattr(cand, "idx_mapping_np") and isinstance(getattr(cand, "num_reqs", None), int):
+                batch = cand
+            continue
+        if "dummy_run" in loc and "scheduler_output" in loc:  # GPUModelRunner.execute_model
+            if loc["dummy_run"]:
+                return [-1] * num_reqs
+            real = min(int(batch.num_reqs), num_reqs)
+            return [int(x) for x in batch.idx_mapping_np[:real]] + [-1] * (num_reqs - real)
+    return None
+
+
+def rows_from_slots(slots: list[int], num_rows: int, scratch: int) -> list[int]:
+    """Tier rows of a batch from :func:`host_request_slots` (-1: the scratch row); a slot past the tiers raises."""
+    bad = [x for x in slots if x >= num_rows]
+    if bad:
+        raise OscarError(f"oscar: vLLM request slot {bad[0]} is beyond the {num_rows} rows of BF16 tiers",
+                         hint="the tiers are sized by --max-num-seqs; this vLLM version is not supported")
+    return [scratch if x < 0 else x for x in slots]
+
+
+def check_slots_against_blocks(slots: list[int], first_blocks: list[int]) -> None:
+    """One batch's request slots must identify the same requests as their first block ids: a row with a slot has a
+    real first block (not vLLM's null block 0) and slots and first blocks pair one to one (rows without a slot,
+    padding or dummy, are not checked)."""
+    real = {(x, b) for x, b in zip(slots, first_blocks, strict=True) if x >= 0}
+    if any(b == 0 for _, b in real) or not len(real) == len({x for x, _ in real}) == len({b for _, b in real}):
+        raise OscarError(f"oscar: vLLM's request slots {slots} do not match the batch's block table "
+                         f"(first blocks {first_blocks}); this vLLM version is not supported by the INT2 backend")
 
 
 class SequenceRows:
