@@ -203,6 +203,8 @@ class OscarInt2MetadataBuilder(AttentionMetadataBuilder[OscarInt2Metadata]):
             "ring_index": torch.zeros(reqs, max(rt.settings.ring, 1), dtype=i64, device=device),
             "req": torch.zeros(toks, dtype=i64, device=device),
             "pos": torch.zeros(toks, dtype=i64, device=device),
+            **{name: torch.zeros(toks, dtype=i64, device=device)
+               for name in ("sink_row", "sink_pos", "ring_row", "ring_slot")},
         }
 
     def _persist(self, st: Step) -> Step:

@@ -57,6 +57,11 @@ class Step:
     sink_len: torch.Tensor  # int32 [R]
     hist_len: torch.Tensor  # int32 [R]: INT2 tokens from position S0 (decode rows)
     ring_index: torch.Tensor  # int64 [R, ring]
+    # where each new token's rotated BF16 K/V goes (layout.tier_write_index), int64 [N]: the same for every layer
+    sink_row: torch.Tensor
+    sink_pos: torch.Tensor
+    ring_row: torch.Tensor
+    ring_slot: torch.Tensor
     prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (request, q_start, q_end, seq_len)
 
 
@@ -76,7 +81,8 @@ def build_step(query_start_loc: torch.Tensor, query_start_loc_cpu: list[int], se
                rows: list[int], recent_state: torch.Tensor, s: Int2Settings,
                prefilling: torch.Tensor | None = None) -> Step:
     """Derive a :class:`Step`; advances ``recent_state`` (int32 ``[rows + 1, 2]``, see
-    :func:`~oscar_cli.vllm.layout.advance_recent`) in place. ``prefilling``: vLLM's ``is_prefilling`` (bool ``[R]``).
+    :func:`~oscar_cli.vllm.layout.advance_recent`; its last row is the scratch row) in place. ``prefilling``: vLLM's
+    ``is_prefilling`` (bool ``[R]``).
 
     Call it once per engine step, not per layer: the recent length is per-sequence state.
     """
@@ -89,8 +95,9 @@ def build_step(query_start_loc: torch.Tensor, query_start_loc_cpu: list[int], se
     sink_len, hist_len = decode_lengths(seq_lens, recent, s.sink)
     prefills = [(i, query_start_loc_cpu[i], query_start_loc_cpu[i + 1], seq_lens_cpu[i])
                 for i in range(nd, len(seq_lens_cpu)) if query_start_loc_cpu[i + 1] > query_start_loc_cpu[i]]
+    tiers = tier_write_index(req, pos, slot_mapping, seq_lens, rows_dev, s, int(recent_state.shape[0]) - 1)
     return Step(num_tokens, nd, seq_lens, block_table, slot_mapping, rows_dev, list(rows), req, pos, recent, sink_len, hist_len,
-                ring_gather_index(seq_lens, recent, s.ring), prefills)
+                ring_gather_index(seq_lens, recent, s.ring), *tiers, prefills)
 
 
 def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
@@ -178,7 +185,7 @@ class PagedInt2Layer:
         slots = st.slot_mapping[:n]
         self.kernels.quantize_write(kr, k_pages, slots, self.t.k_mean, self.t.k_clip, "rows")
         self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads")
-        sr, sp, rr, rs = tier_write_index(st.req[:n], st.pos[:n], slots, st.seq_lens, st.rows, self.s, self.scratch)
+        sr, sp, rr, rs = st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n], st.ring_slot[:n]
         self.sink_k[sr, :, sp] = kr
         self.sink_v[sr, :, sp] = vr
         self.ring_k[rr, :, rs] = kr
