@@ -51,13 +51,12 @@ def test_phase_hooks_mark_every_forward_of_a_module() -> None:
     assert [p.retained for p in trace.phases("lin")] == [a.nbytes, b.nbytes] and c.nbytes == 512
 
 
-BOUND = 3.0  # transient peak of one update <= BOUND x the dense K and V it returns (4.4-6.8x before pieces)
-
-
-@pytest.mark.parametrize("prev,new", [(12_000, 3_000), (12_000, 1), (0, 6_000)],
+@pytest.mark.parametrize("prev,new,bound", [(12_000, 3_000, 2.0), (12_000, 1, 2.0), (0, 6_000, 3.0)],
                          ids=["chunk-over-history", "reference-decode", "first-chunk"])
-def test_update_transient_peak_is_bounded_by_the_kv_it_returns(prev: int, new: int) -> None:
-    """Qwen2.5-Coder-1.5B's KV geometry (2 KV heads x 128), bf16 activations, rotated keys and values."""
+def test_update_transient_peak_is_bounded_by_the_kv_it_returns(prev: int, new: int, bound: float) -> None:
+    """Peak of one update <= ``bound`` x the dense K and V it returns (Qwen2.5-Coder-1.5B's KV geometry, 2 KV heads
+    x 128, bf16, rotated keys and values). Measured 1.65x, 1.39x, 2.56x; 4.43x, 4.89x, 6.96x before pages were
+    read and rows written in pieces. A first chunk is bound by its float32 rotation, which runs whole."""
     b, h, d = 1, 2, 128
     t = random_transform(0, h, clip=0.9, d=d)
     layer = Int2Layer(oscar_method([t], sink=64, recent=256), t, rotate_values=True)
@@ -73,7 +72,7 @@ def test_update_transient_peak_is_bounded_by_the_kv_it_returns(prev: int, new: i
     dense = out_k.nbytes + out_v.nbytes
     assert out_k.shape[-2] == prev + new
     (p,) = trace.phases("update")
-    assert p.transient <= BOUND * dense, (p.transient, dense, p.transient / dense)
+    assert p.transient <= bound * dense, (p.transient, dense, p.transient / dense)
 
 
 def test_attach_keeps_only_the_host_copy_of_the_folded_weights() -> None:

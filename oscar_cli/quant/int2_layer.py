@@ -254,7 +254,8 @@ class Int2Layer(AppendLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored slots ``[0, upto)`` as dense rotated K and V in the activation dtype (history dequantized
         plus the centring mean), followed by ``k_new``/``v_new``. Transient: built from the tiers on each call,
-        the history dequantized :data:`PIECE` tokens at a time straight into the returned tensors."""
+        the history's pages gathered, unpacked and dequantized :data:`PIECE` tokens at a time straight into the
+        returned tensors."""
         from oscar_kernels.reference import dequantize_codes
 
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
@@ -269,22 +270,21 @@ class Int2Layer(AppendLayer):
             return k_new, v_new  # nothing stored before (a first chunk): the new tokens as they are, no copy
         b, h, d = self.dims
         outs = self.sink_k.new_empty(b, h, s + width + r + n, d), self.sink_v.new_empty(b, h, s + width + r + n, d)
-        codes = self.pool.codes(self.hist_slots, width) if width else None
-        for i, (out, sink, recent, new) in enumerate(
-            zip(outs, (self.sink_k, self.sink_v), (self.recent_k, self.recent_v), (k_new, v_new), strict=True)
+        for out, sink, recent, new in zip(
+            outs, (self.sink_k, self.sink_v), (self.recent_k, self.recent_v), (k_new, v_new), strict=True
         ):
             out[..., :s, :] = sink[..., :s, :]
-            if codes is not None:
-                q, mean = codes[i], (self.k_mean, self.v_mean)[i]
-                for a in range(0, width, PIECE):
-                    e = min(width, a + PIECE)
-                    deq = dequantize_codes(*(x[..., a:e, :] for x in q), torch.float32)
-                    if mean is not None:
-                        deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
-                    out[..., s + a : s + e, :] = deq
             out[..., s + width : s + width + r, :] = recent[..., :r, :]
             if new is not None:
                 out[..., s + width + r :, :] = new
+        for a in range(0, width, PIECE):  # the history: pages gathered, unpacked and dequantized a piece at a time
+            e = min(width, a + PIECE)
+            codes = self.pool.codes(self.hist_slots, e - a, start=a)
+            for out, q, mean in zip(outs, codes, (self.k_mean, self.v_mean), strict=True):
+                deq = dequantize_codes(*q, torch.float32)
+                if mean is not None:
+                    deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
+                out[..., s + a : s + e, :] = deq
         return outs
 
     def kernel_attention(

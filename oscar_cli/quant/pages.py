@@ -166,31 +166,39 @@ class PagePool:
             ops.quantize_write(x.contiguous(), pool, slots, mean=mean, clip_ratio=clip, layout=layout)
 
     # ---------------------------------------------------------------- reads
-    def codes(self, width: int, columns: int | None = None) -> tuple[_Rows, _Rows]:
+    def codes(self, width: int, columns: int | None = None, start: int = 0) -> tuple[_Rows, _Rows]:
         """The history of keys and values as unpacked codes ``uint8 [B, H_kv, columns, D]`` with ``scale``/``zero``
         ``[B, H_kv, columns, D/G]``, each row **right-aligned** in ``width`` columns (row ``b``'s token
-        ``len_b - width + t`` at column ``t``; columns left of its first token hold zeros). ``columns`` (default
-        ``width``) keeps only the first ones. A transient gather of the rows' pages: nothing is kept."""
+        ``len_b - width + t`` at column ``t``; columns left of its first token hold zeros), columns
+        ``[start, start + columns)`` of them (``columns`` defaults to ``width - start``). A transient gather of
+        the pages those columns touch: nothing is kept."""
         assert self.k is not None and self.v is not None
-        cols = width if columns is None else columns
+        cols = width - start if columns is None else columns
         n = max(1, max(self.n_pages))
-        table = self.table[:, :n].to(self.device)  # [B, n]
-        lengths = torch.tensor(self.lengths, device=self.device)
-        j = lengths[:, None] - width + torch.arange(cols, device=self.device)[None, :]  # [B, cols]
-        ok = None if int(min(self.lengths)) >= width else j >= 0
-        j = j.clamp(min=0)
-        rows_b = torch.arange(self.batch, device=self.device)[:, None]
+        p = self.page
+        if all(n_b == n for n_b in self.n_pages) and min(self.lengths) == max(self.lengths) == width:
+            lo, hi = start // p, -(-(start + cols) // p)  # every row holds exactly `width` tokens, pages in order
+            table = self.table[:, lo:hi].to(self.device)
+            first = start - lo * p
 
-        def pick(pages: torch.Tensor) -> torch.Tensor:  # per-row pages [B, n, H, P, X] -> [B, H, cols, X]
-            if ok is None and all(n_b == n for n_b in self.n_pages) and max(self.lengths) == width:
-                b, _, h, p, x = pages.shape  # every row holds exactly `width` tokens: its pages in order
-                return pages.permute(0, 2, 1, 3, 4).reshape(b, h, n * p, x)[:, :, :cols]
-            y = pages[rows_b, j // self.page, :, j % self.page]  # [B, cols, H, X]
-            if ok is not None:
-                y = torch.where(ok[:, :, None, None], y, torch.zeros_like(y))
-            return y.permute(0, 2, 1, 3)
+            def pick(pages: torch.Tensor) -> torch.Tensor:  # per-row pages [B, m, H, P, X] -> [B, H, cols, X]
+                b, m, h, _, x = pages.shape
+                return pages.permute(0, 2, 1, 3, 4).reshape(b, h, m * p, x)[:, :, first : first + cols]
+        else:
+            lengths = torch.tensor(self.lengths)
+            j = lengths[:, None] - width + start + torch.arange(cols)[None, :]  # [B, cols] history positions
+            ok = (j >= 0).to(self.device)
+            j = j.clamp(min=0)
+            lo = int(j[:, 0].min()) // p
+            table = self.table[:, lo : min(n, int(j[:, -1].max()) // p + 1)].to(self.device)  # the pages touched
+            jd = (j - lo * p).to(self.device)
+            rows_b = torch.arange(self.batch, device=self.device)[:, None]
 
-        k_codes = unpack_rows(self.k.packed[table])  # [B, n, H, P, D]
+            def pick(pages: torch.Tensor) -> torch.Tensor:
+                y = pages[rows_b, jd // p, :, jd % p]  # [B, cols, H, X]
+                return torch.where(ok[:, :, None, None], y, torch.zeros_like(y)).permute(0, 2, 1, 3)
+
+        k_codes = unpack_rows(self.k.packed[table])  # [B, m, H, P, D]
         v_codes = unpack_quads(self.v.packed[table], self.d)
         k = (pick(k_codes), pick(self.k.scale[table]), pick(self.k.zero[table]))
         v = (pick(v_codes), pick(self.v.scale[table]), pick(self.v.zero[table]))
