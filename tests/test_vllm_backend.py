@@ -127,3 +127,4 @@ def test_engine_start_refusals(tmp_path: Path) -> None:
         backend.runtime(_engine(art, _config(3)), HKV, D)
     with pytest.raises(ArtifactError):
         backend.runtime(_engine(tmp_path / "missing", cfg), HKV, D)
+

@@ -451,3 +451,34 @@ def test_history_dequantizes_the_same_in_pieces() -> None:
         assert torch.equal(k, outs[-1][0]) and torch.equal(v, outs[-1][1])
     want = ref.fake_quantize_rows(x[S0:].transpose(0, 1), None, t.k_mean, 0.9) + t.k_mean[:, None]
     assert torch.allclose(outs[-1][0].transpose(0, 1).float(), want, atol=1e-2)
+
+
+@pytest.mark.unit
+def test_runs_oscar_reads_the_engine_arguments() -> None:
+    from oscar_cli.vllm.plugin import runs_oscar
+
+    art = {"oscar_artifact": "hf://org/x@v1"}
+    assert runs_oscar(SimpleNamespace(attention_backend="CUSTOM", additional_config=art))
+    assert runs_oscar(SimpleNamespace(attention_backend=SimpleNamespace(name="CUSTOM"), additional_config=art))
+    assert not runs_oscar(SimpleNamespace(attention_backend="CUSTOM", additional_config={}))
+    assert not runs_oscar(SimpleNamespace(attention_backend=None, additional_config=art))
+    assert not runs_oscar(SimpleNamespace())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("backend", "given", "expected"), [("CUSTOM", None, False), ("CUSTOM", True, True),
+                                                            ("CUSTOM", False, False), ("FLASH_ATTN", None, None)])
+def test_prefix_caching_defaults_to_off_only_for_the_int2_backend(backend: str, given: bool | None,
+                                                                  expected: bool | None) -> None:
+    from oscar_cli.vllm.plugin import with_prefix_caching_off
+
+    seen = {}
+
+    def create_engine_config(self: SimpleNamespace) -> str:
+        seen["prefix"] = self.enable_prefix_caching
+        return "config"
+
+    args = SimpleNamespace(attention_backend=backend, additional_config={"oscar_artifact": "x"},
+                           enable_prefix_caching=given)
+    assert with_prefix_caching_off(create_engine_config)(args) == "config"
+    assert seen["prefix"] is expected

@@ -194,6 +194,13 @@ def render_model_card(manifest: Mapping[str, Any], repo_id: str | None = None) -
             "",
             "Tags name releases; a 40-hex commit sha is immutable and is what reproducible pipelines should pin.",
             "",
+            "Serve it in vLLM 0.25 (`pip install 'oscar-kv[vllm]'`; the plugin registers the INT2 attention backend):",
+            "",
+            "```bash",
+            f"vllm serve {base or 'MODEL'} --attention-backend CUSTOM --max-num-seqs 64 \\",
+            f"    --additional-config '{{\"oscar_artifact\": \"hf://{repo_id}@<tag-or-commit-sha>\"}}'",
+            "```",
+            "",
         ]
     else:
         lines += [
