@@ -127,6 +127,9 @@ def engine(model: str, dummy: bool, backend: str, artifact: str | None, args: ar
            max_model_len: int, gpu_mem: float) -> Any:
     from vllm import LLM
 
+    # every run here samples greedily; FlashInfer's top-k/top-p sampler JIT-compiles its CUDA sources during the
+    # engine's warm-up on a machine without its cache (minutes on the H200 image), the same for every backend
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     kw: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                               gpu_memory_utilization=gpu_mem, max_model_len=max_model_len,
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.chunk,
@@ -342,9 +345,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # every run here samples greedily; FlashInfer's top-k/top-p sampler JIT-compiles its CUDA sources during the
-    # engine's warm-up on a machine without its cache (minutes on the H200 image), the same for every backend
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     stages = [x.strip() for x in args.stage.split(",") if x.strip()]
     bad = [x for x in stages if x not in STAGES] + (["smoke (alone)"] if "smoke" in stages and len(stages) > 1 else [])
     if not stages or bad:
