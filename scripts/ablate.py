@@ -8,10 +8,13 @@ variant with deltas vs base; progress lines go to stderr. Library: oscar_cli.eva
 
 Examples:
 
-  # CPU, the embedded SmolLM2-135M, default variants, small scale
+  # CPU, the embedded SmolLM2-135M, default variants (7), small scale (~90 s a row on 2 cores)
   python scripts/ablate.py smollm2-135m --data ../shared/data/corpus/austen_pride_and_prejudice.txt \\
-      --tokens 6k --seq-len 1024 --text ../shared/data/corpus/austen_persuasion.txt --ctx 1k --windows 2 \\
-      --kl-tokens 32 --out ablation-cpu
+      --tokens 6k --seq-len 1024 --text ../shared/data/corpus/austen_persuasion.txt --ctx 2k --windows 3 \\
+      --kl-tokens 32 --threads 1 --out ablation-cpu
+  # GPU: a model's own recipe, default variants, stop starting rows after ~7 minutes (rerun to continue)
+  python scripts/ablate.py qwen2.5-coder-1.5b --data prose/ --text held_out.txt --ctx 4k,16k \\
+      --backend reference --budget 420 --out ablation-qwen
   # two named variants, RULER too
   python scripts/ablate.py MODEL --data calib/ --text held_out.txt --ctx 4k,16k \\
       --variant heads:rotation.grouping=head --variant sink/recent=32/288 \\

@@ -60,7 +60,7 @@ def test_driver_resumes_and_each_row_differs_from_base_in_its_knob_only(
     # a budget of 0 s stops after the first row (the estimate needs one finished row)
     assert ablate.main(_args(tmp_path, "--budget", "0"), loaded=loaded) == 0
     err = capsys.readouterr().err
-    assert "budget:" in err and "stopping before rotation.grouping=head, topk" in err
+    assert "budget:" in err and "stopping before rotation.grouping=head, topk, kivi-2" in err
     state_path = tmp_path / "abl" / "ablation.json"
     first = json.loads(state_path.read_text())
     assert list(first["rows"]) == ["base"] and first["rows"]["base"]["status"] == "done"
@@ -129,3 +129,11 @@ def test_evaluation_text_must_be_held_out(tmp_path: Path) -> None:
         check_held_out(str(folder / "essay.txt"), str(folder / "essay.txt"))
     check_held_out(str(folder / "essay.txt"), str(tmp_path / "other.txt"))
     check_held_out(str(folder / "essay.txt"), "self")
+
+
+def test_a_variant_whose_data_holds_the_evaluation_text_is_refused(tmp_path: Path) -> None:
+    ablate = _ablate()
+    text = prose(tmp_path / "held_out") / "essay.txt"
+    args = [a for a in _args(tmp_path) if a not in VARIANTS and a != "--variant"]
+    assert ablate.main(args + ["--variant", f"data.source={text}"], loaded=tiny_loaded()) == 1
+    assert not (tmp_path / "abl" / "ablation.json").exists()  # refused before any work

@@ -184,7 +184,8 @@ def run_ablation(loaded: Any, base: Recipe, variants: list[Variant], cfg: Ablati
     names = ["base"] + [v.name for v in variants]
     if len(set(names)) != len(names):
         raise EvalError(f"variant names must be distinct (and not 'base'): {', '.join(names[1:])}")
-    check_held_out(cfg.text, base.data.source)
+    for recipe in [base, *(v.recipe for v in variants)]:
+        check_held_out(cfg.text, recipe.data.source)
     text = read_text_file(cfg.text)
     ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
     native = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0)
@@ -210,12 +211,18 @@ def run_ablation(loaded: Any, base: Recipe, variants: list[Variant], cfg: Ablati
         f"methods; eval-kl at {', '.join(map(str, cfg.ctx))} on {cfg.windows} windows x {cfg.kl_tokens} tokens"
         + (f", RULER {len(cfg.ruler_tasks)} tasks x {cfg.ruler_samples} at {cfg.ruler_ctx}" if cfg.ruler_ctx else ""))
     t_run, costs = time.perf_counter(), list[float]()
-    for i, variant in enumerate(todo):
+
+    def over_budget(left: list[str]) -> bool:
         spent = time.perf_counter() - t_run
-        if cfg.budget_s is not None and costs and spent + sum(costs) / len(costs) > cfg.budget_s:
-            log(f"budget: {spent:.0f} s spent, a row takes ~{sum(costs) / len(costs):.0f} s; stopping before "
-                f"{', '.join(v.name for v in todo[i:])} (rerun with the same --out to continue)")
-            break
+        if cfg.budget_s is None or not costs or spent + sum(costs) / len(costs) <= cfg.budget_s:
+            return False
+        log(f"budget: {spent:.0f} s spent, a row takes ~{sum(costs) / len(costs):.0f} s; stopping before "
+            f"{', '.join(left)} (rerun with the same --out to continue)")
+        return True
+
+    for i, variant in enumerate(todo):
+        if over_budget([v.name for v in todo[i:]] + refs):
+            return state.data
         t0 = time.perf_counter()
         row = _run_row(loaded, variant, base, state, evaluator, cfg, head_dim, out, log)
         costs.append(time.perf_counter() - t0)
@@ -223,7 +230,9 @@ def run_ablation(loaded: Any, base: Recipe, variants: list[Variant], cfg: Ablati
         log(f"[{i + 1}/{len(todo)}] {variant.name}: calibrate {row['calibration_s']:.1f} s, eval {row['eval_s']:.1f} s; "
             + ", ".join(f"KL@{L} {m['kl']:.4f}" for L, m in row["kl"].items())
             + (f"; ~{left * sum(costs) / len(costs):.0f} s left" if left else ""))
-    for name in refs:
+    for j, name in enumerate(refs):
+        if over_budget(refs[j:]):
+            break
         t0 = time.perf_counter()
         methods, _ = build_methods([name], loaded.model.config, None, None)
         ref_row: dict[str, Any] = {"bpe": _bpe(methods[name], cfg.ctx, head_dim), "kl": evaluator.kl(methods[name])}
@@ -232,6 +241,7 @@ def run_ablation(loaded: Any, base: Recipe, variants: list[Variant], cfg: Ablati
         ref_row["eval_s"] = round(time.perf_counter() - t0, 2)
         state.data["references"][name] = ref_row
         state.save()
+        costs.append(ref_row["eval_s"])
         log(f"reference {name}: eval {ref_row['eval_s']:.1f} s")
     return state.data
 
