@@ -6,7 +6,8 @@
 
 1. RULER agreement: NIAH samples (4 tasks x ``--samples`` at each ``--ctx``) through ``greedy_generate`` with the
    ``oscar`` method on ``backend="reference"`` and on ``backend="triton"``; the share of samples whose greedy
-   answers are identical (target >= 98 %) and each backend's score.
+   answers are identical (target >= 98 %), the share where both are right or both wrong, each backend's score,
+   and for every sample where they differ its first differing token and both texts.
 2. eval-kl: teacher-forced KL(bf16 || method) over windows of the shipped haystack prose for both backends
    (target: within 10 % of each other).
 3. Memory: one ``model.generate`` of ``--long`` tokens (prompt + 64 new; the prompt in one forward) with the
@@ -48,6 +49,8 @@ def ruler_agreement(loaded: Any, method: Any, ctx: list[int], samples: int, batc
     outs: dict[str, list[list[int]]] = {}
     scores: dict[str, float] = {}
     seconds: dict[str, float] = {}
+    hit_lists: dict[str, list[bool]] = {}
+    keys = [(task, length, j) for (task, length), items in groups.items() for j in range(len(items))]
     for backend in ("reference", "triton"):
         rows, hits = [], []
         t0 = time.perf_counter()
@@ -64,10 +67,22 @@ def ruler_agreement(loaded: Any, method: Any, ctx: list[int], samples: int, batc
                              for (s, _), g in zip(part, got, strict=True)]
         seconds[backend] = round(time.perf_counter() - t0, 1)
         outs[backend] = rows
+        hit_lists[backend] = [bool(h) for h in hits]
         scores[backend] = round(100 * sum(hits) / len(hits), 2)
-    same = sum(a == b for a, b in zip(outs["reference"], outs["triton"], strict=True)) / len(outs["reference"])
-    return {"samples": len(outs["reference"]), "identical_share": round(same, 4), "score": scores,
-            "seconds": seconds, "pass": same >= 0.98}
+    pairs = list(zip(outs["reference"], outs["triton"], strict=True))
+    same = sum(a == b for a, b in pairs) / len(pairs)
+    same_outcome = sum(a == b for a, b in zip(hit_lists["reference"], hit_lists["triton"], strict=True)) / len(pairs)
+    differ = []  # where the two paths part: the first differing generated token and both texts
+    for (task, length, j), (a, b), ha, hb in zip(keys, pairs, hit_lists["reference"], hit_lists["triton"],
+                                                 strict=True):
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            differ.append({"task": task, "length": length, "sample": j, "first_differing_token": first,
+                           "reference": tok.decode(a, skip_special_tokens=True),
+                           "triton": tok.decode(b, skip_special_tokens=True),
+                           "reference_correct": ha, "triton_correct": hb})
+    return {"samples": len(pairs), "identical_share": round(same, 4), "same_outcome_share": round(same_outcome, 4),
+            "score": scores, "seconds": seconds, "differing": differ, "pass": same >= 0.98}
 
 
 def kl_agreement(loaded: Any, method: Any, length: int, tokens: int, windows: int) -> dict[str, Any]:
