@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Count the device operations of one vLLM decode step of one INT2 layer (``oscar_cli.vllm.core``), on the CPU.
+
+Every top-level torch op of ``PagedInt2Layer.forward`` for a decode-only batch is one device kernel (or a no-op
+cast), and the kernel entry points (quantize-on-write x2, the decode's q rotation + stage 1 + merge) are counted by
+a stub; a step's total is this times the number of layers. No GPU or vLLM needed:
+
+    python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from oscar_cli.vllm import layout  # noqa: E402
+from oscar_cli.vllm.core import PagedInt2Layer, build_step  # noqa: E402
+
+# ops that only make views or metadata (no device kernel)
+VIEWS = {"aten::slice", "aten::view", "aten::select", "aten::permute", "aten::expand", "aten::as_strided",
+         "aten::t", "aten::transpose", "aten::unsqueeze", "aten::_unsafe_view", "aten::empty", "aten::empty_strided",
+         "aten::alias", "aten::reshape", "aten::detach", "aten::lift_fresh", "aten::result_type", "aten::expand_as",
+         "aten::squeeze", "aten::resolve_conj", "aten::resolve_neg", "aten::empty_like"}
+
+
+class KernelStub:
+    """Counts the Triton launches the layer would make (decode: q rotation, stage 1, merge)."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def quantize_write(self, *args: Any) -> None:
+        self.launches += 1
+
+    def decode(self, *args: Any) -> torch.Tensor:
+        self.launches += 3
+        return args[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--history", type=int, default=4096)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=36, help="for the per-step total (Qwen3-8B: 36)")
+    a = ap.parse_args()
+    d, hkv, hq, p, s0, w, b, n = 128, a.kv_heads, a.q_heads, 16, 64, 256, a.batch, a.history
+    q_, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(0)))
+    tensors = layout.LayerTensors(k_rotation=q_, v_rotation=q_.T.contiguous(), k_mean=torch.zeros(hkv, d),
+                                  v_mean=torch.zeros(hkv, d), k_clip=0.9, v_clip=0.9)
+    s = layout.Int2Settings(sink=s0, recent=w)
+    stub = KernelStub()
+    layer = PagedInt2Layer(tensors, s, 64, hq, hkv, d, p, torch.bfloat16, "cpu", kernels=stub)  # type: ignore[arg-type]
+    nb = n // p + 2
+    kv = torch.zeros(b * nb + 1, p, hkv, d // 2 + 8, dtype=torch.uint8)
+    table = torch.tensor([[1 + i * nb + j for j in range(nb)] for i in range(b)], dtype=torch.int32)
+    qsl, seq = list(range(b + 1)), [n] * b
+    slots = torch.tensor([int(table[i, (n - 1) // p]) * p + (n - 1) % p for i in range(b)])
+    state = torch.zeros(65, 2, dtype=torch.int32)
+    state[:b, 0] = w
+    st = build_step(torch.tensor(qsl, dtype=torch.int32), qsl, torch.tensor(seq, dtype=torch.int32), seq, table,
+                    slots, b, list(range(b)), state, s, torch.zeros(b, dtype=torch.bool))
+    kp, vp = layout.carve_pages(kv, d)
+    q, k, v = torch.randn(b, hq, d).bfloat16(), torch.randn(b, hkv, d).bfloat16(), torch.randn(b, hkv, d).bfloat16()
+    out = torch.zeros(b, hq, d, dtype=torch.bfloat16)
+    layer.forward(q, k, v, kp, vp, st, out)
+    stub.launches = 0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        layer.forward(q, k, v, kp, vp, st, out)
+    ops = Counter(e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in VIEWS
+                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    per_layer = sum(ops.values()) + stub.launches
+    print(f"batch {b}, history {n}: {sum(ops.values())} torch ops + {stub.launches} kernel launches = {per_layer} "
+          f"per layer, {per_layer * a.layers} per step at {a.layers} layers")
+    for name, count in ops.most_common():
+        print(f"  {count:3d} {name}")
+
+
+if __name__ == "__main__":
+    main()
