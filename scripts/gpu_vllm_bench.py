@@ -318,7 +318,8 @@ def main() -> None:
     ap.add_argument("--stage", required=True,
                     help="smoke, or a comma list of capacity, throughput, tpot, ruler (run in order on one engine)")
     ap.add_argument("--backend", choices=sorted(KV_DTYPES), default="oscar")
-    ap.add_argument("--model", default="qwen3-8b-dummy", help="qwen3-8b-dummy or a local HF model directory")
+    ap.add_argument("--model", default="qwen3-8b-dummy",
+                    help="qwen3-8b-dummy, a local HF model directory, or a GGUF file / oscar alias (its converted copy)")
     ap.add_argument("--artifact", help="oscar artifact (path or hf://); default for dummy models: a Hadamard one")
     ap.add_argument("--ctx", default="32k", help="prompt lengths, e.g. 32k or 4k,32k,128k")
     ap.add_argument("--out-tokens", type=int, default=256)
@@ -356,15 +357,18 @@ def main() -> None:
     expose_plugin()
     ctxs = parse_ctx(args.ctx)
     smoke_only = stages == ["smoke"]
-    dummy = args.model == "qwen3-8b-dummy" or smoke_only and not Path(args.model).is_dir()
+    dummy = args.model == "qwen3-8b-dummy" or smoke_only and not Path(args.model).exists()
     max_len = args.max_model_len or max(ctxs) + max(args.out_tokens, 128) + 64
     if dummy:
         shape = TINY if smoke_only else QWEN3_8B
         name = "qwen3-tiny-dummy" if smoke_only else "qwen3-8b-dummy"
         model_dir = write_qwen3_config(args.work / name, shape, max(262144, max_len))
         args.vocab = shape["vocab_size"]
-    else:
-        model_dir, name = Path(args.model), Path(args.model).name
+    else:  # a model directory, or a GGUF / alias: oscar's converted copy of it (safetensors + tokenizer)
+        from oscar_cli.model import model_directory
+
+        model_dir = Path(args.model) if Path(args.model).is_dir() else model_directory(args.model)
+        name = Path(args.model).stem if Path(args.model).is_file() else Path(args.model).name
         args.vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     args.model_name = name
     artifact = args.artifact

@@ -298,6 +298,25 @@ def test_gguf_load_converts_once_and_rebuilds_a_cache_that_will_not_load(
     assert loads[-1] == entry and model_cache.check_entry(entry, entry.name) is None
 
 
+@pytest.mark.unit
+def test_model_directory_is_the_conversion_entry_for_a_gguf(tmp_path: Path, oscar_cache: Path,
+                                                           tiny_model_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    g = tmp_path / "m.gguf"
+    g.write_bytes(b"GGUF fake 2")
+    conversions: list[Path] = []
+
+    def fake_convert(gguf: Path, out: Path) -> None:
+        conversions.append(out)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_load, "convert_gguf", fake_convert)
+    entry = models.model_directory(str(g))
+    assert entry == model_cache.converted_path(hashlib.sha256(b"GGUF fake 2").hexdigest())
+    assert (entry / "config.json").is_file() and models.model_directory(str(g)) == entry and len(conversions) == 1
+    assert models.model_directory(str(tiny_model_dir)) == tiny_model_dir.resolve()
+
+
 # --- slow: the embedded model ---------------------------------------------------------------------------
 
 

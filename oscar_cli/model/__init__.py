@@ -10,7 +10,14 @@
 """
 
 from oscar_cli.model.geometry import ModelGeometry, architecture_fingerprint, check_supported, unsupported_reasons
-from oscar_cli.model.load import LoadedModel, load_config, load_model, resolve_device, resolve_dtype
+from oscar_cli.model.load import (
+    LoadedModel,
+    load_config,
+    load_model,
+    model_directory,
+    resolve_device,
+    resolve_dtype,
+)
 from oscar_cli.model.resolve import ACCEPTED_FORMS, ALIASES, DEFAULT_MODEL, EMBEDDED_FILE, ModelIdentity, resolve_model
 
 __all__ = [
@@ -25,6 +32,7 @@ __all__ = [
     "check_supported",
     "load_config",
     "load_model",
+    "model_directory",
     "resolve_device",
     "resolve_dtype",
     "resolve_model",

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,6 +115,24 @@ def _load_gguf(identity: ModelIdentity, device: torch.device, dtype: torch.dtype
             logger.warning("could not load the conversion cache %s (%s): rebuilding it", entry, exc)
             model_cache.remove_entry(entry)
     raise AssertionError("unreachable")
+
+
+def model_directory(ref: str = DEFAULT_MODEL, *, revision: str | None = None) -> Path:
+    """A transformers model directory for ``ref``, for engines that read one (vLLM): a directory or Hub snapshot as
+    it is; a GGUF or an alias its conversion-cache entry (float32 safetensors + config + tokenizer), converted on
+    first use. GGUFs too large for the conversion cache are refused (load them with :func:`load_model`)."""
+    identity = resolve_model(ref, revision)
+    if identity.kind not in ("alias", "gguf"):
+        return identity.path
+    if identity.path.stat().st_size > CONVERT_MAX_BYTES:
+        raise OscarError(f"{identity.path.name} is larger than {CONVERT_MAX_BYTES >> 30} GiB: oscar does not keep a "
+                         "converted copy of it", hint="convert it to a transformers directory yourself")
+    gguf = identity.path
+    info = {"source": str(gguf), "reference": identity.reference}
+    with hf_progress():
+        entry, _ = model_cache.ensure_entry(identity.resolved.removeprefix("sha256:"),
+                                            lambda out: convert_gguf(gguf, out), info)
+    return entry
 
 
 def load_model(
