@@ -94,6 +94,15 @@ class ClipConfig(Schema):
         return grid
 
 
+class KeepConfig(Schema):
+    """A per-token BF16 keep budget chosen at write time (:mod:`oscar_cli.quant.keep`): of the tokens demoted
+    to INT2, the ``fraction`` with the largest ``score`` (``qerr``: relative INT2 error of the rotated key plus
+    that of the value; ``knorm``: key norm) are also kept in BF16 and attention reads those. 0 = off."""
+
+    fraction: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
+    score: Literal["qerr", "knorm"] = "qerr"
+
+
 class QuantConfig(Schema):
     """The INT2 layout the rotations and clips are calibrated for (recorded in the artifact)."""
 
@@ -101,6 +110,7 @@ class QuantConfig(Schema):
     meta_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     sink: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_SINK
     recent: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_RECENT
+    keep: KeepConfig = Field(default_factory=KeepConfig)
 
 
 class Recipe(Schema):
@@ -129,7 +139,18 @@ class Recipe(Schema):
         return data
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it."""
+        """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
+
+        ``quant.keep`` is left out while it is off (fraction 0), so a recipe without a keep budget writes the
+        same bytes (``recipe.yaml``, the manifest) that oscar wrote before the knob existed, and older readers
+        accept it; :meth:`full_dict` lists every knob."""
+        out = self.full_dict()
+        if self.quant.keep.fraction == 0.0:
+            del out["quant"]["keep"]
+        return out
+
+    def full_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with every knob present (also the ones left out while off)."""
         return _plain(self.model_dump())
 
     def to_yaml(self) -> str:

@@ -65,6 +65,7 @@ def build_manifest(
             "meta_dtype": recipe.quant.meta_dtype,
             "sink": recipe.quant.sink,
             "recent": recipe.quant.recent,
+            **({"keep": recipe.quant.keep.model_dump()} if recipe.quant.keep.fraction else {}),
         },
         data=dict(data),
         seed=recipe.data.seed,

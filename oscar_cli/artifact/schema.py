@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from oscar_cli._schema import Schema, StrictFloat
-from oscar_cli.recipe import MAX_WINDOW, Recipe
+from oscar_cli.recipe import MAX_WINDOW, KeepConfig, Recipe
 
 MANIFEST_NAME = "manifest.json"
 TENSORS_NAME = "rotations.safetensors"
@@ -70,6 +70,7 @@ class Quant(Schema):
     meta_dtype: Literal["bfloat16", "float16", "float32"]
     sink: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)]
     recent: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)]
+    keep: KeepConfig | None = None  # absent: no BF16 keep budget
 
 
 class ManifestSchema(Schema):

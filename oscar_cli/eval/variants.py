@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from oscar_cli.errors import EvalError
-from oscar_cli.recipe import Recipe
+from oscar_cli.recipe import Recipe, recipe_from_dict
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,9 @@ def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def recipe_diff(base: dict[str, Any], other: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{dotted path: (base value, other value)}`` for every leaf that differs (``name`` is ignored)."""
-    a, b = _leaves(base), _leaves(other)
+    """``{dotted path: (base value, other value)}`` for every leaf that differs (``name`` is ignored); knobs
+    a recipe dict leaves out while off (``quant.keep``) count with their defaults."""
+    a, b = (_leaves(recipe_from_dict(x).full_dict()) for x in (base, other))
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if k != "name" and a.get(k) != b.get(k)}
 
 
@@ -68,7 +69,7 @@ def _short(value: Any) -> str:
 
 def resolve_key(key: str, base: Recipe) -> str:
     """The dotted recipe path ``key`` names (itself, or the one leaf of that name); EvalError otherwise."""
-    leaves = _leaves(base.to_dict())
+    leaves = _leaves(base.full_dict())
     leaves.pop("name", None)
     if key in leaves:
         return key

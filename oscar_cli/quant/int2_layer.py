@@ -9,6 +9,10 @@ Per decoder layer (:class:`Int2Layer`), keys and values live in three tiers (DES
   :func:`oscar_kernels.reference.quantize_rows` (reference path) or ``oscar_kernels.ops.quantize_write``
   (Triton path), bitwise the same rows;
 - **recent**: the newest ``W .. W+7`` tokens in the activation dtype, one ``[B, H_kv, W + 8, D]`` buffer.
+- **kept** (only with a keep budget, recipe ``quant.keep``): per sequence and KV head ``⌊f·n⌋`` of the ``n``
+  history tokens, chosen by score when they are demoted, also held in the activation dtype; attention reads
+  those rows instead of their INT2 copy (:mod:`oscar_cli.quant.keep`; reference path only, the Triton path
+  refuses such a method).
 
 Nothing else persists: no dense copy of the history exists between calls.
 
@@ -45,6 +49,7 @@ import torch
 
 from oscar_cli.errors import OscarError
 from oscar_cli.quant.append import AppendLayer
+from oscar_cli.quant.keep import KeepTier, keep_count, token_scores
 from oscar_cli.quant.kernel_path import BACKENDS, centred, flat_mean, front, kernel_unsupported, rotation_matrix
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
@@ -104,6 +109,7 @@ class Int2Layer(AppendLayer):
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
         self.k_mean: torch.Tensor | None = None
         self.v_mean: torch.Tensor | None = None
+        self.keep = KeepTier(method.keep_fraction, method.keep_score) if method.keep_fraction > 0 else None
 
     # ---------------------------------------------------------------- transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -136,6 +142,9 @@ class Int2Layer(AppendLayer):
         if self.backend == "reference":
             return "reference"
         reason = kernel_unsupported(self.method, x, interpreter_ok=self.backend == "triton")
+        if self.keep is not None and (reason is None or self.backend == "triton"):
+            raise OscarError(f"backend {self.backend}: the Triton decode kernel does not read the BF16 keep tier "
+                             f"(quant.keep.fraction {self.method.keep_fraction:g})", hint="use --backend reference")
         if reason is not None and self.backend == "triton":
             raise OscarError(f"backend triton: {reason}", hint="use --backend reference (torch) or auto")
         path = "reference" if reason else "triton"
@@ -232,7 +241,9 @@ class Int2Layer(AppendLayer):
         slots = self.pool.slots(start, m).view(b, m)
         self.hist_slots += m
         t, meth = self.transform, self.method
-        from oscar_kernels.reference import quantize_rows
+        from oscar_kernels.reference import dequantize_rows, quantize_rows
+
+        scores = []
 
         def flat(x: torch.Tensor) -> torch.Tensor:  # [B, H, n, X] -> [B·n, H, X], row-major like the slots
             return x.permute(0, 2, 1, 3).reshape(-1, h, x.shape[-1])
@@ -247,6 +258,14 @@ class Int2Layer(AppendLayer):
             qk = quantize_rows(piece_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype)
             qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype)
             self.pool.write(_rows(qk, flat), _rows(qv, flat), to)
+            if self.keep is not None:
+                hats = [with_mean(dequantize_rows(q), mean) for q, mean in ((qk, self.k_mean), (qv, self.v_mean))]
+                score = token_scores(self.keep.kind, piece_k, piece_v, *hats)
+                pad = (slots[:, a:e] < 0).view(b, 1, e - a)
+                scores.append(score.masked_fill(pad, float("-inf")))
+        if self.keep is not None:  # the kept tier: a fixed fraction of the history slots (module keep.py)
+            pos = torch.arange(first, first + m)
+            self.keep.merge(rows_k, rows_v, pos, torch.cat(scores, -1), keep_count(self.keep.fraction, self.hist_slots))
 
     # ---------------------------------------------------------------- what attention reads
     def stored(
@@ -281,10 +300,9 @@ class Int2Layer(AppendLayer):
             e = min(width, a + PIECE)
             codes = self.pool.codes(self.hist_slots, e - a, start=a)
             for out, q, mean in zip(outs, codes, (self.k_mean, self.v_mean), strict=True):
-                deq = dequantize_codes(*q, torch.float32)
-                if mean is not None:
-                    deq = deq + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
-                out[..., s + a : s + e, :] = deq
+                out[..., s + a : s + e, :] = with_mean(dequantize_codes(*q, torch.float32), mean)
+        if self.keep is not None:  # kept tokens: attention reads their BF16 rows (slot t is index t here)
+            self.keep.substitute(*outs, limit=s + width)
         return outs
 
     def kernel_attention(
@@ -366,14 +384,16 @@ class Int2Layer(AppendLayer):
         groups = d // (self.method.group_size or d)
         per_hist = d // 4 + 2 * groups * md
         dense = (self.n_sink + self.n_recent) * b * d * act
-        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist))
+        kept = 0 if self.keep is None else self.keep.nbytes()
+        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist) + kept)
 
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the layer holds: sink and recent buffers (capacity), the page pool, block table."""
         if not self.is_initialized or self.pool is None:
             return 0
         bufs = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
-        return int(sum(t.nbytes for t in bufs if t is not None) + self.pool.allocated_bytes())
+        kept = 0 if self.keep is None else self.keep.nbytes()
+        return int(sum(t.nbytes for t in bufs if t is not None) + self.pool.allocated_bytes() + kept)
 
     # ---------------------------------------------------------------- batch operations
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -384,6 +404,8 @@ class Int2Layer(AppendLayer):
         for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
             setattr(self, name, getattr(self, name)[sel].contiguous())
         self.pool = self.pool.select(idx)
+        if self.keep is not None:
+            self.keep.select(sel)
         self.pads = [self.pads[i] for i in idx]
         self._pads_dev = None
         self.batch_size = len(idx)
@@ -394,6 +416,13 @@ class Int2Layer(AppendLayer):
             self.method, self.transform, self.rotate_values, self.backend, layer_idx=self.layer_idx,
             page_size=self.page_size,
         )
+
+
+def with_mean(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+    """Centred float32 rows ``[B, H_kv, n, D]`` plus the centring mean (``[N, D]``, ``N`` 1 or ``H_kv``)."""
+    if mean is None:
+        return x
+    return x + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())
 
 
 def _rows(q: Any, fn: Any) -> Any:

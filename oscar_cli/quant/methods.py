@@ -54,6 +54,8 @@ class QuantMethod:
         layer_kinds: per-layer storage overriding ``kind`` (empty = ``kind`` everywhere): an artifact may keep
             a layer in BF16 (``dense``) or serve it KIVI-style (``kivi``) where OSCAR's INT2 failed on it;
             see :meth:`for_layer`.
+        keep_fraction, keep_score: the per-token BF16 keep budget of ``int2`` layers (recipe ``quant.keep``,
+            :mod:`oscar_cli.quant.keep`; 0 = off).
     """
 
     name: str
@@ -66,6 +68,8 @@ class QuantMethod:
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     layer_kinds: tuple[MethodKind, ...] = ()
+    keep_fraction: float = 0.0
+    keep_score: str = "qerr"
 
     def layer(self, idx: int) -> LayerTransform:
         """The transforms of decoder layer ``idx`` (identity when the method has none)."""
@@ -83,8 +87,9 @@ class QuantMethod:
         if kind == self.kind:
             return replace(self, layer_kinds=())
         if kind == "kivi":
-            return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=())
-        return replace(self, kind=kind, layer_kinds=())
+            return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=(),
+                           keep_fraction=0.0)
+        return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0)
 
     @property
     def demotion_block(self) -> int:
@@ -97,8 +102,9 @@ class QuantMethod:
         ``int2``: docs/METHOD.md §9 ``BPE(L)``; ``kivi``: keys ``(L - L mod 128)`` tokens at
         ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at ``2 + 2·b/G`` plus 128 BF16,
         averaged over K and V; ``dense``: 16. With ``layer_kinds``: the mean over layers (each layer stores as
-        many elements).
+        many elements). A keep budget adds :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers.
         """
+        from oscar_cli.quant.keep import keep_bits
         from oscar_kernels.reference import bits_per_element
 
         if self.layer_kinds:
@@ -109,7 +115,8 @@ class QuantMethod:
         if self.kind == "dense":
             return 16.0
         if self.kind == "int2":
-            return bits_per_element(context_len, head_dim, self.group_size, b, self.sink, self.recent)
+            return (bits_per_element(context_len, head_dim, self.group_size, b, self.sink, self.recent)
+                    + keep_bits(context_len, head_dim, self.keep_fraction, self.sink, self.recent))
         g = self.group_size or min(head_dim, KIVI_GROUP)
         k_res = context_len % KIVI_GROUP
         k_bits = (context_len - k_res) * (2 + 2 * b / KIVI_GROUP) + k_res * 16
@@ -188,7 +195,7 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
 
     ``open_artifact`` validates the artifact and refuses it (ArtifactError naming the differing fields) when
     its architecture fingerprint differs from ``config``'s. The INT2 layout (sink, recent, G, metadata dtype)
-    is the one the artifact's clips were chosen for (``manifest.quant``).
+    is the one the artifact's clips were chosen for (``manifest.quant``), with its BF16 keep budget if any.
     """
     from oscar_cli.artifact import open_artifact
 
@@ -211,8 +218,10 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
         meta_dtype=_META.get(str(quant.get("meta_dtype", "bfloat16")), torch.bfloat16),
         source=f"{ref} ({art.manifest.method}, rotations {_short_hash(art.manifest.files)})",
     )
+    keep = quant.get("keep") or {}
     return replace(meth, layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
-                   extra={"schemes": schemes} if fixed else {})
+                   extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
+                   keep_score=str(keep.get("score", "qerr")))
 
 
 def artifact_schemes(calibration: dict[str, Any], n_layers: int, ref: str) -> list[str]:

@@ -109,9 +109,12 @@ def layer_tensors(method: object, num_layers: int, num_kv_heads: int, head_dim: 
 
 def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, group_size: int | None,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                   alibi: bool = False, kv_sharing: bool = False) -> None:
+                   alibi: bool = False, kv_sharing: bool = False, keep_fraction: float = 0.0) -> None:
     """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16."""
     reasons = []
+    if keep_fraction:
+        reasons.append(f"a BF16 keep budget (quant.keep.fraction {keep_fraction:g}: the kernels do not read the "
+                       "kept tier; serve it through transformers with --backend reference)")
     if head_dim not in KERNEL_HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} (the INT2 decode kernel supports {KERNEL_HEAD_DIMS})")
     if block_size not in BLOCK_SIZES:
