@@ -14,7 +14,7 @@ from test_cache_pages import chunked, dense_reference, run_layer
 from oscar_cli.errors import OscarError, RecipeError
 from oscar_cli.quant import LayerTransform, int2_layer, oscar_method
 from oscar_cli.quant.int2_layer import Int2Layer
-from oscar_cli.quant.keep import keep_count, token_scores
+from oscar_cli.quant.keep import keep_bits, keep_count, token_scores
 from oscar_cli.recipe import Recipe, recipe_from_dict
 from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
 
@@ -124,6 +124,10 @@ def test_bits_per_element_and_allocated_bytes_grow_by_the_formula() -> None:
     row = 2 * d * 2 + 4 + 4
     assert with_keep.allocated_bytes() - plain.allocated_bytes() == b * h * kept * row
     assert with_keep.storage_bytes() - plain.storage_bytes() == b * h * kept * row
+    from oscar_cli.calibration.schemes import BPE_CONTEXT, scheme_bpe
+
+    recipe = Recipe().replace({"quant": {"keep": {"fraction": frac}}})
+    assert scheme_bpe(recipe, d)(["oscar"]) == replace(base, keep_fraction=frac).bits_per_element(BPE_CONTEXT, d)
     with_keep.batch_select_indices(torch.tensor([1, 1, 0]))
     assert with_keep.keep is not None and with_keep.keep.pos is not None and with_keep.keep.pos.shape == (3, h, kept)
 
@@ -173,6 +177,12 @@ def test_artifact_carries_the_keep_budget(tmp_path: Path) -> None:
     art = write_artifact(tmp_path / "art", m, _layers(0), recipe_yaml="name: tiny\n")
     meth = oscar_from_artifact(str(art), tiny_config())
     assert (meth.keep_fraction, meth.keep_score) == (0.02, "knorm")
+    from oscar_cli.artifact.card import bpe_table
+
+    d = m.head_dim
+    assert bpe_table(m.to_dict())["32k"] == round(replace(meth, keep_fraction=0.0).bits_per_element(32768, d)
+                                                  + keep_bits(32768, d, 0.02, meth.sink, meth.recent), 4)
+    assert bpe_table(m.to_dict())["32k"] > bpe_table(plain.to_dict())["32k"]
     assert oscar_from_artifact(str(write_artifact(tmp_path / "plain", plain, _layers(0),
                                                   recipe_yaml="name: tiny\n")), tiny_config()).keep_fraction == 0.0
     m = replace(plain, quant={**plain.quant, "keep": {"fraction": 2.0, "score": "knorm"}})

@@ -46,10 +46,12 @@ def base_model_of(manifest: Mapping[str, Any]) -> str | None:
 
 
 def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
-    """Bits per K/V element at 4k, 32k and 128k tokens for the artifact's quant settings (sink/recent in BF16).
+    """Bits per K/V element at 4k, 32k and 128k tokens for the artifact's quant settings (sink/recent in BF16, and
+    the BF16 keep budget when it has one).
 
     Returns ``{"4k": 2.9, ...}`` rounded to 4 decimals; empty when the manifest lacks ``head_dim``.
     """
+    from oscar_cli.quant.keep import keep_bits
     from oscar_kernels.reference import bits_per_element
 
     quant = manifest.get("quant") or {}
@@ -68,6 +70,10 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
             sink=int(quant.get("sink", DEFAULT_SINK)),
             recent=int(quant.get("recent", DEFAULT_RECENT)),
         )
+        keep = quant.get("keep") or {}
+        if keep.get("fraction"):
+            bpe += keep_bits(ctx, int(head_dim), float(keep["fraction"]), int(quant.get("sink", DEFAULT_SINK)),
+                             int(quant.get("recent", DEFAULT_RECENT)))
         out[f"{ctx // 1024}k"] = round(bpe, 4)
     return out
 

@@ -238,12 +238,13 @@ def served_transform(scheme: str, calibrated: LayerTransform, head_dim: int) -> 
 
 
 def scheme_bpe(recipe: Any, head_dim: int) -> Callable[[list[str]], float]:
-    """``schemes -> bits per element at BPE_CONTEXT`` for the recipe's INT2 layout (sink, recent, G, metadata)."""
+    """``schemes -> bits per element at BPE_CONTEXT`` for the recipe's INT2 layout (sink, recent, G, metadata,
+    BF16 keep budget)."""
     from oscar_cli.quant.methods import QuantMethod
 
     q = recipe.quant
     base = QuantMethod(name="oscar", kind="int2", sink=q.sink, recent=q.recent, group_size=q.group_size,
-                       meta_dtype=META_DTYPES[q.meta_dtype])
+                       meta_dtype=META_DTYPES[q.meta_dtype], keep_fraction=q.keep.fraction, keep_score=q.keep.score)
 
     def bpe(schemes: list[str]) -> float:
         kinds = tuple(LAYER_SCHEMES[s] for s in schemes)
