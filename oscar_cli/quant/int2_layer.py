@@ -375,7 +375,8 @@ class Int2Layer(AppendLayer):
         return self.dims
 
     def storage_bytes(self) -> int:
-        """Bytes the tiers hold in use: sink and recent slots, each row's packed history + scale/zero (K and V)."""
+        """Bytes the tiers hold in use: sink and recent slots, each row's packed history + scale/zero (K and V), the
+        kept tier."""
         if not self.is_initialized or self.pool is None:
             return 0
         b, h, d = self.dims
