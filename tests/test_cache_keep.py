@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.calib import random_transform
-from test_cache_pages import chunked, dense_reference, run_layer
+from helpers.layers import chunked, dense_reference, run_layer
 
 from oscar_cli.errors import OscarError, RecipeError
 from oscar_cli.quant import LayerTransform, int2_layer, oscar_method

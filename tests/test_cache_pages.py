@@ -14,68 +14,15 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from helpers.calib import random_transform
-from helpers.layers import feed
+from helpers.layers import chunked, dense_reference, run_layer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar_cli.quant import LayerTransform, int2_layer, oscar_method
 from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.methods import QuantMethod
-from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
+from oscar_kernels.reference import rotate
 
 pytestmark = pytest.mark.unit
-
-
-def dense_reference(
-    meth: QuantMethod, t: LayerTransform, k: torch.Tensor, v: torch.Tensor, pads: list[int], chunks: list[int],
-    decode: int,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """What each update (prefill chunks, then ``decode`` single tokens) must return: stored slots ``[0, prior)``
-    (sink and recent raw, INT2 dequantized + mean) then the new tokens raw; rotated, in k's dtype."""
-    rot = [None if r is None else (r[0] if r.shape[0] == 1 else r) for r in (t.k_rotation, t.v_rotation)]
-    steps = [(c, i == len(chunks) - 1) for i, c in enumerate(chunks)] + [(1, True)] * decode
-    bounds = [sum(n for n, _ in steps[:i]) for i in range(len(steps) + 1)]
-
-    def rotated(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:  # per update, as the cache rotates
-        return torch.cat([rotate(x[..., a:e, :], r).to(x.dtype) for a, e in zip(bounds, bounds[1:], strict=False)], -2)
-
-    kr, vr = rotated(k, rot[0]), rotated(v, rot[1])
-    g, md = meth.group_size, meth.meta_dtype
-
-    def fake(x: torch.Tensor, mean: torch.Tensor | None, clip: float) -> torch.Tensor:
-        deq = dequantize_rows(quantize_rows(x, None, mean, clip, g, md), torch.float32)
-        return (deq + (0 if mean is None else mean.float().unsqueeze(-2))).to(x.dtype)
-
-    qk, qv = fake(kr, t.k_mean, t.k_clip), fake(vr, t.v_mean, t.v_clip)
-    sink = meth.sink + (max(pads) if meth.sink else 0)
-    w, block = meth.recent, meth.demotion_block
-    outs, pos, recent = [], 0, 0
-    for n, final in steps:
-        prior, pos = pos, pos + n
-        beyond = max(0, pos - max(prior, sink))  # new tokens past the sink
-        if n == 1:
-            recent += beyond
-            if recent >= w + block:
-                recent -= ((recent - w) // block) * block
-        else:
-            recent = min(w, recent + beyond) if final else 0
-        tier = torch.arange(prior)
-        quantized = (tier >= sink) & (tier < pos - recent)
-        sel = quantized[None, None, :, None]
-        ks = torch.where(sel, qk[..., :prior, :], kr[..., :prior, :])
-        vs = torch.where(sel, qv[..., :prior, :], vr[..., :prior, :])
-        outs.append((torch.cat([ks, kr[..., prior:pos, :]], -2), torch.cat([vs, vr[..., prior:pos, :]], -2)))
-    return outs
-
-
-def run_layer(layer: Int2Layer, k: torch.Tensor, v: torch.Tensor, pads: list[int], chunks: list[int], decode: int):
-    layer.pads = list(pads)
-    if layer.method.sink and pads:
-        layer.sink_slots = layer.method.sink + max(pads)
-    return feed(layer, k, v, chunks, decode)
-
-
-def chunked(total: int, chunk: int) -> list[int]:
-    return [min(chunk, total - s) for s in range(0, total, chunk)]
 
 
 CASES = [

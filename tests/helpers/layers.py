@@ -1,10 +1,20 @@
-"""Driving one cache layer the way a server does: chunked prefill, then single-token decode steps."""
+"""Driving one cache layer the way a server does: chunked prefill, then single-token decode steps; the dense
+reference of what each step must return.
+
+The dense reference does not use the cache: it quantizes every token's rotated row on its own (per-token INT2 is
+independent of when a token is demoted), and decides each slot's tier from docs/METHOD.md §7's rules (sink = slots
+``[0, S0 + max_pad)``, recent = the last ``r`` slots where ``r`` follows the chunk/decode rules, the rest INT2).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from oscar_cli.quant import LayerTransform
+from oscar_cli.quant.methods import QuantMethod
+from oscar_kernels.reference import dequantize_rows, quantize_rows, rotate
 
 
 def feed(layer: Any, k: torch.Tensor, v: torch.Tensor, chunks: list[int], decode: int) -> list:
@@ -21,3 +31,56 @@ def feed(layer: Any, k: torch.Tensor, v: torch.Tensor, chunks: list[int], decode
         outs.append(layer.update(k[..., s : s + 1, :], v[..., s : s + 1, :]))
         s += 1
     return outs
+
+
+def dense_reference(
+    meth: QuantMethod, t: LayerTransform, k: torch.Tensor, v: torch.Tensor, pads: list[int], chunks: list[int],
+    decode: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What each update (prefill chunks, then ``decode`` single tokens) must return: stored slots ``[0, prior)``
+    (sink and recent raw, INT2 dequantized + mean) then the new tokens raw; rotated, in k's dtype."""
+    rot = [None if r is None else (r[0] if r.shape[0] == 1 else r) for r in (t.k_rotation, t.v_rotation)]
+    steps = [(c, i == len(chunks) - 1) for i, c in enumerate(chunks)] + [(1, True)] * decode
+    bounds = [sum(n for n, _ in steps[:i]) for i in range(len(steps) + 1)]
+
+    def rotated(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:  # per update, as the cache rotates
+        return torch.cat([rotate(x[..., a:e, :], r).to(x.dtype) for a, e in zip(bounds, bounds[1:], strict=False)], -2)
+
+    kr, vr = rotated(k, rot[0]), rotated(v, rot[1])
+    g, md = meth.group_size, meth.meta_dtype
+
+    def fake(x: torch.Tensor, mean: torch.Tensor | None, clip: float) -> torch.Tensor:
+        deq = dequantize_rows(quantize_rows(x, None, mean, clip, g, md), torch.float32)
+        return (deq + (0 if mean is None else mean.float().unsqueeze(-2))).to(x.dtype)
+
+    qk, qv = fake(kr, t.k_mean, t.k_clip), fake(vr, t.v_mean, t.v_clip)
+    sink = meth.sink + (max(pads) if meth.sink else 0)
+    w, block = meth.recent, meth.demotion_block
+    outs, pos, recent = [], 0, 0
+    for n, final in steps:
+        prior, pos = pos, pos + n
+        beyond = max(0, pos - max(prior, sink))  # new tokens past the sink
+        if n == 1:
+            recent += beyond
+            if recent >= w + block:
+                recent -= ((recent - w) // block) * block
+        else:
+            recent = min(w, recent + beyond) if final else 0
+        tier = torch.arange(prior)
+        quantized = (tier >= sink) & (tier < pos - recent)
+        sel = quantized[None, None, :, None]
+        ks = torch.where(sel, qk[..., :prior, :], kr[..., :prior, :])
+        vs = torch.where(sel, qv[..., :prior, :], vr[..., :prior, :])
+        outs.append((torch.cat([ks, kr[..., prior:pos, :]], -2), torch.cat([vs, vr[..., prior:pos, :]], -2)))
+    return outs
+
+
+def run_layer(layer: Any, k: torch.Tensor, v: torch.Tensor, pads: list[int], chunks: list[int], decode: int):
+    layer.pads = list(pads)
+    if layer.method.sink and pads:
+        layer.sink_slots = layer.method.sink + max(pads)
+    return feed(layer, k, v, chunks, decode)
+
+
+def chunked(total: int, chunk: int) -> list[int]:
+    return [min(chunk, total - s) for s in range(0, total, chunk)]
