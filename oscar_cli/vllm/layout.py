@@ -19,7 +19,9 @@ from __future__ import annotations
 import re
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -281,6 +283,16 @@ def tier_write_index(req: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, 
             torch.where(to_ring, row, scratch), torch.where(to_ring, torch.remainder(pos, ring), zero))
 
 
+def _caller_locals(max_depth: int) -> Iterator[dict[str, Any]]:
+    """The local variables of the frames above the caller of the function that calls this, nearest first."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return
+        yield frame.f_locals
+
+
 def host_first_blocks(num_reqs: int, max_depth: int = 8) -> list[int] | None:
     """First column of the calling vLLM GPU model runner's host block table, or None when no caller has one.
 
@@ -288,12 +300,7 @@ def host_first_blocks(num_reqs: int, max_depth: int = 8) -> list[int] | None:
     runner as ``self`` and the KV-cache group as ``kv_cache_gid``; the runner's ``input_batch.block_table[gid]`` keeps
     the host array its device block table is copied from. Reading it costs no device sync.
     """
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        loc = frame.f_locals
+    for loc in _caller_locals(max_depth):
         batch, gid = getattr(loc.get("self"), "input_batch", None), loc.get("kv_cache_gid")
         if batch is not None and isinstance(gid, int):
             try:
@@ -314,13 +321,8 @@ def host_request_slots(num_reqs: int, max_depth: int = 10) -> list[int] | None:
     come back as -1. Both frames must be found (else None: the caller falls back to the device block table). Reading
     the slots costs no device sync.
     """
-    frame = sys._getframe(1)
     batch = None
-    for _ in range(max_depth):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        loc = frame.f_locals
+    for loc in _caller_locals(max_depth):
         if batch is None:
             cand = loc.get("input_batch")
             if hasattr(cand, "idx_mapping_np") and isinstance(getattr(cand, "num_reqs", None), int):
