@@ -1,0 +1,114 @@
+"""Launchers of the BF16 tier copies (``tier_copy``), re-exported by :mod:`oscar_kernels.ops`: one launch writes a
+step's new tokens into the sink / recent tiers, one gathers and centres a decode batch's tier rows.
+
+Tiers are ``[rows + 1, H_kv, T, D]`` in the activation dtype (bf16 / fp16, or fp32), last dim contiguous; K and V
+tiers (and the gather's K and V outputs) share strides. Both launches are CUDA-graph safe (no host sync, shapes only from static sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, mean_arg
+
+TIER_DTYPES = (*ACT, torch.float32)
+
+
+def _module() -> Any:
+    from oscar_kernels import tier_copy  # lazily: TRITON_INTERPRET is read when the module is first imported
+
+    return tier_copy
+
+
+def _pair(name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
+          dev: torch.device, what: str) -> None:
+    """``name`` is the pair's K/V names joined by '/'; both match ``shape``, share dtype and strides, stride-1 last dim."""
+    nk, nv = name.split("/")
+    check_tensor(nk, a, what, shape, dtypes, dev)
+    check_tensor(nv, b, f"{a.dtype} {list(a.shape)} (as {nk})", tuple(a.shape), (a.dtype,), dev)
+    if a.stride() != b.stride() or a.stride(-1) != 1:
+        raise ValueError(f"{name}: must share strides and have a contiguous last dim, got {a.stride()}, {b.stride()}")
+
+
+def tier_write(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor,
+               ring_v: torch.Tensor, sink_row: torch.Tensor, sink_pos: torch.Tensor, ring_row: torch.Tensor,
+               ring_slot: torch.Tensor, *, block_t: int = 16, num_warps: int = 4) -> None:
+    """``sink_*[sink_row[i], :, sink_pos[i]] = x[i]`` and ``ring_*[ring_row[i], :, ring_slot[i]] = x[i]`` for every
+    token ``i`` of ``k``/``v`` ``[N, H_kv, D]``, in one launch (indices int64 ``[N]``, in range: tokens that go
+    nowhere point at a scratch row; when several tokens share a destination one of them is kept)."""
+    dev = k.device
+    if k.dim() != 3 or k.dtype not in TIER_DTYPES:
+        raise bad_tensor("k", k, "bf16/fp16/fp32 [N, H_kv, D]")
+    n, h_kv, d = k.shape
+    check_tensor("v", v, f"{k.dtype} [{n}, {h_kv}, {d}]", (n, h_kv, d), (k.dtype,), dev)
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"k, v: expected contiguous last dims, got strides {k.stride()}, {v.stride()}")
+    _pair("sink_k/sink_v", sink_k, sink_v, (None, h_kv, None, d), (k.dtype,), dev, f"{k.dtype} [rows, {h_kv}, S, {d}]")
+    _pair("ring_k/ring_v", ring_k, ring_v, (None, h_kv, None, d), (k.dtype,), dev, f"{k.dtype} [rows, {h_kv}, R, {d}]")
+    for nm, t in (("sink_row", sink_row), ("sink_pos", sink_pos), ("ring_row", ring_row), ("ring_slot", ring_slot)):
+        check_tensor(nm, t, f"int64 [{n}]", (n,), (torch.int64,), dev)
+        if t.stride(0) != 1:
+            raise bad_tensor(nm, t, "a contiguous int64 vector")
+    if n == 0:
+        return
+    _module()._tier_write_kernel[(math.ceil(n / block_t), h_kv)](
+        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
+        ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), sink_row, sink_pos, ring_row, ring_slot,
+        n, D=d, BLOCK_D=_next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
+
+
+def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
+                rows: torch.Tensor, ring_index: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, *,
+                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                dtype: torch.dtype | None = None, block_t: int = 32, num_warps: int = 4
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode's tier inputs of sequences ``rows`` (int64 ``[B]``), in one launch:
+    ``(sink_k_c, sink_v_c, recent_k_c, recent_v_c)`` ``[B, H_kv, S or R, D]`` with
+    ``sink_k_c[b, h, j] = (float32(sink_k[rows[b], h, j]) - k_mean[h]).to(dtype)`` for every sink slot ``j`` and
+    ``recent_k_c[b, h, j] = (float32(ring_k[rows[b], h, ring_index[b, j]]) - k_mean[h]).to(dtype)`` for every column
+    of ``ring_index`` (int64 ``[B, R']``, entries in ``[0, R)``); V alike with ``v_mean`` (float32 ``[D]`` or
+    ``[H_kv, D]``). ``out``: four tensors of those shapes (last dims contiguous, K and V sharing strides) to fill;
+    else they are allocated contiguous in ``dtype`` (default: the tiers' dtype)."""
+    dev = sink_k.device
+    if sink_k.dim() != 4 or sink_k.dtype not in TIER_DTYPES:
+        raise bad_tensor("sink_k", sink_k, "bf16/fp16/fp32 [rows, H_kv, S, D]")
+    _, h_kv, s, d = sink_k.shape
+    _pair("sink_k/sink_v", sink_k, sink_v, (None, h_kv, s, d), TIER_DTYPES, dev, f"[rows, {h_kv}, {s}, {d}]")
+    _pair("ring_k/ring_v", ring_k, ring_v, (None, h_kv, None, d), (sink_k.dtype,), dev,
+          f"{sink_k.dtype} [rows, {h_kv}, R, {d}]")
+    check_tensor("rows", rows, "int64 [B]", (None,), (torch.int64,), dev)
+    b = int(rows.shape[0])
+    check_tensor("ring_index", ring_index, f"int64 [{b}, R]", (b, None), (torch.int64,), dev)
+    if rows.stride(0) != 1 or ring_index.stride(-1) != 1:
+        raise ValueError("rows, ring_index: expected contiguous rows of indices")
+    r = int(ring_index.shape[1])
+    km, km_stride = mean_arg("k_mean", k_mean, h_kv, d, dev)
+    vm, vm_stride = mean_arg("v_mean", v_mean, h_kv, d, dev)
+    assert km is not None and vm is not None
+    if out is None:
+        dt = dtype or sink_k.dtype
+        sk, sv = (torch.empty(b, h_kv, s, d, dtype=dt, device=dev) for _ in range(2))
+        rk, rv = (torch.empty(b, h_kv, r, d, dtype=dt, device=dev) for _ in range(2))
+    else:
+        sk, sv, rk, rv = out
+        _pair("out[0]/out[1]", sk, sv, (b, h_kv, s, d), TIER_DTYPES, dev, f"[{b}, {h_kv}, {s}, {d}]")
+        _pair("out[2]/out[3]", rk, rv, (b, h_kv, r, d), (sk.dtype,), dev, f"{sk.dtype} [{b}, {h_kv}, {r}, {d}]")
+        if dtype is not None and sk.dtype != dtype:
+            raise bad_tensor("out[0]", sk, f"{dtype} (the dtype asked for)")
+    if b == 0:
+        return sk, sv, rk, rv
+    sink_tiles = math.ceil(s / block_t)
+    _module()._tier_gather_kernel[(sink_tiles + math.ceil(r / block_t), h_kv, b)](
+        sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
+        ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
+        rows, ring_index, ring_index.stride(0), km, vm, km_stride, vm_stride,
+        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
+        s, r, sink_tiles, D=d, BLOCK_D=_next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
+    return sk, sv, rk, rv
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,214 @@
+"""Triton tier copies (``ops.tier_write``, ``ops.tier_gather``) vs their torch twin (``oscar_cli.vllm.core.TorchTiers``,
+the index assignments and centred gathers the vLLM layer ran before): bitwise.
+
+CPU runs use the Triton interpreter with fp16 and fp32 tiers (its float32 -> bf16 cast truncates instead of rounding
+to nearest, so the bf16 gather is checked on CUDA only, ``-m gpu``; the bf16 write is a plain copy and runs here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_cli.vllm import layout
+from oscar_cli.vllm.core import TorchTiers
+from oscar_kernels import ops
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+TWIN = TorchTiers()
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()]).cpu()
+
+
+def _assert_bitwise(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype} {tuple(got.shape)} vs " \
+        f"{want.dtype} {tuple(want.shape)}"
+    bad = (_bits(got) != _bits(want)).nonzero()
+    assert bad.numel() == 0, f"{name}: {bad.shape[0]} mismatches, first at {bad[0].tolist()}"
+
+
+def _tiers(seed: int, rows: int, h: int, s: int, r: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(t: int) -> torch.Tensor:  # spread over many binades, both signs, some exact zeros
+        x = torch.randn(rows + 1, h, t, d, generator=g) * torch.exp2(torch.randint(-6, 7, (rows + 1, h, t, 1),
+                                                                                   generator=g).float())
+        x[..., ::7] = 0.0
+        return x.to(dtype).to(DEV)
+
+    return rand(s), rand(s), rand(r), rand(r)
+
+
+def _step_indices(seq: list[int], recent: list[int], ring: int) -> torch.Tensor:
+    return layout.ring_gather_index(torch.tensor(seq, dtype=torch.int32), torch.tensor(recent, dtype=torch.int32),
+                                    ring).to(DEV)
+
+
+GATHER_CASES = [
+    # id, B, H_kv, D, S (sink slots; 1 is the tier of S0 = 0), R (ring slots), per-head mean
+    ("b1-h1-d64-s4-r7", 1, 1, 64, 4, 7, True),
+    ("b3-h2-d64-s8-r15", 3, 2, 64, 8, 15, True),
+    ("b3-h2-d128-s1-r33", 3, 2, 128, 1, 33, False),
+    ("b1-h2-d128-s8-r33", 1, 2, 128, 8, 33, True),
+    ("b3-h1-d128-s4-r15", 3, 1, 128, 4, 15, False),
+    ("b3-h2-d64-s1-r7", 3, 2, 64, 1, 7, True),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("case", GATHER_CASES, ids=[c[0] for c in GATHER_CASES])
+def test_tier_gather_bitwise(case: tuple, dtype: torch.dtype) -> None:
+    """The batch's sink rows and ring rows (oldest first, the step's ring index: wrapped, short, full, and rows on
+    the scratch row as under graph capture), centred, into slices of persistent buffers and freshly allocated."""
+    name, b, h, d, s, r, per_head = case
+    rows_total = 4
+    tiers = _tiers(len(name), rows_total, h, s, r, d, dtype)
+    g = torch.Generator().manual_seed(b * 7 + s)
+    mshape = (h, d) if per_head else (1, d)
+    k_mean, v_mean = (torch.randn(*mshape, generator=g).expand(h, d).contiguous().to(DEV) for _ in range(2))
+    rows = torch.tensor([2, rows_total, 0][:b], dtype=torch.int64, device=DEV)  # row 4: scratch
+    seq = [50, 3, 2 * r + 5][:b]
+    rec = [r, 1, r - 2][:b]
+    idx = _step_indices(seq, rec, r)
+    want = TWIN.tier_gather(tiers, rows, idx, k_mean, v_mean, None)  # type: ignore[arg-type]
+    before = [t.clone() for t in tiers]
+    got = ops.tier_gather(*tiers, rows, idx, k_mean, v_mean)
+    for i, nm in enumerate(("sink_k", "sink_v", "recent_k", "recent_v")):
+        _assert_bitwise(got[i], want[i], nm)
+        assert got[i].is_contiguous()
+    persistent = [torch.full((rows_total, h, x.shape[2], d), float("nan"), dtype=dtype, device=DEV) for x in want]
+    out = tuple(x[:b] for x in persistent)
+    got2 = ops.tier_gather(*tiers, rows, idx, k_mean, v_mean, out=out)  # type: ignore[arg-type]
+    for i in range(4):
+        assert got2[i].data_ptr() == persistent[i].data_ptr()
+        _assert_bitwise(got2[i], want[i], f"out[{i}]")
+        assert torch.isnan(persistent[i][b:]).all(), "wrote past the batch"
+    for t, t0 in zip(tiers, before, strict=True):
+        assert torch.equal(t, t0), "a tier was modified"
+
+
+@pytest.mark.unit
+def test_tier_gather_one_mean_for_all_heads_and_random_slots() -> None:
+    """A ``[D]`` mean (stride 0 over heads) and ring indices in any order (repeats included)."""
+    b, h, d, s, r = 3, 2, 64, 4, 15
+    tiers = _tiers(9, 3, h, s, r, d, torch.float16)
+    g = torch.Generator().manual_seed(4)
+    mean = torch.randn(d, generator=g).to(DEV)
+    rows = torch.tensor([1, 3, 1], dtype=torch.int64, device=DEV)
+    idx = torch.randint(0, r, (b, r), generator=g).to(DEV)
+    got = ops.tier_gather(*tiers, rows, idx, mean, -mean)
+    want = TWIN.tier_gather(tiers, rows, idx, mean.expand(h, d), -mean.expand(h, d), None)  # type: ignore[arg-type]
+    for i in range(4):
+        _assert_bitwise(got[i], want[i], f"out[{i}]")
+
+
+WRITE_CASES = [
+    # id, H_kv, D, S0, W (ring = W + 16 - 1), dtype
+    ("h1-d64-s4-w8-fp16", 1, 64, 4, 8, torch.float16),
+    ("h2-d128-s8-w16-fp32", 2, 128, 8, 16, torch.float32),
+    ("h2-d64-s0-w8-bf16", 2, 64, 0, 8, torch.bfloat16),
+    ("h1-d128-s8-w0-fp16", 1, 128, 8, 0, torch.float16),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", WRITE_CASES, ids=[c[0] for c in WRITE_CASES])
+def test_tier_write_bitwise(case: tuple) -> None:
+    """A mixed step's tokens (a decode past the sink, a chunk crossing the sink boundary and wrapping the ring, a
+    decode inside the sink) plus padding tokens, all sent to the scratch row's slot 0: every real row is bitwise the
+    index assignments'; the scratch slots hold one of the tokens sent there."""
+    name, h, d, s0, w, dtype = case
+    st = layout.Int2Settings(sink=s0, recent=w)
+    ring = max(st.ring, 1)
+    rows_total = 3
+    tiers = _tiers(len(name), rows_total, h, max(s0, 1), ring, d, dtype)
+    # requests on rows 2, 0, 1: (tokens this step, length after it)
+    long = 2 * ring + s0 + 3
+    lens = [(1, 40), (long - max(s0 - 2, 0), long), (1, max(s0, 1))]
+    pad = 3
+    req, pos, slots = [], [], []
+    for i, (n, total) in enumerate(lens):
+        req += [i] * n
+        pos += list(range(total - n, total))
+        slots += list(range(100 * i, 100 * i + n))
+    req += [0] * pad
+    pos += [0] * pad
+    slots += [-1] * pad
+    idx = layout.tier_write_index(torch.tensor(req), torch.tensor(pos), torch.tensor(slots),
+                                  torch.tensor([t for _, t in lens], dtype=torch.int32), torch.tensor([2, 0, 1]), st,
+                                  rows_total)
+    idx = tuple(x.to(DEV) for x in idx)
+    n = len(req)
+    g = torch.Generator().manual_seed(n)
+    k = torch.randn(n, h, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(h, n, d, generator=g).to(dtype).to(DEV).transpose(0, 1)  # as the per-head rotation's einsum
+    want = tuple(t.clone() for t in tiers)
+    TWIN.tier_write(k, v, want, *idx)  # type: ignore[arg-type]
+    got = tuple(t.clone() for t in tiers)
+    ops.tier_write(k, v, *got, *idx)
+    for i, nm in enumerate(("sink_k", "sink_v", "ring_k", "ring_v")):
+        _assert_bitwise(got[i][:rows_total], want[i][:rows_total], nm)
+        _assert_bitwise(got[i][rows_total, :, 1:], tiers[i][rows_total, :, 1:], f"{nm} scratch beyond slot 0")
+        row, slot = (idx[0], idx[1]) if i < 2 else (idx[2], idx[3])
+        sent = ((row == rows_total) & (slot == 0)).nonzero().flatten()
+        x = k if i % 2 == 0 else v
+        cands = [_bits(x[j]) for j in sent.tolist()] or [_bits(tiers[i][rows_total, :, 0])]
+        assert any(torch.equal(_bits(got[i][rows_total, :, 0]), c) for c in cands), f"{nm} scratch slot 0"
+    assert bool((idx[0] < rows_total).any()) == (s0 > 0) and bool((idx[2] < rows_total).any()) == (w > 0)
+
+
+@pytest.mark.unit
+def test_tier_ops_refuse_mismatched_arguments() -> None:
+    tiers = _tiers(1, 2, 2, 4, 7, 64, torch.float16)
+    rows = torch.zeros(2, dtype=torch.int64, device=DEV)
+    idx = torch.zeros(2, 7, dtype=torch.int64, device=DEV)
+    mean = torch.zeros(2, 64, device=DEV)
+    with pytest.raises(ValueError, match="sink_v"):
+        ops.tier_gather(tiers[0], tiers[1].float(), *tiers[2:], rows, idx, mean, mean)
+    with pytest.raises(ValueError, match="ring_index"):
+        ops.tier_gather(*tiers, rows, idx[:1], mean, mean)
+    with pytest.raises(ValueError, match="rows"):
+        ops.tier_gather(*tiers, rows.int(), idx, mean, mean)
+    with pytest.raises(ValueError, match="k_mean"):
+        ops.tier_gather(*tiers, rows, idx, mean.half(), mean)
+    bad_out = tuple(torch.empty(2, 2, t.shape[2], 64, dtype=torch.float16, device=DEV) for t in tiers)
+    with pytest.raises(ValueError, match=r"out\[2\]"):
+        ops.tier_gather(*tiers, rows, idx[:, :5], mean, mean, out=bad_out)  # type: ignore[arg-type]
+    k = torch.zeros(3, 2, 64, dtype=torch.float16, device=DEV)
+    i3 = torch.zeros(3, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="sink_k"):
+        ops.tier_write(k, k, tiers[0].float(), tiers[1].float(), *tiers[2:], i3, i3, i3, i3)
+    with pytest.raises(ValueError, match="ring_slot"):
+        ops.tier_write(k, k, *tiers, i3, i3, i3, i3.int())
+    with pytest.raises(ValueError, match="k, v"):
+        ops.tier_write(k, k.transpose(1, 2).contiguous().transpose(1, 2), *tiers, i3, i3, i3, i3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("b", [1, 3, 64])
+def test_tier_ops_bf16_on_gpu(b: int) -> None:
+    """bf16 tiers at the engine's shapes (S0 = 64, ring = 256 + 16 - 1, D = 128, 8 KV heads), up to 64 sequences."""
+    h, d, s, r, rows_total = 8, 128, 64, 271, 64
+    tiers = _tiers(b, rows_total, h, s, r, d, torch.bfloat16)
+    g = torch.Generator().manual_seed(b)
+    k_mean, v_mean = (torch.randn(h, d, generator=g).to(DEV) for _ in range(2))
+    rows = torch.randperm(rows_total + 1, generator=g)[:b].to(DEV)
+    seq = torch.randint(1, 5000, (b,), generator=g, dtype=torch.int32)
+    idx = layout.ring_gather_index(seq, torch.minimum(seq, torch.tensor(r)), r).to(DEV)
+    got = ops.tier_gather(*tiers, rows, idx, k_mean, v_mean)
+    want = TWIN.tier_gather(tiers, rows, idx, k_mean, v_mean, None)  # type: ignore[arg-type]
+    for i in range(4):
+        _assert_bitwise(got[i], want[i], f"out[{i}]")
+    x = torch.randn(b, h, d, generator=g).bfloat16().to(DEV)
+    pos = torch.randint(0, s, (b,), generator=g).to(DEV)
+    slot = torch.randint(0, r, (b,), generator=g).to(DEV)
+    want_t = tuple(t.clone() for t in tiers)
+    TWIN.tier_write(x, -x, want_t, rows, pos, rows, slot)  # type: ignore[arg-type]
+    ops.tier_write(x, -x, *tiers, rows, pos, rows, slot)
+    for a, w in zip(tiers, want_t, strict=True):
+        _assert_bitwise(a, w, "tier")
