@@ -15,7 +15,7 @@ from oscar_cli.errors import OscarError, UnsupportedModelError
 from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.methods import LayerTransform, oscar_method
 from oscar_cli.vllm import layout, spec
-from oscar_cli.vllm.core import PagedInt2Layer, build_step, split_decodes
+from oscar_cli.vllm.core import PagedInt2Layer, TorchTiers, build_step, split_decodes
 from oscar_kernels import ops
 from oscar_kernels import reference as ref
 
@@ -287,8 +287,9 @@ ACT = torch.float16  # interpreter: fp16 operands (bf16 tl.dot is wrong there)
 CFG = ops.DecodeConfig(block_n=64 if DEV == "cuda" else 16, block_nb=16, num_warps=4, num_stages=1)
 
 
-class TorchKernels:
-    """A torch twin of the two kernel calls (reference quantizer + reference tiered attention), for long runs."""
+class TorchKernels(TorchTiers):
+    """A torch twin of the kernel calls (reference quantizer + reference tiered attention; the tier copies of
+    :class:`~oscar_cli.vllm.core.TorchTiers`), for long runs."""
 
     def quantize_write(self, x, cache, slots, mean, clip, layout_name) -> None:
         q = ref.quantize_rows(x.transpose(0, 1), None, mean, clip)  # [H, N, D/4]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from oscar_cli.vllm import debug, layout
-from oscar_cli.vllm.core import PagedInt2Layer, TritonKernels, build_step, masked_attend
+from oscar_cli.vllm.core import PagedInt2Layer, TorchTiers, TritonKernels, build_step, masked_attend
 from oscar_kernels import ops
 
 # the smoke engine of scripts/gpu_vllm_bench.py: Qwen3-shaped, 8 query / 2 KV heads, head_dim 128, pages of 16,
@@ -70,6 +70,9 @@ def _signature(plan: ops.DecodePlan) -> tuple:
 def test_decode_launch_specialization_depends_on_the_batch_size_only(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple] = []
     monkeypatch.setattr(ops.DecodePlan, "run", lambda self: seen.append(_signature(self)) or self.out)
+    # the tier gather in torch: its launch in the Triton interpreter costs minutes over these 154 steps (its
+    # integer arguments are static shapes: the number of sink / ring slots, strides)
+    monkeypatch.setattr(TritonKernels, "tier_gather", TorchTiers.tier_gather)
     layer = _layer(TritonKernels())  # the engine's configs (ops.default_config); nothing is launched
     kp, vp = _pages(COLS * 2 + 1)
     per_batch: dict[int, set[tuple]] = {}
@@ -91,8 +94,9 @@ def test_decode_launch_specialization_depends_on_the_batch_size_only(monkeypatch
     assert len(distinct) == 5, len(distinct)
 
 
-class _Recorder:
-    """Kernel calls of the layer, recorded (shapes and lengths), nothing computed: the metadata path under test."""
+class _Recorder(TorchTiers):
+    """Kernel calls of the layer, recorded (shapes and lengths), nothing computed but the tier copies (torch): the
+    metadata path under test."""
 
     def __init__(self) -> None:
         self.writes: list[int] = []

@@ -5,9 +5,10 @@ all layers); :class:`PagedInt2Layer` is one attention layer: its transforms and 
 
 - :meth:`PagedInt2Layer.write` — quantize-on-write of every new token into its page through the slot mapping
   (``ops.quantize_write``: K rows, V token quads), plus its rotated BF16 copy into the sequence's sink (positions
-  ``< S0``) or recent ring (the newest ``W + B - 1`` positions);
-- :meth:`PagedInt2Layer.decode` — one query per sequence over sink + INT2 history + recent (``ops.DecodePlan``,
-  the split-KV kernel; its launches are CUDA-graph capturable);
+  ``< S0``) or recent ring (the newest ``W + B - 1`` positions) (``ops.tier_write``, one launch);
+- :meth:`PagedInt2Layer.decode` — one query per sequence over sink + INT2 history + recent (``ops.tier_gather``
+  centres the batch's sink and ring rows into buffers shared by the layers, then ``ops.DecodePlan``, the split-KV
+  kernel; all launches are CUDA-graph capturable);
 - :meth:`PagedInt2Layer.prefill` — a chunk attends to the sink, to earlier tokens through a transient
   dequantized copy of their INT2 pages, and to itself unquantized (causal), as the reference cache does.
 
@@ -114,8 +115,40 @@ def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
     return (p @ vv).transpose(0, 1)
 
 
+Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k, sink_v, ring_k, ring_v
+
+
+class TorchTiers:
+    """The BF16 tier copies in torch (the twin of ``ops.tier_write`` / ``ops.tier_gather``: index assignments,
+    gathers and casts, several device ops each); kernel twins of tests inherit it."""
+
+    def tier_write(self, kr: torch.Tensor, vr: torch.Tensor, tiers: Tiers, sink_row: torch.Tensor,
+                   sink_pos: torch.Tensor, ring_row: torch.Tensor, ring_slot: torch.Tensor) -> None:
+        sink_k, sink_v, ring_k, ring_v = tiers
+        sink_k[sink_row, :, sink_pos] = kr
+        sink_v[sink_row, :, sink_pos] = vr
+        ring_k[ring_row, :, ring_slot] = kr
+        ring_v[ring_row, :, ring_slot] = vr
+
+    def tier_gather(self, tiers: Tiers, rows: torch.Tensor, ring_index: torch.Tensor, k_mean: torch.Tensor,
+                    v_mean: torch.Tensor, out: Tiers | None) -> Tiers:
+        sink_k, sink_v, ring_k, ring_v = tiers
+
+        def centred(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+            return (x.float() - mean[None, :, None, :]).to(sink_k.dtype).contiguous()
+
+        got = (centred(sink_k[rows], k_mean), centred(sink_v[rows], v_mean),
+               centred(ring_k[rows[:, None], :, ring_index].permute(0, 2, 1, 3), k_mean),
+               centred(ring_v[rows[:, None], :, ring_index].permute(0, 2, 1, 3), v_mean))
+        if out is None:
+            return got
+        for o, g in zip(out, got, strict=True):
+            o.copy_(g)
+        return out
+
+
 class TritonKernels:
-    """The two kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin. ``pdl``:
+    """The kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin. ``pdl``:
     overrides the decode config's programmatic dependent launches (None: the config's choice)."""
 
     def __init__(self, decode_config: object | None = None, pdl: bool | None = None) -> None:
@@ -127,6 +160,18 @@ class TritonKernels:
         from oscar_kernels import ops
 
         ops.quantize_write(x, cache, slots, mean=mean, clip_ratio=clip, layout=layout)
+
+    def tier_write(self, kr: torch.Tensor, vr: torch.Tensor, tiers: Tiers, sink_row: torch.Tensor,
+                   sink_pos: torch.Tensor, ring_row: torch.Tensor, ring_slot: torch.Tensor) -> None:
+        from oscar_kernels import ops
+
+        ops.tier_write(kr, vr, *tiers, sink_row, sink_pos, ring_row, ring_slot)
+
+    def tier_gather(self, tiers: Tiers, rows: torch.Tensor, ring_index: torch.Tensor, k_mean: torch.Tensor,
+                    v_mean: torch.Tensor, out: Tiers | None) -> Tiers:
+        from oscar_kernels import ops
+
+        return ops.tier_gather(*tiers, rows, ring_index, k_mean, v_mean, out=out)
 
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
@@ -142,6 +187,23 @@ class TritonKernels:
         return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
                               recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
                               sm_scale=scale, config=cfg, out=out).run()  # type: ignore[arg-type]
+
+
+_GATHERED: dict[tuple[object, ...], Tiers] = {}
+
+
+def gather_buffers(rows: int, h_kv: int, sink: int, ring: int, d: int, dtype: torch.dtype,
+                   device: torch.device) -> Tiers:
+    """The decode's centred tier inputs for up to ``rows`` sequences: ``(sink_k, sink_v, recent_k, recent_v)``
+    ``[rows, H_kv, S or R, D]``, allocated once per shape and device and shared by all layers (a layer's gather
+    overwrites them only after the previous layer's decode has read them: one stream), at fixed addresses (CUDA
+    graphs)."""
+    key = (str(device), dtype, rows, h_kv, sink, ring, d)
+    if key not in _GATHERED:
+        sk, sv = (torch.empty(rows, h_kv, sink, d, dtype=dtype, device=device) for _ in range(2))
+        rk, rv = (torch.empty(rows, h_kv, ring, d, dtype=dtype, device=device) for _ in range(2))
+        _GATHERED[key] = (sk, sv, rk, rv)
+    return _GATHERED[key]
 
 
 class PagedInt2Layer:
@@ -164,6 +226,9 @@ class PagedInt2Layer:
         self.sink_v = torch.zeros_like(self.sink_k)
         self.ring_k = torch.zeros(*shape, max(s.ring, 1), head_dim, dtype=act_dtype, device=device)
         self.ring_v = torch.zeros_like(self.ring_k)
+        self.tiers: Tiers = (self.sink_k, self.sink_v, self.ring_k, self.ring_v)
+        self.gathered = gather_buffers(num_rows, num_kv_heads, int(self.sink_k.shape[2]), int(self.ring_k.shape[2]),
+                                       head_dim, act_dtype, self.sink_k.device)
 
     # ------------------------------------------------------------------ transforms
     def rotate(self, x: torch.Tensor, which: str) -> torch.Tensor:
@@ -185,27 +250,20 @@ class PagedInt2Layer:
         slots = st.slot_mapping[:n]
         self.kernels.quantize_write(kr, k_pages, slots, self.t.k_mean, self.t.k_clip, "rows")
         self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads")
-        sr, sp, rr, rs = st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n], st.ring_slot[:n]
-        self.sink_k[sr, :, sp] = kr
-        self.sink_v[sr, :, sp] = vr
-        self.ring_k[rr, :, rs] = kr
-        self.ring_v[rr, :, rs] = vr
+        self.kernels.tier_write(kr, vr, self.tiers, st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
+                                st.ring_slot[:n])
 
     # ------------------------------------------------------------------ decode
-    def _centred(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-        return (x.float() - mean[None, :, None, :]).to(self.act).contiguous()
 
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, st: Step,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``q [B, H_q, D]`` (post-RoPE, unrotated) of the step's ``B = st.num_decodes`` first requests -> attention
         output ``[B, H_q, D]`` in the model's space."""
         b = int(q.shape[0])
-        rows = st.rows[:b]
-        sink_k = self._centred(self.sink_k[rows], self.t.k_mean)
-        sink_v = self._centred(self.sink_v[rows], self.t.v_mean)
-        idx = st.ring_index[:b]
-        rec_k = self._centred(self.ring_k[rows[:, None], :, idx].permute(0, 2, 1, 3), self.t.k_mean)
-        rec_v = self._centred(self.ring_v[rows[:, None], :, idx].permute(0, 2, 1, 3), self.t.v_mean)
+        g = self.gathered
+        bufs = (g[0][:b], g[1][:b], g[2][:b], g[3][:b]) if b <= self.scratch else None
+        sink_k, sink_v, rec_k, rec_v = self.kernels.tier_gather(self.tiers, st.rows[:b], st.ring_index[:b],
+                                                                self.t.k_mean, self.t.v_mean, bufs)
         table = st.block_table[:b, self.s.sink // self.block_size:]
         return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
                                    (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out)
