@@ -295,6 +295,8 @@ class PagedInt2Layer:
         """Attention of each prefill chunk of ``st.prefills`` (``q``/``kr``/``vr`` are the whole batch's tokens);
         returns one ``[n, H_q, D]`` output per chunk, in the model's space. Each chunk's keys and values (sink,
         dequantized history, itself) are assembled in one transient ``[c + n, H_kv, D]`` buffer each."""
+        if not st.prefills:  # (a decode-only step: not even the per-query-head rotations)
+            return []
         rk = self._per_q_head(self.t.k_rotation)  # [H_q, D, D]
         rv_t = self._per_q_head(self.t.v_rotation).transpose(-1, -2)
         s0 = self.s.sink
