@@ -2,8 +2,8 @@
 """Count the device operations of one vLLM decode step of one INT2 layer (``oscar_cli.vllm.core``), on the CPU.
 
 Every top-level torch op of ``PagedInt2Layer.forward`` for a decode-only batch is one device kernel (or a no-op
-cast), and the kernel entry points (quantize-on-write x2, the decode's q rotation + stage 1 + merge) are counted by
-a stub; a step's total is this times the number of layers. No GPU or vLLM needed:
+cast), and the kernel entry points (quantize-on-write x2, the tier write, the tier gather, the decode's q rotation +
+stage 1 + merge) are counted by a stub; a step's total is this times the number of layers. No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
 """
@@ -32,13 +32,21 @@ VIEWS = {"aten::slice", "aten::view", "aten::select", "aten::permute", "aten::ex
 
 
 class KernelStub:
-    """Counts the Triton launches the layer would make (decode: q rotation, stage 1, merge)."""
+    """Counts the Triton launches the layer would make (one per write or gather; decode: q rotation, stage 1,
+    merge)."""
 
     def __init__(self) -> None:
         self.launches = 0
 
     def quantize_write(self, *args: Any) -> None:
         self.launches += 1
+
+    def tier_write(self, *args: Any) -> None:
+        self.launches += 1
+
+    def tier_gather(self, *args: Any) -> Any:
+        self.launches += 1
+        return args[-1]  # the layer's shared buffers (what ops.tier_gather fills)
 
     def decode(self, *args: Any) -> torch.Tensor:
         self.launches += 3
