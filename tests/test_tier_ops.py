@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oscar_cli.vllm import layout
-from oscar_cli.vllm.core import TorchTiers
+from oscar_cli.vllm.core import PagedInt2Layer, TorchTiers, TritonKernels, build_step
 from oscar_kernels import ops
 
 CUDA = torch.cuda.is_available()
@@ -138,10 +138,9 @@ def test_tier_write_bitwise(case: tuple) -> None:
     req += [0] * pad
     pos += [0] * pad
     slots += [-1] * pad
-    idx = layout.tier_write_index(torch.tensor(req), torch.tensor(pos), torch.tensor(slots),
-                                  torch.tensor([t for _, t in lens], dtype=torch.int32), torch.tensor([2, 0, 1]), st,
-                                  rows_total)
-    idx = tuple(x.to(DEV) for x in idx)
+    idx = tuple(x.to(DEV) for x in layout.tier_write_index(
+        torch.tensor(req), torch.tensor(pos), torch.tensor(slots), torch.tensor([t for _, t in lens], dtype=torch.int32),
+        torch.tensor([2, 0, 1]), st, rows_total))
     n = len(req)
     g = torch.Generator().manual_seed(n)
     k = torch.randn(n, h, d, generator=g).to(dtype).to(DEV)
@@ -212,3 +211,84 @@ def test_tier_ops_bf16_on_gpu(b: int) -> None:
     ops.tier_write(x, -x, *tiers, rows, pos, rows, slot)
     for a, w in zip(tiers, want_t, strict=True):
         _assert_bitwise(a, w, "tier")
+
+
+# ---------------------------------------------------------------------------- the layer, Triton tiers vs torch twin
+class _Record:
+    """Layer kernels without the INT2 part: quantize-on-write skipped, the decode records its tier inputs."""
+
+    def __init__(self) -> None:
+        self.inputs: list[tuple[torch.Tensor, ...]] = []
+
+    def quantize_write(self, *args: object) -> None:
+        pass
+
+    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out):  # type: ignore[no-untyped-def]
+        self.inputs.append(tuple(x.clone() for x in (*sink, *recent, sink_len, recent_len)))
+        return out
+
+
+class _TritonTiers(_Record, TritonKernels):
+    pass
+
+
+class _TorchTiers(_Record, TorchTiers):
+    pass
+
+
+@pytest.mark.unit
+def test_layer_steps_same_tiers_and_decode_inputs_with_triton_or_torch() -> None:
+    """Five engine steps (four with decodes) through ``PagedInt2Layer.forward`` (prefill chunks past the ring, a mixed batch with
+    padding tokens, decodes with a padding request on the scratch row, a per-head K rotation): the tiers and every
+    decode's centred sink / recent inputs are bitwise the torch twin's."""
+    hq, hkv, d, p, rows_n = 4, 2, 64, 4, 3
+    s = layout.Int2Settings(sink=4, recent=8)  # ring 8 + 16 - 1 = 23 slots
+    g = torch.Generator().manual_seed(0)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))[0].float()
+    t = layout.LayerTensors(rot, torch.eye(d), 0.3 * torch.randn(hkv, d, generator=g),
+                            0.1 * torch.randn(hkv, d, generator=g), 0.9, 0.9)
+    layers = [PagedInt2Layer(t, s, rows_n, hq, hkv, d, p, torch.float16, DEV, kernels=k())  # type: ignore[arg-type]
+              for k in (_TritonTiers, _TorchTiers)]
+    kv = torch.zeros(64, p, hkv, d // 2 + 8, dtype=torch.uint8, device=DEV)
+    kp, vp = layout.carve_pages(kv, d)
+    state = [torch.zeros(rows_n + 1, 2, dtype=torch.int32, device=DEV) for _ in layers]
+    done = {0: 0, 1: 0}
+    # per step: [(request, tokens)], padding tokens, padding requests (one-token, on the scratch row)
+    steps = [([(0, 30)], 2, 0), ([(0, 1), (1, 7)], 3, 0), ([(0, 1), (1, 1)], 0, 1), ([(0, 1), (1, 1)], 0, 0),
+             ([(0, 1), (1, 20)], 1, 0)]
+    for k, (reqs, pad, pad_reqs) in enumerate(steps):
+        qsl, seq, slots, rows = [0], [], [], []
+        for r, n in reqs:
+            a = done[r]
+            slots += [r * 32 + i for i in range(a, a + n)]
+            qsl.append(qsl[-1] + n)
+            seq.append(a + n)
+            rows.append(r)
+            done[r] += n
+        nd = sum(1 for _, n in reqs if n == 1)
+        if pad_reqs:  # a FULL-graph padded decode batch: dummy requests after the real decodes
+            assert nd == len(reqs)
+            qsl += [qsl[-1] + 1] * pad_reqs
+            seq += [1] * pad_reqs
+            slots += [-1] * pad_reqs
+            rows += [rows_n] * pad_reqs
+        slots += [-1] * pad
+        ntok = len(slots)
+        table = torch.arange(len(seq) * 16, dtype=torch.int32).view(len(seq), 16) % 64
+        q, key, val = (torch.randn(ntok, h, d, generator=g).half().to(DEV) for h in (hq, hkv, hkv))
+        for layer, stt in zip(layers, state, strict=True):
+            st = build_step(torch.tensor(qsl, dtype=torch.int32, device=DEV), qsl,
+                            torch.tensor(seq, dtype=torch.int32, device=DEV), seq, table.to(DEV),
+                            torch.tensor(slots, dtype=torch.int64, device=DEV), ntok, rows, stt, s)
+            out = torch.zeros(ntok, hq, d, dtype=torch.float16, device=DEV)
+            layer.forward(q, key, val, kp, vp, st, out)
+        for i, (x, y) in enumerate(zip(layers[0].tiers, layers[1].tiers, strict=True)):
+            _assert_bitwise(x[:rows_n], y[:rows_n], f"step {k}: tier {i}")
+    ra, rb = (layer.kernels.inputs for layer in layers)  # type: ignore[attr-defined]
+    assert len(ra) == len(rb) == len(steps) - 1  # the first step is a prefill alone
+    for k, (xa, xb) in enumerate(zip(ra, rb, strict=True)):
+        for i, (x, y) in enumerate(zip(xa, xb, strict=True)):
+            if i < 4:
+                _assert_bitwise(x, y, f"decode {k}: input {i}")
+            else:
+                assert torch.equal(x, y)
