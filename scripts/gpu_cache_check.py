@@ -6,7 +6,8 @@
 
 1. RULER agreement: NIAH samples (4 tasks x ``--samples`` at each ``--ctx``) through ``greedy_generate`` with the
    ``oscar`` method on ``backend="reference"`` and on ``backend="triton"``; the share of samples whose greedy
-   answers are identical (target >= 98 %), the share where both are right or both wrong, each backend's score,
+   answers are identical (target >= 98 %), the share where both score the same, each backend's score (overall and
+   per task and length: `cells`),
    and for every sample where they differ its first differing token and both texts.
 2. eval-kl: teacher-forced KL(bf16 || method) over windows of the shipped haystack prose for both backends
    (target: within 10 % of each other).
@@ -49,7 +50,7 @@ def ruler_agreement(loaded: Any, method: Any, ctx: list[int], samples: int, batc
     outs: dict[str, list[list[int]]] = {}
     scores: dict[str, float] = {}
     seconds: dict[str, float] = {}
-    hit_lists: dict[str, list[bool]] = {}
+    hit_lists: dict[str, list[float]] = {}  # per sample: string_match_all (a fraction for multi-answer tasks)
     keys = [(task, length, j) for (task, length), items in groups.items() for j in range(len(items))]
     for backend in ("reference", "triton"):
         rows, hits = [], []
@@ -67,7 +68,7 @@ def ruler_agreement(loaded: Any, method: Any, ctx: list[int], samples: int, batc
                              for (s, _), g in zip(part, got, strict=True)]
         seconds[backend] = round(time.perf_counter() - t0, 1)
         outs[backend] = rows
-        hit_lists[backend] = [bool(h) for h in hits]
+        hit_lists[backend] = [float(h) for h in hits]
         scores[backend] = round(100 * sum(hits) / len(hits), 2)
     pairs = list(zip(outs["reference"], outs["triton"], strict=True))
     same = sum(a == b for a, b in pairs) / len(pairs)
@@ -80,9 +81,15 @@ def ruler_agreement(loaded: Any, method: Any, ctx: list[int], samples: int, batc
             differ.append({"task": task, "length": length, "sample": j, "first_differing_token": first,
                            "reference": tok.decode(a, skip_special_tokens=True),
                            "triton": tok.decode(b, skip_special_tokens=True),
-                           "reference_correct": ha, "triton_correct": hb})
+                           "reference_score": ha, "triton_score": hb})
+    cells: dict[str, dict[str, float]] = {}  # per task and length, each backend's score (to compare with vLLM's)
+    for backend in ("reference", "triton"):
+        for (task, length, _), h in zip(keys, hit_lists[backend], strict=True):
+            cells.setdefault(f"{task}/{length}", {}).setdefault(backend, 0.0)
+            cells[f"{task}/{length}"][backend] += 100.0 * h / samples
     return {"samples": len(pairs), "identical_share": round(same, 4), "same_outcome_share": round(same_outcome, 4),
-            "score": scores, "seconds": seconds, "differing": differ, "pass": same >= 0.98}
+            "score": scores, "cells": {k: {b: round(v, 2) for b, v in c.items()} for k, c in cells.items()},
+            "seconds": seconds, "differing": differ, "pass": same >= 0.98}
 
 
 def kl_agreement(loaded: Any, method: Any, length: int, tokens: int, windows: int) -> dict[str, Any]:
