@@ -1,8 +1,8 @@
 """Launchers for oscar's INT2 Triton kernels: input checks, allocation, grids, configs.
 
 The public API, re-exported from :mod:`oscar_kernels.write_ops` (allocation, quantize-on-write),
-:mod:`oscar_kernels.decode_ops` (configs, plans, decode attention) and :mod:`oscar_kernels.tier_ops` (the vLLM
-backend's BF16 tier copies); all check their arguments with :mod:`oscar_kernels.launch_checks`.
+:mod:`oscar_kernels.decode_ops` (configs, plans, decode attention), :mod:`oscar_kernels.tier_ops` (the vLLM
+backend's BF16 tier copies) and :mod:`oscar_kernels.rotate_ops` (its K/V rotation); all check their arguments with :mod:`oscar_kernels.launch_checks`.
 
 Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET=1``, for tests):
 
@@ -14,6 +14,8 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
 - :func:`decode_attention_contiguous` — the same over a non-paged cache (``codes [B, H_kv, T, D/4]``).
 - :func:`tier_write` / :func:`tier_gather` — scatter new K/V rows into per-sequence BF16 sink and ring tiers /
   gather a decode batch's tier rows, centred, in the order the decode reads them (one launch each).
+- :func:`rotate_kv` — ``(float32(x) @ R).to(dtype)`` for a step's K and V rows ``[N, H_kv, D]`` (strided rows,
+  shared or per-head rotations), one launch for both.
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
   :func:`default_num_splits`.
 
@@ -39,6 +41,7 @@ from oscar_kernels.decode_ops import (
     default_num_splits,
     make_workspace,
 )
+from oscar_kernels.rotate_ops import rotate_kv
 from oscar_kernels.tier_ops import tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
 
@@ -57,6 +60,7 @@ __all__ = [
     "new_paged_cache",
     "quantize_rows",
     "quantize_write",
+    "rotate_kv",
     "tier_gather",
     "tier_write",
 ]

@@ -1,0 +1,80 @@
+"""Launcher of the K/V rotation (``rotate_kv``), re-exported by :mod:`oscar_kernels.ops`: one launch rotates a step's
+new keys and values, ``(float32(x) @ R).to(dtype)``, for the vLLM backend's decode-sized batches (cuBLAS picks a
+float32 GEMM tile that takes tens of microseconds for a single row; large batches are better left to it).
+
+CUDA-graph safe: no host sync, the grid only from static sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, rotation_arg
+
+ROTATE_DTYPES = (*ACT, torch.float32)
+
+
+def _module() -> Any:
+    from oscar_kernels import rotate_kv  # lazily: TRITON_INTERPRET is read when the module is first imported
+
+    return rotate_kv
+
+
+def _rows(name: str, t: Any, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, ...], dev: torch.device,
+          what: str) -> None:
+    check_tensor(name, t, what, shape, dtypes, dev)
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a contiguous last dim, got strides {t.stride()}")
+
+
+def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor, *,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+              block_t: int | None = None, block_e: int = 32, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float32(k) @ r_k).to(dtype), (float32(v) @ r_v).to(dtype)`` per KV head, in one launch.
+
+    Args:
+        k, v: ``[N, H_kv, D]`` bf16/fp16/fp32 (one dtype), ``D`` 64 or 128, last dim contiguous (row and head
+            strides free: views into a wider qkv tensor).
+        r_k, r_v: float32 ``[D, D]`` (all heads) or ``[H_kv, D, D]`` (per head); K and V may differ in form.
+        out: two ``[N, H_kv, D]`` tensors (last dims contiguous, not overlapping ``k``/``v``) to fill; else
+            allocated contiguous in ``dtype`` (default: ``k``'s dtype; float32 gives the unrounded sums).
+
+    The sums are float32 (IEEE, no TF32), in another order than cuBLAS's: results may differ from
+    ``x.float() @ r`` in the last bits of float32, so a rounded output may differ by one unit in the last place where
+    the float32 value lies next to a rounding boundary. Returns the two outputs.
+    """
+    if not isinstance(k, torch.Tensor):
+        raise ValueError(f"k: expected a torch.Tensor [N, H_kv, D], got {type(k).__name__}")
+    dev = k.device
+    if k.dim() != 3 or k.dtype not in ROTATE_DTYPES or k.shape[-1] not in (64, 128):
+        raise bad_tensor("k", k, "bf16/fp16/fp32 [N, H_kv, D] with D 64 or 128")
+    n, h_kv, d = (int(s) for s in k.shape)
+    if k.stride(-1) != 1:
+        raise ValueError(f"k: expected a contiguous last dim, got strides {k.stride()}")
+    _rows("v", v, (n, h_kv, d), (k.dtype,), dev, f"{k.dtype} [{n}, {h_kv}, {d}] (as k)")
+    rk, rk_stride = rotation_arg("r_k", r_k, h_kv, d, dev)
+    rv, rv_stride = rotation_arg("r_v", r_v, h_kv, d, dev)
+    if rk is None or rv is None:
+        raise ValueError("r_k, r_v: expected float32 rotations, got None")
+    if out is None:
+        dt = dtype or k.dtype
+        if dt not in ROTATE_DTYPES:
+            raise ValueError(f"dtype: expected bf16/fp16/fp32, got {dt}")
+        yk, yv = (torch.empty(n, h_kv, d, dtype=dt, device=dev) for _ in range(2))
+    else:
+        yk, yv = out
+        _rows("out[0]", yk, (n, h_kv, d), (dtype,) if dtype else ROTATE_DTYPES, dev, f"[{n}, {h_kv}, {d}]")
+        _rows("out[1]", yv, (n, h_kv, d), (yk.dtype,), dev, f"{yk.dtype} [{n}, {h_kv}, {d}] (as out[0])")
+    bt = block_t or (16 if n <= 64 else 64)
+    if bt < 16 or bt & (bt - 1) or block_e < 16 or block_e & (block_e - 1) or d % block_e:
+        raise ValueError(f"block_t, block_e: expected powers of two >= 16 (block_e dividing {d}), got {bt}, {block_e}")
+    if n == 0:
+        return yk, yv
+    _module()._rotate_kv_kernel[(math.ceil(n / bt), 2 * h_kv, d // block_e)](
+        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), rk, rk_stride, rv, rv_stride,
+        yk, yk.stride(0), yk.stride(1), yv, yv.stride(0), yv.stride(1), n,
+        H_KV=h_kv, D=d, BLOCK_T=bt, BLOCK_E=block_e, num_warps=num_warps)
+    return yk, yv
