@@ -215,7 +215,11 @@ def test_tier_ops_bf16_on_gpu(b: int) -> None:
 
 # ---------------------------------------------------------------------------- the layer, Triton tiers vs torch twin
 class _Record:
-    """Layer kernels without the INT2 part: quantize-on-write skipped, the decode records its tier inputs."""
+    """Layer kernels without the INT2 part: quantize-on-write skipped, the decode records its tier inputs; the K/V
+    rotation in torch for both twins (the tier ops are under test here: on CUDA ``ops.rotate_kv`` may round an element
+    one ulp away from cuBLAS, tests/test_rotate_ops.py)."""
+
+    rotate_kv = TorchTiers.rotate_kv
 
     def __init__(self) -> None:
         self.inputs: list[tuple[torch.Tensor, ...]] = []

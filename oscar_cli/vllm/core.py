@@ -3,6 +3,8 @@
 :class:`Step` is one engine step's batch (built once per step from vLLM's metadata by :func:`build_step`, shared by
 all layers); :class:`PagedInt2Layer` is one attention layer: its transforms and the per-sequence BF16 tiers, with
 
+- :meth:`PagedInt2Layer.rotate` — the step's new K and V rows ``@ R`` in float32, rounded to the activation dtype
+  (``ops.rotate_kv``, one launch, up to :data:`ROTATE_TRITON_MAX_ROWS` tokens; cuBLAS above);
 - :meth:`PagedInt2Layer.write` — quantize-on-write of every new token into its page through the slot mapping
   (``ops.quantize_write``: K rows, V token quads), plus its rotated BF16 copy into the sequence's sink (positions
   ``< S0``) or recent ring (the newest ``W + B - 1`` positions) (``ops.tier_write``, one launch);
@@ -117,10 +119,28 @@ def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int
 
 Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k, sink_v, ring_k, ring_v
 
+# The Triton rotation (``ops.rotate_kv``) serves batches of up to this many tokens, cuBLAS (torch) larger ones. On an
+# H200 cuBLAS runs ``x.float() @ R`` for one decode token with a float32 GEMM tile that took 51.6 µs per call (plus
+# two casts), while a 4,096-token prefill takes ~130 µs: small batches are its bad case. 512 is the largest batch
+# vLLM captures in full CUDA graphs by default (``min(2 · max_num_seqs, 512)``), so every graph-captured decode step
+# and small mixed step takes the kernel; prefill-sized batches stay with cuBLAS.
+ROTATE_TRITON_MAX_ROWS = 512
+
+
+def torch_rotate(x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [N, H_kv, D] @ R`` (``[D, D]`` or per head ``[H_kv, D, D]``) in float32, cast to ``dtype`` (cuBLAS)."""
+    y = x.float() @ r if r.dim() == 2 else torch.einsum("nhd,hde->nhe", x.float(), r)
+    return y.to(dtype)
+
 
 class TorchTiers:
-    """The BF16 tier copies in torch (the twin of ``ops.tier_write`` / ``ops.tier_gather``: index assignments,
-    gathers and casts, several device ops each); kernel twins of tests inherit it."""
+    """The K/V rotation and the BF16 tier copies in torch (the twin of ``ops.rotate_kv``, ``ops.tier_write`` and
+    ``ops.tier_gather``: matmuls, index assignments, gathers and casts, several device ops each); kernel twins of
+    tests inherit it."""
+
+    def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
 
     def tier_write(self, kr: torch.Tensor, vr: torch.Tensor, tiers: Tiers, sink_row: torch.Tensor,
                    sink_pos: torch.Tensor, ring_row: torch.Tensor, ring_slot: torch.Tensor) -> None:
@@ -149,11 +169,22 @@ class TorchTiers:
 
 class TritonKernels:
     """The kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin. ``pdl``:
-    overrides the decode config's programmatic dependent launches (None: the config's choice)."""
+    overrides the decode config's programmatic dependent launches (None: the config's choice); ``torch_rotate``:
+    every K/V rotation in torch (cuBLAS), not only those above :data:`ROTATE_TRITON_MAX_ROWS` tokens."""
 
-    def __init__(self, decode_config: object | None = None, pdl: bool | None = None) -> None:
+    def __init__(self, decode_config: object | None = None, pdl: bool | None = None,
+                 torch_rotate: bool = False) -> None:
         self.config = decode_config
         self.pdl = pdl
+        self.torch_rotate = torch_rotate
+
+    def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.torch_rotate or int(k.shape[0]) > ROTATE_TRITON_MAX_ROWS:
+            return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
+        from oscar_kernels import ops
+
+        return ops.rotate_kv(k, v, r_k, r_v, dtype=dtype)
 
     def quantize_write(self, x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, mean: torch.Tensor,
                        clip: float, layout: str) -> None:
@@ -231,11 +262,10 @@ class PagedInt2Layer:
                                        head_dim, act_dtype, self.sink_k.device)
 
     # ------------------------------------------------------------------ transforms
-    def rotate(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """``x [N, H_kv, D] @ R`` in float32, cast to the activation dtype (what the reference cache stores)."""
-        r = self.t.k_rotation if which == "k" else self.t.v_rotation
-        y = x.float() @ r if r.dim() == 2 else torch.einsum("nhd,hde->nhe", x.float(), r)
-        return y.to(self.act)
+    def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key @ R_K``, ``value @ R_V`` (``[N, H_kv, D]``, any row strides) in float32, cast to the activation dtype
+        (what the reference cache stores): ``kernels.rotate_kv``."""
+        return self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act)
 
     def _per_q_head(self, r: torch.Tensor) -> torch.Tensor:
         return r.expand(self.h_kv, -1, -1).repeat_interleave(self.group, 0) if r.dim() == 2 else \
@@ -325,7 +355,7 @@ class PagedInt2Layer:
         """The whole layer step: write the batch's ``st.num_tokens`` new tokens, then attention for the decodes
         (first ``st.num_decodes`` tokens, INT2 kernel) and each prefill chunk; fills ``out [N, H_q, D]``."""
         n, nd = st.num_tokens, st.num_decodes
-        kr, vr = self.rotate(key[:n], "k"), self.rotate(value[:n], "v")
+        kr, vr = self.rotate(key[:n], value[:n])
         self.write(kr, vr, k_pages, v_pages, st)
         if nd:
             self.decode(q[:nd], k_pages, v_pages, st, out=out[:nd])

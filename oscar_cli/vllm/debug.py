@@ -6,10 +6,13 @@
   the forward is synchronized, so this slows the engine down). Forwards inside a CUDA-graph capture are not timed.
 - ``OSCAR_VLLM_PDL=0``: the decode kernels launch without programmatic dependent launches (an A/B switch for a
   stall inside the decode's CUDA graph; ``1`` forces them on; unset: the measured default).
+- ``OSCAR_VLLM_TORCH_ROTATE=1``: the K/V rotation of every batch runs in torch (a cuBLAS float32 GEMM per tensor,
+  as before the Triton rotation), not only of batches above ``core.ROTATE_TRITON_MAX_ROWS`` tokens (an A/B switch
+  for the rotation's cost and rounding; ``0`` or unset: the Triton kernel up to that size).
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
-Both are inherited by vLLM's engine-core process (set them before the engine starts).
+All are inherited by vLLM's engine-core process (set them before the engine starts).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ def pdl_override() -> bool | None:
     if raw not in ("", "0", "1"):
         raise ValueError(f"{PDL_ENV}: expected 0 or 1, got {raw!r}")
     return None if raw == "" else raw == "1"
+
+
+TORCH_ROTATE_ENV = "OSCAR_VLLM_TORCH_ROTATE"
+
+
+def torch_rotate_forced() -> bool:
+    raw = os.environ.get(TORCH_ROTATE_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{TORCH_ROTATE_ENV}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def steps_enabled() -> bool:
