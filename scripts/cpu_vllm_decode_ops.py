@@ -2,8 +2,10 @@
 """Count the device operations of one vLLM decode step of one INT2 layer (``oscar_cli.vllm.core``), on the CPU.
 
 Every top-level torch op of ``PagedInt2Layer.forward`` for a decode-only batch is one device kernel (or a no-op
-cast), and the kernel entry points (quantize-on-write x2, the tier write, the tier gather, the decode's q rotation +
-stage 1 + merge) are counted by a stub; a step's total is this times the number of layers. No GPU or vLLM needed:
+cast), and the kernel entry points (the K/V rotation, quantize-on-write x2, the tier write, the tier gather, the
+decode's q rotation + stage 1 + merge) are counted by a stub; a step's total is this times the number of layers. The
+stub rotates as ``TritonKernels`` does on CUDA: one launch up to ``core.ROTATE_TRITON_MAX_ROWS`` tokens, the torch
+ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``. No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
 """
@@ -21,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from oscar_cli.vllm import layout  # noqa: E402
-from oscar_cli.vllm.core import PagedInt2Layer, build_step  # noqa: E402
+from oscar_cli.vllm import debug, layout  # noqa: E402
+from oscar_cli.vllm.core import ROTATE_TRITON_MAX_ROWS, PagedInt2Layer, build_step, torch_rotate  # noqa: E402
 
 # ops that only make views or metadata (no device kernel)
 VIEWS = {"aten::slice", "aten::view", "aten::select", "aten::permute", "aten::expand", "aten::as_strided",
@@ -32,11 +34,19 @@ VIEWS = {"aten::slice", "aten::view", "aten::select", "aten::permute", "aten::ex
 
 
 class KernelStub:
-    """Counts the Triton launches the layer would make (one per write or gather; decode: q rotation, stage 1,
+    """Counts the Triton launches the layer would make (one per rotation, write or gather; decode: q rotation, stage 1,
     merge)."""
 
     def __init__(self) -> None:
         self.launches = 0
+        self.torch_rotate = debug.torch_rotate_forced()
+
+    def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.torch_rotate or int(k.shape[0]) > ROTATE_TRITON_MAX_ROWS:  # as TritonKernels.rotate_kv
+            return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
+        self.launches += 1  # ops.rotate_kv: both in one launch, into new tensors (no device op)
+        return torch.empty(k.shape, dtype=dtype), torch.empty(v.shape, dtype=dtype)
 
     def quantize_write(self, *args: Any) -> None:
         self.launches += 1
