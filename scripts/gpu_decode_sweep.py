@@ -65,7 +65,8 @@ def _run_logged(name: str, cmd: list[str], timeout_s: int) -> None:
 def tests() -> None:
     _run_logged("tests", [sys.executable, "-m", "pytest", "-m", "gpu or unit", "-q", "-n", "8", "--no-header",
                           "-p", "no:cacheprovider",
-                          *os.environ.get("TEST_FILES", "tests/test_kernels_pack.py tests/test_kernels_decode.py tests/test_tier_ops.py").split(),
+                          *os.environ.get("TEST_FILES", "tests/test_kernels_pack.py tests/test_kernels_decode.py tests/test_tier_ops.py "
+                                                        "tests/test_rotate_ops.py").split(),
                           "-k", os.environ.get("TEST_K", "")],
                 int(os.environ.get("TEST_TIMEOUT", "200")))
 

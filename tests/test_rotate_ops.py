@@ -4,7 +4,12 @@ vLLM layer ran before and still runs above ``core.ROTATE_TRITON_MAX_ROWS`` token
 Criteria (the float32 sums are in another order than torch's, so they may differ in their last bits): before the cast
 (``dtype=float32``) every element is within ``1e-5 · (|x| @ |R|)`` of torch's float32 product; the rounded outputs
 are the kernel's own float32 sums rounded to nearest even, bitwise, and equal to torch's rounded outputs but for at
-most 0.1 % of the elements (at least one allowed), which are one unit in the last place away. CPU runs use the
+most 0.1 % of the elements for bf16 (0.8 % for fp16; at least one allowed), which are one unit in the last place away.
+(A float32 summation order other than torch's flips the rounding of about 0.01 % of bf16 and 0.1 % of fp16 outputs
+for such inputs, measured on the CPU against the exactly rounded and the reversed sums: fp16 keeps 3 more bits, so
+8× the flips. Over this file's CPU cases the interpreter's float32 sums differ from torch's in 13 % of the elements,
+at most 1.2e-7 of the scale, and 6 of 62,592 fp16 elements and no bf16 one round differently; on CUDA both orders
+change.) CPU runs use the
 Triton interpreter; the kernel rounds to bfloat16 with integer arithmetic (the interpreter's cast truncates), so
 bf16 runs here too; ``-m gpu`` checks the engine's shapes against cuBLAS.
 """
@@ -60,6 +65,7 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
 def _check(got: tuple[torch.Tensor, torch.Tensor], got32: tuple[torch.Tensor, torch.Tensor],
            xs: tuple[torch.Tensor, torch.Tensor], rs: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> None:
     mismatched, total = 0, 0
+    share = 1e-3 if dtype == torch.bfloat16 else 8e-3  # (fp32 outputs: no rounding, no count)
     for name, y, y32, x, r in zip(("k", "v"), got, got32, xs, rs, strict=True):
         assert y.dtype == dtype and y32.dtype == torch.float32 and y.shape == x.shape and y.is_contiguous(), name
         want32 = torch_rotate(x, r, torch.float32)
@@ -77,7 +83,7 @@ def _check(got: tuple[torch.Tensor, torch.Tensor], got32: tuple[torch.Tensor, to
         assert int(dist.max()) <= 1, f"{name}: {int(dist.max())} ulps from torch's rounding"
         mismatched += int((dist != 0).sum())
         total += dist.numel()
-    assert mismatched <= max(1, total // 1000), f"{mismatched} of {total} elements round differently from torch"
+    assert mismatched <= max(1, int(share * total)), f"{mismatched} of {total} elements round differently from torch"
 
 
 CASES = [
@@ -232,3 +238,27 @@ def test_rotate_kv_bf16_engine_shapes_on_gpu(n: int, forms: tuple[str, str]) -> 
     got = ops.rotate_kv(k, v, *rs)
     _check(got, ops.rotate_kv(k, v, *rs, dtype=torch.float32), (k, v), rs, torch.bfloat16)
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_rotate_kv_replays_in_a_cuda_graph() -> None:
+    """Captured once into fixed outputs, a replay over new K/V (written in place) gives the eager launch's bits."""
+    n, h, d = 8, 8, 128
+    g = torch.Generator().manual_seed(7)
+    k, v = _kv(g, n, h, d, "qkv", torch.bfloat16, h_q=32)
+    rs = (_rotation(g, "head", h, d), _rotation(g, "shared", h, d))
+    out = (torch.empty(n, h, d, dtype=torch.bfloat16, device=DEV), torch.empty(n, h, d, dtype=torch.bfloat16, device=DEV))
+    ops.rotate_kv(k, v, *rs, out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.rotate_kv(k, v, *rs, out=out)
+    k2, v2 = _kv(g, n, h, d, "qkv", torch.bfloat16, h_q=32)
+    k.copy_(k2)
+    v.copy_(v2)
+    graph.replay()
+    want = ops.rotate_kv(k, v, *rs)
+    torch.cuda.synchronize()
+    for a, b in zip(out, want, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
