@@ -59,6 +59,7 @@ class StatisticsConfig(Schema):
 
     k_target: Literal["qqt", "ktk"] = "qqt"
     v_target: Literal["sst", "softmax", "sv", "vtv"] = "sst"
+    v_metric: Literal["none", "wo_mcm", "wo_cmc"] = "none"  # calibration.wo_metric; left out of to_dict while none
     exclude_sink: bool = True
     sst_max_tokens: Annotated[int, Field(ge=16, le=MAX_TOKENS)] = 16384
 
@@ -141,12 +142,15 @@ class Recipe(Schema):
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
-        ``quant.keep`` is left out while it is off (fraction 0), so a recipe without a keep budget writes the
-        same bytes (``recipe.yaml``, the manifest) that oscar wrote before the knob existed, and older readers
-        accept it; :meth:`full_dict` lists every knob."""
+        ``quant.keep`` is left out while it is off (fraction 0) and ``statistics.v_metric`` while it is ``none``,
+        so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
+        that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
+        knob."""
         out = self.full_dict()
         if self.quant.keep.fraction == 0.0:
             del out["quant"]["keep"]
+        if self.statistics.v_metric == "none":
+            del out["statistics"]["v_metric"]
         return out
 
     def full_dict(self) -> dict[str, Any]:

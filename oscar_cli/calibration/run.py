@@ -6,7 +6,8 @@ Phases and what they produce:
    held out of the statistics for the clip search.
 2. **capture**: one unpadded forward per batch through :func:`capture.capture_attention`; per-layer streaming
    statistics (:mod:`covariance`), then the held-out q/k/v (:class:`capture.HoldoutStore`).
-3. **solve**: per layer (or per KV head) targets → ``R = U·H·P`` (:mod:`rotation`), rotated means.
+3. **solve**: per layer (or per KV head) targets → ``R = U·H·P`` (:mod:`rotation`), rotated means; with
+   ``statistics.v_metric`` the value target is first weighed by ``o_proj`` (:mod:`wo_metric`).
 4. **clip**: per-layer ratio search on the held-out tokens (:mod:`clipping`), or the global ratios; then each
    layer is scored against simple schemes on the same tokens and a failed layer is served by one of them
    (:mod:`schemes`; ``manifest.calibration.layers[i].scheme``), with a warning (``strict``: an error) when the
@@ -44,6 +45,7 @@ from oscar_cli.calibration.schemes import (
     score_layer,
     served_transform,
 )
+from oscar_cli.calibration.wo_metric import model_output_metrics, wo_target
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.recipe import Recipe, check_layout
@@ -191,14 +193,20 @@ def _capture(
     return stats, store
 
 
-def _solve(stats: list[LayerStatistics], recipe: Recipe, report: Progress) -> list[LayerTransform]:
-    """Per layer: rotations from the targets and rotated means (clip ratios are set later by :func:`_clip`)."""
+def _solve(
+    stats: list[LayerStatistics], recipe: Recipe, report: Progress, wo: list[torch.Tensor] | None = None
+) -> list[LayerTransform]:
+    """Per layer: rotations from the targets and rotated means (clip ratios are set later by :func:`_clip`).
+
+    ``wo``: per layer the W_O metric ``M [H_kv, D, D]`` (:mod:`wo_metric`) that ``statistics.v_metric`` combines
+    with each KV head's value target before the heads are averaged (None: the plain value target)."""
     out = []
     for i, st in enumerate(stats):
         t = st.finalize()
         per_head = recipe.rotation.grouping == "head"
+        v_heads = t.v_target if wo is None else wo_target(t.v_target, wo[i], recipe.statistics.v_metric)
         kt = t.k_target if per_head else t.k_target.mean(0, keepdim=True)
-        vt = t.v_target if per_head else t.v_target.mean(0, keepdim=True)
+        vt = v_heads if per_head else v_heads.mean(0, keepdim=True)
         rk, lk = build_rotations(kt, recipe.method, recipe.rotation.composition)
         rv, lv = build_rotations(vt, recipe.method, recipe.rotation.composition)
         h = t.k_mean.shape[0]
@@ -312,8 +320,11 @@ def calibrate_model(
     _sync(device)
     timings["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    # the W_O metric only shapes a calibrated R_V (identity / hadamard ignore the targets)
+    use_wo = recipe.method == "oscar" and recipe.statistics.v_metric != "none"
+    wo = model_output_metrics(model, geo.num_key_value_heads, d) if use_wo else None
     with _cpu_threads(1 if device.type == "cpu" else None):  # small ops: OpenMP threads only add overhead
-        solved = _solve(stats, recipe, report)
+        solved = _solve(stats, recipe, report, wo)
         del stats
         timings["solve"] = time.perf_counter() - t0
         t0 = time.perf_counter()
