@@ -164,7 +164,13 @@ class LayerClipProblem:
 
     def mean_value_error(self, ratio: float) -> float:
         """:meth:`value_error` under the ``mean`` objective, whatever the problem's objective."""
-        return self._error(self._p_int2 @ self._fake(self.v, ratio) + self._exact_part)
+        return self._error(self.served_output(ratio))
+
+    def served_output(self, ratio: float) -> torch.Tensor:
+        """The tiered output with keys at the ratio of :meth:`set_key_ratio` and INT2-tier values at ``ratio``,
+        centred and rotated like :attr:`out` (``[B, H_kv, g·Tq, D]``; add :attr:`mu_v` and apply ``R_Vᵀ`` for
+        the model's output)."""
+        return self._p_int2 @ self._fake(self.v, ratio) + self._exact_part
 
 
 def fake_quantize(x: torch.Tensor, ratio: float, group_size: int | None, meta: torch.dtype) -> torch.Tensor:
