@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ import pytest
 import torch
 from helpers.calib import TINY_RECIPE
 from helpers.evaldata import prose
+from helpers.scripts import load_script
 from helpers.tiny import tiny_loaded
 
 from oscar_cli.errors import EvalError, RecipeError
@@ -20,7 +20,6 @@ from oscar_cli.recipe import load_recipe
 
 pytestmark = pytest.mark.unit
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ablate.py"
 VARIANTS = {"rotation.grouping=head": {"rotation.grouping": ["layer", "head"]},
             "topk:clip.objective=topk": {"clip.objective": ["mean", "topk"]}}
 
@@ -35,11 +34,7 @@ def _one_thread() -> Any:
 
 
 def _ablate() -> Any:
-    spec = importlib.util.spec_from_file_location("ablate", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ablate")
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:

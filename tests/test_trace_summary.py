@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.scripts import load_script
 
 pytestmark = pytest.mark.unit
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "trace_summary.py"
-
 
 def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("trace_summary", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("trace_summary")
 
 
 def _kernel(name: str, ts: float, dur: float) -> dict[str, Any]:
