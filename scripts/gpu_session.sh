@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One H200 session from staged files: the device reaches no index and takes <= 64 MiB per call, so everything
+# travels in git-ignored folders under .stage/ (add `.stage/` to .git/info/exclude) and each call runs one step.
+#
+# Here, before the session:
+#   bash ../shared/tools/stage-for-gpu.sh qwen2.5-coder-1.5b .stage/qwen     # 23 folders c00..c22
+#   bash ../shared/tools/stage-for-gpu.sh vllm .stage/vllm                   # 7 folders c00..c06
+#   mkdir -p .stage/whl && python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_17_x86_64 --platform any -d .stage/whl \
+#       gguf wonderwords pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection
+#   mkdir -p .stage/corpus/calib && cp ../shared/data/corpus/austen_{emma,pride_and_prejudice}.txt .stage/corpus/calib/
+#   cp ../shared/data/corpus/austen_persuasion.txt .stage/corpus/
+# On the device, one `run` call each, back to back (the machine is released after 30 s idle), carrying the
+# folder named (this script is tracked: it travels with the working tree):
+#   bash scripts/gpu_session.sh qpart KK      (carry .stage/qwen/cKK; KK = 00..22, ~4 s each)
+#   bash scripts/gpu_session.sh setup         (carry .stage/whl, .stage/corpus: join + sha256, install oscar and
+#                                              the wheels into /tmp/site, calibrate ART on prose: ~140 s)
+#   bash scripts/gpu_session.sh cachecheck    (scripts/gpu_cache_check.py --stage all on GGUF + ART: ~300 s)
+#   bash scripts/gpu_session.sh vpart KK      (carry .stage/vllm/cKK; KK = 00..06)
+#   bash scripts/gpu_session.sh vjoin         (vLLM and its wheels into /tmp/vsite, oscar re-installed: ~12 s)
+#   bash scripts/gpu_session.sh vllm NAME LIMIT_S ARGS...   (one scripts/gpu_vllm_bench.py engine, e.g.
+#       vllm ruler-oscar 560 --stage ruler --backend oscar --model $GGUF --artifact $ART --ctx 4k,16k,32k
+#       --samples 20 --max-model-len 32768 --max-num-seqs 32;
+#       vllm perf 330 --stage capacity,tpot,profile --backend oscar --ctx 4k,128k --profile-dir /tmp/prof)
+#   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 32)
+# GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
+# every call copies /tmp/res into $OUT/res (what comes back). Used for the H200 session of docs/VLLM.md run 2.
+set -uo pipefail
+GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+ART=/tmp/q/art
+mkdir -p /tmp/res /tmp/q
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OSCAR_CACHE_DIR=/tmp/q/cache TOKENIZERS_PARALLELISM=false
+finish() { local o=${OUT:-/tmp/out}; mkdir -p "$o/res" && cp -r /tmp/res/. "$o/res/" 2>/dev/null; ls -la /tmp/res | tail -20; }
+trap finish EXIT
+oscar() { (cd /tmp && PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" "$@"); }
+t0=$(date +%s)
+usage() { sed -n 2,26p "$0" >&2; exit 2; }
+case "${1:-}" in
+qpart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/stage && cp .stage/qwen/c$2/* /tmp/stage/ && du -sh /tmp/stage ;;
+vpart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/vstage && cp .stage/vllm/c$2/* /tmp/vstage/ && du -sh /tmp/vstage ;;
+setup)  # join Qwen, install oscar + wheels, calibrate (prose, 32K tokens in 8K seqs), GGUF conversion on first load
+    bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    PYTHONPATH=/tmp/site python3 -c "import torch, transformers, triton, typer, pydantic; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+    t1=$(date +%s)
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib --tokens 32k --seq-len 8192 \
+        --device cuda --out "$ART" > /tmp/res/calibrate.json 2> /tmp/res/calibrate.log || { tail -30 /tmp/res/calibrate.log; exit 1; }
+    tail -15 /tmp/res/calibrate.log; echo "calibrate (incl. first load/conversion): $(( $(date +%s) - t1 )) s"
+    cp "$ART/manifest.json" /tmp/res/artifact-manifest.json
+    ;;
+cachecheck)  # #19: Triton vs reference on RULER + eval-kl, and the 32K memory check
+    PYTHONPATH=/tmp/site python3 scripts/gpu_cache_check.py --model "$GGUF" --artifact "$ART" --stage "${2:-all}" \
+        --ctx 4k,16k --samples 20 --batch 16 --long 32k --out /tmp/res/cache-check-${2:-all}.json > /tmp/res/cache-check-${2:-all}.log 2>&1
+    echo "rc=$?"; tail -c 6000 /tmp/res/cache-check-${2:-all}.log
+    ;;
+vjoin)  # vLLM wheels -> /tmp/vsite
+    cd /tmp/vstage && mkdir -p out
+    for f in $(ls | grep -v '^out$' | grep -v '\.part\.[0-9]*$' | grep -v -e '^join.sh$' -e '^SHA256SUMS$'); do mv "$f" out/; done
+    for base in $(ls | grep '\.part\.[0-9]*$' | sed 's/\.part\.[0-9]*$//' | sort -u); do cat "$base".part.* > out/"$base" && rm "$base".part.*; done
+    (cd out && sha256sum -c --quiet ../SHA256SUMS) || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite out/*.whl || exit 1
+    cd - >/dev/null
+    [ -d /tmp/site ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl; }
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    echo "vllm installed"
+    ;;
+vllm)  # vllm NAME LIMIT_S ARGS... : one gpu_vllm_bench.py run (engine) with a time limit
+    [ $# -ge 4 ] || usage
+    name=$2; lim=$3; shift 3
+    PYTHONPATH=/tmp/vsite:/tmp/site timeout "$lim" python3 scripts/gpu_vllm_bench.py "$@" --out /tmp/res/vllm.json \
+        > /tmp/res/vllm-$name.log 2>&1
+    echo "$name rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^(oscar|\{|  )|Error|error" /tmp/res/vllm-$name.log | grep -v Warning | tail -25
+    ;;
+trace)  # summarise a torch profiler trace dir
+    PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-32}" --out /tmp/res/trace-${2:-x}.json | tail -60
+    ;;
+*) usage ;;
+esac
+echo "[${1:-}] $(( $(date +%s) - t0 )) s"
