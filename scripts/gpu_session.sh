@@ -24,7 +24,8 @@
 #       vllm perf 330 --stage capacity,tpot,profile --backend oscar --ctx 4k,128k --profile-dir /tmp/prof)
 #   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 32)
 # GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
-# every call copies /tmp/res into $OUT/res (what comes back). Used for the H200 session of docs/VLLM.md run 2.
+# every call copies /tmp/res into $OUT/res (what comes back). docs/VLLM.md run 2 ran these steps (from an
+# uncommitted copy of this script).
 set -uo pipefail
 GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 ART=/tmp/q/art
