@@ -71,6 +71,7 @@ class RotationConfig(Schema):
     composition: Literal["r_h_pbr", "r_h", "plain", "pbr", "br", "h_pbr"] = "r_h_pbr"
     center_keys: bool = True
     center_values: bool = True
+    dc: Literal["min", "max"] = "min"  # eigenvector on H's all-ones row (zero point); left out of to_dict while min
 
 
 class ClipConfig(Schema):
@@ -139,11 +140,20 @@ class Recipe(Schema):
             raise ValueError(f"a recipe must be a mapping of keys, got {type(data).__name__}")
         return data
 
+    @model_validator(mode="after")
+    def _dc_needs_h_after_u(self) -> Recipe:
+        if self.rotation.dc != "min" and (self.method != "oscar" or self.rotation.composition not in ("r_h_pbr", "r_h")):
+            raise ValueError(
+                f"rotation.dc: {self.rotation.dc} needs method oscar with composition r_h_pbr or r_h (H after U), "
+                f"got method {self.method}, composition {self.rotation.composition}"
+            )
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
-        ``quant.keep`` is left out while it is off (fraction 0) and ``statistics.v_metric`` while it is ``none``,
-        so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
+        ``quant.keep`` is left out while it is off (fraction 0), ``statistics.v_metric`` while it is ``none`` and
+        ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
         knob."""
         out = self.full_dict()
@@ -151,6 +161,8 @@ class Recipe(Schema):
             del out["quant"]["keep"]
         if self.statistics.v_metric == "none":
             del out["statistics"]["v_metric"]
+        if self.rotation.dc == "min":
+            del out["rotation"]["dc"]
         return out
 
     def full_dict(self) -> dict[str, Any]:

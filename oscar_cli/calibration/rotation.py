@@ -8,6 +8,10 @@ Conventions (bit-compatible with the published RotationZoo artifacts, docs/METHO
   reversal; so ``(M·P)[:, j] = M[:, π(j)]``. For ascending distinct ``λ``: ``π(j) = D - 1 - β(j)``.
 - Rotations are applied to row vectors: ``x̃ = x·R``. With ``R = U·H·P``, ``R·𝟙/√D`` is the smallest-eigenvalue
   eigenvector (the DC pattern a min-max quantizer absorbs in its zero point).
+- ``dc`` (recipe ``rotation.dc``): ``min`` keeps that published choice; ``max`` swaps ``U``'s column 0 with the
+  largest-eigenvalue column first, so ``R·𝟙/√D`` is the largest-eigenvalue eigenvector (docs/METHOD.md §12.1 item
+  3). ``P`` is still built from ``λ`` as before: the only change is which eigenvector the zero point absorbs.
+  Only the compositions with ``H`` after ``U`` (:data:`DC_COMPOSITIONS`) have such a direction.
 
 Compositions (recipe ``rotation.composition``): ``r_h_pbr`` U·H·P (default), ``r_h`` U·H, ``plain`` U, ``pbr`` P,
 ``br`` U·P, ``h_pbr`` H·P. The ``hadamard`` method is ``H`` alone (QuaRot) and ``identity`` is ``I``: every
@@ -21,6 +25,8 @@ import torch
 from oscar_cli.errors import CalibrationError
 
 ORTHOGONALITY_TOLERANCE = 1e-6
+DC_COMPOSITIONS = ("r_h_pbr", "r_h")  # H after U: R·𝟙/√D is a column of U, chosen by ``dc``
+DC_CHOICES = ("min", "max")
 
 
 def is_power_of_two(d: int) -> bool:
@@ -76,14 +82,42 @@ def eigh_ascending(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lam, u
 
 
-def compose_rotation(c: torch.Tensor, composition: str = "r_h_pbr") -> tuple[torch.Tensor, torch.Tensor]:
+def dc_first(u: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``U`` with columns 0 and ``argmax λ`` swapped (a copy; ``U`` itself when the largest is already first)."""
+    j = int(torch.argmax(lam))
+    if j == 0:
+        return u
+    idx = torch.arange(u.shape[1])
+    idx[0], idx[j] = j, 0
+    return u[:, idx]
+
+
+def _check_dc(dc: str, composition: str) -> None:
+    if dc not in DC_CHOICES:
+        raise CalibrationError(f"unknown rotation dc {dc!r} (expected one of {', '.join(DC_CHOICES)})")
+    if dc != "min" and composition not in DC_COMPOSITIONS:
+        raise CalibrationError(
+            f"rotation dc {dc!r} needs H after U (composition {' or '.join(DC_COMPOSITIONS)}), "
+            f"got {composition!r}: it has no eigenvector on the zero-point direction"
+        )
+
+
+def compose_rotation(
+    c: torch.Tensor, composition: str = "r_h_pbr", dc: str = "min"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Build one rotation from a target ``C`` ``[d, d]``.
+
+    ``dc``: which eigenvector takes ``U``'s first column, the one ``H``'s all-ones row sends to the zero point:
+    ``min`` (published; the smallest-eigenvalue one) or ``max`` (the largest); only with ``r_h_pbr`` / ``r_h``.
 
     Returns:
         ``(R [d, d] float64, λ [d] float64 ascending)``.
     """
+    _check_dc(dc, composition)
     lam, u = eigh_ascending(c)
     d = lam.shape[0]
+    if dc == "max":
+        u = dc_first(u, lam)
     if composition == "plain":
         return u, lam
     if composition == "r_h":
@@ -110,22 +144,25 @@ def baseline_rotation(method: str, d: int) -> torch.Tensor:
 
 
 def build_rotations(
-    targets: torch.Tensor, method: str, composition: str
+    targets: torch.Tensor, method: str, composition: str, dc: str = "min"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotations for a stack of targets.
 
     Args:
         targets: float64 ``[N, D, D]`` (``N = 1`` per layer, or ``H_kv`` per KV head).
-        method: ``oscar`` (eigen-based, uses ``composition``), ``hadamard`` or ``identity``.
+        method: ``oscar`` (eigen-based, uses ``composition`` and ``dc``), ``hadamard`` or ``identity``.
+        dc: :func:`compose_rotation`; the data-free methods accept only ``min``.
 
     Returns:
         ``(R [N, D, D] float32, λ [N, D] float32 ascending)``; for the data-free methods ``λ`` still holds the
         target's ascending eigenvalues (informational). Raises CalibrationError if a rotation is not orthogonal.
     """
+    if method != "oscar" and dc != "min":
+        raise CalibrationError(f"rotation dc {dc!r} needs method oscar (the {method!r} rotation has no eigenvectors)")
     rs, lams = [], []
     for c in targets:
         if method == "oscar":
-            r, lam = compose_rotation(c, composition)
+            r, lam = compose_rotation(c, composition, dc)
         else:
             lam, _ = eigh_ascending(c)
             r = baseline_rotation(method, c.shape[-1])

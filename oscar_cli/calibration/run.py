@@ -207,8 +207,8 @@ def _solve(
         v_heads = t.v_target if wo is None else wo_target(t.v_target, wo[i], recipe.statistics.v_metric)
         kt = t.k_target if per_head else t.k_target.mean(0, keepdim=True)
         vt = v_heads if per_head else v_heads.mean(0, keepdim=True)
-        rk, lk = build_rotations(kt, recipe.method, recipe.rotation.composition)
-        rv, lv = build_rotations(vt, recipe.method, recipe.rotation.composition)
+        rk, lk = build_rotations(kt, recipe.method, recipe.rotation.composition, recipe.rotation.dc)
+        rv, lv = build_rotations(vt, recipe.method, recipe.rotation.composition, recipe.rotation.dc)
         h = t.k_mean.shape[0]
         km = torch.einsum("hd,hde->he", t.k_mean, rk.double().expand(h, -1, -1)).float()
         vm = torch.einsum("hd,hde->he", t.v_mean, rv.double().expand(h, -1, -1)).float()
