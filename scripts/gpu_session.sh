@@ -21,8 +21,9 @@
 #   bash scripts/gpu_session.sh vllm NAME LIMIT_S ARGS...   (one scripts/gpu_vllm_bench.py engine, e.g.
 #       vllm ruler-oscar 560 --stage ruler --backend oscar --model $GGUF --artifact $ART --ctx 4k,16k,32k
 #       --samples 20 --max-model-len 32768 --max-num-seqs 32;
-#       vllm perf 330 --stage capacity,tpot,profile --backend oscar --ctx 4k,128k --profile-dir /tmp/prof)
-#   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 32)
+#       vllm perf 330 --stage capacity,tpot,profile --backend oscar --ctx 4k,128k --profile-dir /tmp/prof
+#       --profile-tokens 34: the trace holds the prefill and 33 decode steps)
+#   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 33)
 # GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
 # every call copies /tmp/res into $OUT/res (what comes back). docs/VLLM.md run 2 ran these steps (from an
 # uncommitted copy of this script).
@@ -76,7 +77,7 @@ vllm)  # vllm NAME LIMIT_S ARGS... : one gpu_vllm_bench.py run (engine) with a t
     echo "$name rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^(oscar|\{|  )|Error|error" /tmp/res/vllm-$name.log | grep -v Warning | tail -25
     ;;
 trace)  # summarise a torch profiler trace dir
-    PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-32}" --out /tmp/res/trace-${2:-x}.json | tail -60
+    PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60
     ;;
 *) usage ;;
 esac

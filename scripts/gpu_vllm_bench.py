@@ -56,7 +56,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-PROFILE_DELAY_STEPS = 2  # engine iterations skipped after start_profile (the prompt is one 8K chunk or less)
 KV_DTYPES = {"bf16": None, "tq3": "turboquant_3bit_nc", "tqk3v4": "turboquant_k3v4_nc", "oscar": None}
 QWEN3_8B = dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936)
@@ -143,9 +142,7 @@ def engine(model: str, dummy: bool, backend: str, artifact: str | None, args: ar
         kw["kv_cache_dtype"] = KV_DTYPES[backend]
     if getattr(args, "profile_dir", None):
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(args.profile_dir),
-                                 "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
-                                 # skip the prompt's prefill step(s): the trace is decode steps only
-                                 "delay_iterations": PROFILE_DELAY_STEPS}
+                                 "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True}
     if backend == "oscar":
         if artifact is None:
             raise SystemExit("--backend oscar needs --artifact for a model with real weights")
@@ -303,9 +300,8 @@ def tpot(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[i
 
 def profile(args: argparse.Namespace, llm: Any, ctxs: list[int], base: str) -> None:
     """A torch-profiler trace (and vLLM's table of CUDA time per op) of one request of the first --ctx tokens
-    generating --profile-tokens tokens, written under --profile-dir by the engine's worker. The first
-    PROFILE_DELAY_STEPS engine iterations after the start (the prefill and the first decode) are not traced, so the
-    trace holds ``output_tokens - PROFILE_DELAY_STEPS`` decode steps (``scripts/trace_summary.py DIR --steps N``)."""
+    generating --profile-tokens tokens, written under --profile-dir by the engine's worker: the prompt's prefill
+    and ``output_tokens - 1`` decode steps (``scripts/trace_summary.py DIR --steps N``)."""
     p = prompts(1, ctxs[0], args.vocab, ctxs[0])
     generate(llm, p, 2)  # compile / warm every shape first
     llm.start_profile()
@@ -313,7 +309,7 @@ def profile(args: argparse.Namespace, llm: Any, ctxs: list[int], base: str) -> N
     llm.stop_profile()
     save(args.out, f"{base}/profile/{ctxs[0]}", {"prompt_tokens": ctxs[0], "output_tokens": len(toks[0]),
                                                  "wall_s": wall, "dir": str(args.profile_dir),
-                                                 "decode_steps_traced": len(toks[0]) - PROFILE_DELAY_STEPS})
+                                                 "decode_steps_traced": len(toks[0]) - 1})
 
 
 STAGES = ("smoke", "capacity", "throughput", "tpot", "ruler", "profile")
