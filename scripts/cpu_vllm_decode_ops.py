@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from oscar_cli.vllm import debug, layout  # noqa: E402
-from oscar_cli.vllm.core import ROTATE_TRITON_MAX_ROWS, PagedInt2Layer, build_step, torch_rotate  # noqa: E402
+from oscar_cli.vllm.core import PagedInt2Layer, build_step, rotates_in_torch, torch_rotate  # noqa: E402
 
 # ops that only make views or metadata (no device kernel)
 VIEWS = {"aten::slice", "aten::view", "aten::select", "aten::permute", "aten::expand", "aten::as_strided",
@@ -43,7 +43,7 @@ class KernelStub:
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.torch_rotate or int(k.shape[0]) > ROTATE_TRITON_MAX_ROWS:  # as TritonKernels.rotate_kv
+        if rotates_in_torch(int(k.shape[0]), self.torch_rotate):  # as TritonKernels.rotate_kv
             return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
         self.launches += 1  # ops.rotate_kv: both in one launch, into new tensors (no device op)
         return torch.empty(k.shape, dtype=dtype), torch.empty(v.shape, dtype=dtype)

@@ -127,6 +127,12 @@ Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k,
 ROTATE_TRITON_MAX_ROWS = 512
 
 
+def rotates_in_torch(num_tokens: int, forced: bool) -> bool:
+    """Whether a batch of ``num_tokens`` is rotated by torch (cuBLAS) rather than ``ops.rotate_kv``: above
+    :data:`ROTATE_TRITON_MAX_ROWS`, or always when ``forced`` (``OSCAR_VLLM_TORCH_ROTATE=1``)."""
+    return forced or num_tokens > ROTATE_TRITON_MAX_ROWS
+
+
 def torch_rotate(x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x [N, H_kv, D] @ R`` (``[D, D]`` or per head ``[H_kv, D, D]``) in float32, cast to ``dtype`` (cuBLAS)."""
     y = x.float() @ r if r.dim() == 2 else torch.einsum("nhd,hde->nhe", x.float(), r)
@@ -180,7 +186,7 @@ class TritonKernels:
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.torch_rotate or int(k.shape[0]) > ROTATE_TRITON_MAX_ROWS:
+        if rotates_in_torch(int(k.shape[0]), self.torch_rotate):
             return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
         from oscar_kernels import ops
 
