@@ -4,6 +4,7 @@ its shape, dtype and device (never its data) in a ``ValueError``; plus the lazy 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -12,11 +13,15 @@ ACT = (torch.bfloat16, torch.float16)  # activation dtypes the kernels take
 META = (torch.bfloat16, torch.float16, torch.float32)  # scale/zero dtypes
 
 
-def triton_modules() -> tuple[Any, Any]:
-    """Import the Triton modules lazily (``TRITON_INTERPRET`` is read when they are first imported)."""
-    from oscar_kernels import int2_decode, int2_pack
+def triton_module(name: str) -> Any:
+    """Import the Triton module ``oscar_kernels.NAME`` lazily (``TRITON_INTERPRET`` is read when it is first
+    imported)."""
+    return importlib.import_module(f"oscar_kernels.{name}")
 
-    return int2_pack, int2_decode
+
+def triton_modules() -> tuple[Any, Any]:
+    """The pack and decode Triton modules (:func:`triton_module`)."""
+    return triton_module("int2_pack"), triton_module("int2_decode")
 
 
 def bad_tensor(name: str, t: torch.Tensor, expected: str) -> ValueError:

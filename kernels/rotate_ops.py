@@ -12,15 +12,9 @@ from typing import Any
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, rotation_arg
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, rotation_arg, triton_module
 
 ROTATE_DTYPES = (*ACT, torch.float32)
-
-
-def _module() -> Any:
-    from oscar_kernels import rotate_kv  # lazily: TRITON_INTERPRET is read when the module is first imported
-
-    return rotate_kv
 
 
 def _rows(name: str, t: Any, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, ...], dev: torch.device,
@@ -73,7 +67,7 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
         raise ValueError(f"block_t, block_e: expected powers of two >= 16 (block_e dividing {d}), got {bt}, {block_e}")
     if n == 0:
         return yk, yv
-    _module()._rotate_kv_kernel[(math.ceil(n / bt), 2 * h_kv, d // block_e)](
+    triton_module("rotate_kv")._rotate_kv_kernel[(math.ceil(n / bt), 2 * h_kv, d // block_e)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), rk, rk_stride, rv, rv_stride,
         yk, yk.stride(0), yk.stride(1), yv, yv.stride(0), yv.stride(1), n,
         H_KV=h_kv, D=d, BLOCK_T=bt, BLOCK_E=block_e, num_warps=num_warps)

@@ -8,19 +8,12 @@ tiers (and the gather's K and V outputs) share strides. Both launches are CUDA-g
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, mean_arg
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, mean_arg, triton_module
 
 TIER_DTYPES = (*ACT, torch.float32)
-
-
-def _module() -> Any:
-    from oscar_kernels import tier_copy  # lazily: TRITON_INTERPRET is read when the module is first imported
-
-    return tier_copy
 
 
 def _pair(name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
@@ -54,7 +47,7 @@ def tier_write(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: t
             raise bad_tensor(nm, t, "a contiguous int64 vector")
     if n == 0:
         return
-    _module()._tier_write_kernel[(math.ceil(n / block_t), h_kv)](
+    triton_module("tier_copy")._tier_write_kernel[(math.ceil(n / block_t), h_kv)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), sink_row, sink_pos, ring_row, ring_slot,
         n, D=d, BLOCK_D=_next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
@@ -101,7 +94,7 @@ def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor
     if b == 0:
         return sk, sv, rk, rv
     sink_tiles = math.ceil(s / block_t)
-    _module()._tier_gather_kernel[(sink_tiles + math.ceil(r / block_t), h_kv, b)](
+    triton_module("tier_copy")._tier_gather_kernel[(sink_tiles + math.ceil(r / block_t), h_kv, b)](
         sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         rows, ring_index, ring_index.stride(0), km, vm, km_stride, vm_stride,
