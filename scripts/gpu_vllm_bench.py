@@ -299,15 +299,16 @@ def tpot(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[i
 
 
 def profile(args: argparse.Namespace, llm: Any, ctxs: list[int], base: str) -> None:
-    """A torch-profiler trace (and vLLM's table of CUDA time per op) of one request of the first --ctx tokens
-    generating --profile-tokens tokens, written under --profile-dir by the engine's worker: the prompt's prefill
-    and ``output_tokens - 1`` decode steps (``scripts/trace_summary.py DIR --steps N``)."""
-    p = prompts(1, ctxs[0], args.vocab, ctxs[0])
+    """A torch-profiler trace (and vLLM's table of CUDA time per op) of one request of --profile-ctx tokens (default:
+    the first --ctx) generating --profile-tokens tokens, written under --profile-dir by the engine's worker: the
+    prompt's prefill and ``output_tokens - 1`` decode steps (``scripts/trace_summary.py DIR --steps N``)."""
+    ctx = args.profile_ctx or ctxs[0]
+    p = prompts(1, ctx, args.vocab, ctx)
     generate(llm, p, 2)  # compile / warm every shape first
     llm.start_profile()
     wall, toks = generate(llm, p, args.profile_tokens)
     llm.stop_profile()
-    save(args.out, f"{base}/profile/{ctxs[0]}", {"prompt_tokens": ctxs[0], "output_tokens": len(toks[0]),
+    save(args.out, f"{base}/profile/{ctx}", {"prompt_tokens": ctx, "output_tokens": len(toks[0]),
                                                  "wall_s": wall, "dir": str(args.profile_dir),
                                                  "decode_steps_traced": len(toks[0]) - 1})
 
@@ -344,6 +345,7 @@ def main() -> None:
                     help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; auto: vLLM's choice)")
     ap.add_argument("--profile-dir", type=Path, help="--stage profile: where the engine writes its torch trace")
     ap.add_argument("--profile-tokens", type=int, default=32, help="--stage profile: output tokens traced")
+    ap.add_argument("--profile-ctx", help="--stage profile: the traced prompt's length (default: the first --ctx)")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "oscar-vllm-bench")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -358,9 +360,10 @@ def main() -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     expose_plugin()
     ctxs = parse_ctx(args.ctx)
+    args.profile_ctx = parse_ctx(args.profile_ctx)[0] if args.profile_ctx else None
     smoke_only = stages == ["smoke"]
     dummy = args.model == "qwen3-8b-dummy" or smoke_only and not Path(args.model).exists()
-    max_len = args.max_model_len or max(ctxs) + max(args.out_tokens, 128) + 64
+    max_len = args.max_model_len or max([*ctxs, args.profile_ctx or 0]) + max(args.out_tokens, 128) + 64
     if dummy:
         shape = TINY if smoke_only else QWEN3_8B
         name = "qwen3-tiny-dummy" if smoke_only else "qwen3-8b-dummy"
