@@ -1,9 +1,12 @@
 """Triton quantize-on-write: BF16/fp16 K or V rows -> rotated, centred, clipped INT2 rows in a paged cache.
 
 Only ``@triton.jit`` code lives here; launchers, checks and allocation are in :mod:`oscar_kernels.ops`.
-The arithmetic follows :mod:`oscar_kernels.reference` step by step (float32 throughout, sort-based clip
-threshold, ``div_rn`` for every division) so that codes, scale, zero and packed bytes are bitwise equal to
-the reference fed the same float32 rotated rows.
+The arithmetic follows :mod:`oscar_kernels.reference` step by step (float32 throughout, ``div_rn`` for every
+division) so that codes, scale, zero and packed bytes are bitwise equal to the reference fed the same float32
+rotated rows. The clip threshold ``sort(|y|)[clip_idx]`` is found without a sort by default (``CLIP_SORT=False``):
+a bitwise select on the int32 bit patterns of ``|y|`` (non-negative float32 patterns order like the values), 31
+steps of compare + row count over ``[BLOCK_T, D]`` (:func:`_clip_select`), exactly the sorted element, ties
+included; ``CLIP_SORT=True`` keeps the ``tl.sort`` path for A/B timing.
 
 Paged cache layouts (what the decode kernel reads): keys ``codes uint8 [num_pages, H_kv, P, D/4]`` (quarter
 packing, ``TQ=False``); values ``codes uint8 [num_pages, H_kv, P/R·D, R/4]`` (token quads in rows of
@@ -49,6 +52,7 @@ def _quantize_write_kernel(
     HAS_MU: tl.constexpr,
     DO_CLIP: tl.constexpr,
     TQ: tl.constexpr,
+    CLIP_SORT: tl.constexpr = False,
 ):
     """Quantize ``BLOCK_T`` rows of one KV head and scatter them into the paged cache.
 
@@ -72,8 +76,11 @@ def _quantize_write_kernel(
     if HAS_MU:
         y = y - tl.load(mu_ptr + h * stride_muh + cols)[None, :]
     if DO_CLIP:
-        srt = tl.sort(tl.abs(y), dim=1)
-        tau = tl.sum(tl.where(cols[None, :] == clip_idx, srt, 0.0), axis=1)
+        if CLIP_SORT:
+            srt = tl.sort(tl.abs(y), dim=1)
+            tau = tl.sum(tl.where(cols[None, :] == clip_idx, srt, 0.0), axis=1)
+        else:
+            tau = _clip_select(y, clip_idx, BLOCK_T)
         y = tl.minimum(tl.maximum(y, -tau[:, None]), tau[:, None])
     codes, scale, zero = _quantize_groups(y, BLOCK_T, D, G, scale_ptr.dtype.element_ty)
 
@@ -99,6 +106,24 @@ def _quantize_write_kernel(
     gcols = tl.arange(0, D // G)
     tl.store(scale_ptr + mbase[:, None] + gcols[None, :], scale, mask=ok[:, None])
     tl.store(zero_ptr + mbase[:, None] + gcols[None, :], zero, mask=ok[:, None])
+
+
+@triton.jit
+def _clip_select(y, clip_idx, BLOCK_T: tl.constexpr):
+    """Per-row ``sort(|y|)[clip_idx]`` of float32 ``y [BLOCK_T, D]`` without sorting -> float32 ``[BLOCK_T]``.
+
+    ``bits`` = the int32 pattern of ``|y|`` (sign bit cleared, so -0.0 is +0.0); for non-negative floats the
+    patterns order like the values. The answer is the smallest pattern ``T`` with ``count(bits <= T) > clip_idx``,
+    built from bit 30 down: bit ``b`` of ``T`` is 0 iff the count at ``prefix | (2^b - 1)`` already exceeds
+    ``clip_idx``. ``T`` is always one of the row's patterns, so its bitcast is exactly the sorted element.
+    """
+    bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    t = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for i in tl.static_range(31):
+        low = (1 << (30 - i)) - 1
+        cnt = tl.sum((bits <= (t | low)[:, None]).to(tl.int32), axis=1)
+        t = tl.where(cnt > clip_idx, t, t | (1 << (30 - i)))
+    return t.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -13,6 +13,7 @@ from oscar_kernels.launch_checks import ACT, META, bad_tensor, check_tensor, mea
 from oscar_kernels.reference import TOKEN_QUAD_ROW, QuantizedRows, token_quad_row
 
 LAYOUTS = ("rows", "token_quads")
+CLIP_METHODS = ("select", "sort")
 
 
 def new_paged_cache(num_pages: int, h_kv: int, page_size: int, d: int, group_size: int | None = None,
@@ -40,9 +41,18 @@ def new_paged_cache(num_pages: int, h_kv: int, page_size: int, d: int, group_siz
     return QuantizedRows(codes, scale, torch.zeros_like(scale))
 
 
+def auto_block_t(n: int, rotation: bool) -> int:
+    """Default rows per program of :func:`quantize_write`: next power of two of ``n``, at most 16 (no masked rows
+    to clip and quantize at decode batch sizes); 16 when the kernel rotates (``tl.dot`` needs 16 rows)."""
+    if rotation:
+        return 16
+    return min(16, 1 << max(int(n) - 1, 0).bit_length())
+
+
 def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
                    rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
-                   clip_ratio: float = 0.0, block_t: int = 16, num_warps: int = 4, layout: str = "rows") -> None:
+                   clip_ratio: float = 0.0, block_t: int | None = None, num_warps: int = 4, layout: str = "rows",
+                   clip_method: str = "select") -> None:
     """Quantize rows and scatter them into a paged cache, in one launch for all tokens and KV heads.
 
     Args:
@@ -51,7 +61,12 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
             ``packed [pages, H_kv, P, D/4]``; ``"token_quads"``: ``packed [pages, H_kv, P/R·D, R/4]``, R = min(P, 64)).
         slots: int64 ``[N]``: destination ``page * P + offset``; negative = skip the row.
         rotation: float32 ``[D, D]`` or ``[H_kv, D, D]``; mean: float32 ``[D]`` or ``[H_kv, D]`` (rotated space).
-        clip_ratio: as in ``reference.clip_rows`` (sort-based threshold; ``<= 0``: off).
+        clip_ratio: as in ``reference.clip_rows`` (threshold ``sort(|y|)[min(int(ratio·D), D-1)]``; ``<= 0``: off).
+        block_t: rows per program, a power of two; default from ``N``: the next power of two of ``N`` capped at 16
+            (16 with a rotation: ``tl.dot`` needs it). ``N`` is static per captured CUDA-graph size, so the choice
+            (and the compiled variant) is fixed inside a graph: graph-safe.
+        clip_method: ``"select"`` (default: bitwise select on the float32 bit patterns, no sort) or ``"sort"``
+            (``tl.sort`` of ``|y|``); both give exactly the sorted element, bitwise equal results.
     """
     dev = x.device
     if x.dim() != 3 or x.dtype not in (*ACT, torch.float32) or x.shape[-1] % 16 or x.stride(-1) != 1:
@@ -61,6 +76,8 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     tq = layout == "token_quads"
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if clip_method not in CLIP_METHODS:
+        raise ValueError(f"clip_method: expected one of {CLIP_METHODS}, got {clip_method!r}")
     if tq:
         check_tensor("cache.packed", codes, f"uint8 [pages, {h_kv}, P/R·{d}, R/4]", (None, h_kv, None, None), (torch.uint8,),
                dev)
@@ -91,15 +108,18 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     if n == 0:
         return
     clip_idx = min(int(clip_ratio * d), d - 1) if clip_ratio > 0 else -1
+    bt = auto_block_t(n, r is not None) if block_t is None else block_t
+    if bt < 1 or bt & (bt - 1) or (r is not None and bt < 16):
+        raise ValueError(f"block_t: expected a power of two (>= 16 with a rotation), got {bt}")
     pack, _ = triton_modules()
-    grid = (math.ceil(n / block_t), h_kv)
+    grid = (math.ceil(n / bt), h_kv)
     pack._quantize_write_kernel[grid](
         x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_stride,
         slots, codes.view(torch.int32) if tq else codes, codes.stride(0), codes.stride(1), codes.stride(2),
         scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
         n, page_size, row if tq else 0, clip_idx,
-        D=d, G=d // ng, BLOCK_T=block_t, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
-        TQ=tq, num_warps=num_warps,
+        D=d, G=d // ng, BLOCK_T=bt, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
+        TQ=tq, CLIP_SORT=clip_method == "sort", num_warps=num_warps,
     )
 
 
