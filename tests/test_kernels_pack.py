@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from oscar_kernels import ops
 from oscar_kernels import reference as ref
@@ -191,3 +193,163 @@ def test_quantize_gpu_grid(clip: float, meta: torch.dtype, d: int, dtype: torch.
     x = _rows(int(clip * 100) + d, 2, 8, 4097, d, dtype)
     mean = torch.randn(8, d, device=DEV) * 0.2
     _assert_same(ops.quantize_rows(x, None, mean, clip, None, meta), _ref_cpu(x, None, mean, clip, None, meta))
+
+
+# --- clip threshold: bit-pattern select (default) vs tl.sort vs the reference, block sizes from N ---------------
+
+def _awkward_row(kind: str, d: int, idx: int, gen: torch.Generator) -> torch.Tensor:
+    """One float32 row of ``d`` values whose sorted magnitudes are awkward around ``idx`` (the clip index)."""
+    m = torch.rand(d, generator=gen).mul(2.0).add(0.25).sort().values  # distinct magnitudes, ascending
+    if kind == "tie-straddle":  # equal magnitudes over idx-3 .. idx+3 of the sorted order
+        m[max(idx - 3, 0): idx + 4] = 1.5
+        m[idx + 4:] += 2.0
+    elif kind == "tie-starts-at-idx":
+        m[idx: idx + 5] = 1.25
+        m[idx + 5:] += 2.0
+    elif kind == "tie-ends-at-idx":
+        m[max(idx - 4, 0): idx + 1] = 1.25
+        m[idx + 1:] += 2.0
+    elif kind == "all-equal":
+        m[:] = 0.75
+    elif kind == "zeros":
+        m[:] = 0.0
+    elif kind == "signed-zeros":  # zeros below and at idx: tau = +0.0 although the row holds -0.0
+        m[: idx + 1] = 0.0
+    elif kind == "wide-range":  # magnitudes over 1e-30 .. 1e30: every exponent bit matters
+        m = torch.logspace(-30, 30, d).to(torch.float32)
+    elif kind != "distinct":
+        raise AssertionError(kind)
+    sign = torch.where(torch.rand(d, generator=gen) < 0.5, -1.0, 1.0)
+    row = m * sign  # a zero times -1 is -0.0: both signs of zero
+    return row[torch.randperm(d, generator=gen)]
+
+
+def _awkward_x(kind: str, n: int, h: int, d: int, ratio: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    idx = min(int(ratio * d), d - 1)
+    x = torch.stack([_awkward_row(kind, d, idx, gen) for _ in range(n * h)]).reshape(n, h, d)
+    assert x.to(dtype).float().isfinite().all()
+    return x.to(dtype).to(DEV)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns (so -0.0 != +0.0): uint8 stays, floats are viewed as same-width integers."""
+    t = t.cpu().contiguous()
+    return t if t.dtype == torch.uint8 else t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _write(x: torch.Tensor, ratio: float, g: int | None, meta: torch.dtype, layout: str, method: str,
+           block_t: int | None, slots: torch.Tensor, pages: int, page: int) -> ref.QuantizedRows:
+    cache = ops.new_paged_cache(pages, int(x.shape[1]), page, int(x.shape[2]), g, meta, DEV, layout=layout)
+    ops.quantize_write(x, cache, slots, clip_ratio=ratio, layout=layout, clip_method=method, block_t=block_t)
+    return cache
+
+
+def _want_cache(x: torch.Tensor, ratio: float, g: int | None, meta: torch.dtype, layout: str, slots: torch.Tensor,
+                pages: int, page: int) -> ref.QuantizedRows:
+    """The reference's rows scattered into an empty paged cache of ``layout``."""
+    n, h, d = (int(s) for s in x.shape)
+    want = ref.quantize_rows(x.cpu().permute(1, 0, 2)[None], None, None, ratio, g, meta)  # [1, H, N, ...]
+    s = slots.cpu()
+    empty = ops.new_paged_cache(pages, h, page, d, g, meta, "cpu")
+    scale, zero = empty.scale.clone(), empty.zero.clone()
+    scale[s // page, :, s % page] = want.scale[0].permute(1, 0, 2)
+    zero[s // page, :, s % page] = want.zero[0].permute(1, 0, 2)
+    codes = torch.zeros(pages, h, page, d, dtype=torch.uint8)
+    codes[s // page, :, s % page] = ref.unpack_int2(want.packed[0]).permute(1, 0, 2)
+    packed = ref.pack_token_quads(codes, ref.token_quad_row(page)) if layout == "token_quads" else ref.pack_int2(codes)
+    return ref.QuantizedRows(packed, scale, zero)
+
+
+def _assert_bits(got: ref.QuantizedRows, want: ref.QuantizedRows, what: str) -> None:
+    for name in ("packed", "scale", "zero"):
+        a, b = _bits(getattr(got, name)), _bits(getattr(want, name))
+        assert a.shape == b.shape, f"{what} {name}: {tuple(a.shape)} vs {tuple(b.shape)}"
+        bad = (a != b).nonzero()
+        assert bad.numel() == 0, f"{what} {name}: {bad.shape[0]} mismatches, first at {bad[0].tolist()}"
+
+
+CLIP_CASES = [
+    # id, row kind, N, D, G, ratio, layout, x dtype, meta dtype, block_t (None: from N)
+    ("tie-straddle-N1-rows-bf16", "tie-straddle", 1, 128, None, 0.96, "rows", torch.bfloat16, torch.bfloat16, None),
+    ("tie-straddle-N1-tq-bf16", "tie-straddle", 1, 128, None, 0.96, "token_quads", torch.bfloat16, torch.bfloat16,
+     None),
+    ("tie-starts-at-idx-N3-D64-fp32m", "tie-starts-at-idx", 3, 64, None, 0.75, "rows", torch.float16, torch.float32,
+     None),
+    ("tie-ends-at-idx-N3-D64-tq", "tie-ends-at-idx", 3, 64, None, 0.75, "token_quads", torch.float32, torch.float32,
+     None),
+    ("all-equal-N17-G32", "all-equal", 17, 128, 32, 0.96, "rows", torch.float16, torch.bfloat16, None),
+    ("zeros-N3-tq", "zeros", 3, 64, None, 0.92, "token_quads", torch.bfloat16, torch.bfloat16, None),
+    ("signed-zeros-N3-fp32m", "signed-zeros", 3, 64, 16, 0.5, "rows", torch.float32, torch.float32, None),
+    ("idx0-N1-D64", "distinct", 1, 64, None, 0.001, "rows", torch.float32, torch.float32, None),
+    ("idx0-ties-N3-tq", "tie-ends-at-idx", 3, 128, 64, 0.001, "token_quads", torch.float16, torch.float16, None),
+    ("idxlast-N3-D128", "tie-starts-at-idx", 3, 128, None, 1.0, "rows", torch.bfloat16, torch.float32, None),
+    ("wide-range-N17-fp32", "wide-range", 17, 64, 32, 0.9, "token_quads", torch.float32, torch.float32, None),
+    ("distinct-N33-rows", "distinct", 33, 64, None, 0.96, "rows", torch.float16, torch.bfloat16, None),
+    ("distinct-N33-tq-block2", "distinct", 33, 64, 32, 0.96, "token_quads", torch.bfloat16, torch.bfloat16, 2),
+    ("tie-straddle-N17-block8", "tie-straddle", 17, 128, None, 0.96, "rows", torch.float32, torch.bfloat16, 8),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", CLIP_CASES, ids=[c[0] for c in CLIP_CASES])
+def test_clip_select_equals_sort_and_reference(case: tuple) -> None:
+    """The select threshold is exactly ``sort(|y|)[clip_idx]``: select == sort == reference, bit for bit (codes,
+    scale, zero, packed bytes; -0.0 told from +0.0), with ties at, across and ending at the clip index, zero rows,
+    mixed signed zeros, clip_idx 0 and D-1, both layouts and block sizes from N (1, 4, 16) or given."""
+    name, kind, n, d, g, ratio, layout, dtype, meta, block_t = case
+    page = 16
+    pages = (n + page - 1) // page + 1
+    x = _awkward_x(kind, n, 2 if n < 8 else 1, d, ratio, dtype, len(name))  # 1 head at large N: interpreter time
+    slots = torch.randperm(pages * page, generator=torch.Generator().manual_seed(n))[:n].to(DEV)
+    sel = _write(x, ratio, g, meta, layout, "select", block_t, slots, pages, page)
+    srt = _write(x, ratio, g, meta, layout, "sort", block_t, slots, pages, page)
+    _assert_bits(sel, srt, "select vs sort")
+    _assert_bits(sel, _want_cache(x, ratio, g, meta, layout, slots, pages, page), "select vs reference")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("block_t", [1, 2, 4, 8, 16, 32], ids=lambda b: f"block{b}")
+def test_quantize_write_any_block_size_same_bytes(block_t: int) -> None:
+    """Every power-of-two block gives the bytes of the reference (N = 5: partial last blocks, and blocks past N)."""
+    x = _awkward_x("tie-straddle", 5, 2, 64, 0.92, torch.bfloat16, 7)
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:5].to(DEV)
+    got = _write(x, 0.92, None, torch.bfloat16, "rows", "select", block_t, slots, 2, 16)
+    _assert_bits(got, _want_cache(x, 0.92, None, torch.bfloat16, "rows", slots, 2, 16), f"block_t={block_t}")
+
+
+@pytest.mark.unit
+def test_auto_block_t_and_refusals() -> None:
+    from oscar_kernels.write_ops import auto_block_t
+
+    assert [auto_block_t(n, False) for n in (1, 2, 3, 5, 8, 9, 16, 17, 512)] == [1, 2, 4, 8, 8, 16, 16, 16, 16]
+    assert auto_block_t(1, True) == 16
+    cache = ops.new_paged_cache(1, 1, 16, 64, None, torch.bfloat16, DEV)
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16, device=DEV)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match=r"clip_method: expected one of \('select', 'sort'\), got 'radix'"):
+        ops.quantize_write(x, cache, slots, clip_ratio=0.9, clip_method="radix")
+    for bad in (0, 3, 12):
+        with pytest.raises(ValueError, match="block_t: expected a power of two"):
+            ops.quantize_write(x, cache, slots, block_t=bad)
+    with pytest.raises(ValueError, match=r"block_t: expected a power of two \(>= 16 with a rotation\), got 8"):
+        ops.quantize_write(x, cache, slots, rotation=torch.eye(64, device=DEV), block_t=8)
+
+
+@pytest.mark.unit
+@given(data=st.data())
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+def test_clip_select_equals_sort_property(data: st.DataObject) -> None:
+    """Rows of few distinct magnitudes (ties everywhere, signed zeros) and any ratio: select == sort == reference."""
+    d = data.draw(st.sampled_from([64, 128]), label="D")
+    n = data.draw(st.integers(1, 4), label="N")
+    ratio = data.draw(st.floats(0.0005, 1.0), label="ratio")
+    halves = data.draw(st.lists(st.integers(-6, 6), min_size=n * d, max_size=n * d), label="values/2")
+    x = (torch.tensor(halves, dtype=torch.float32) * 0.5).reshape(n, 1, d)
+    x = torch.where(x == 0, torch.where(torch.arange(n * d).reshape(n, 1, d) % 3 == 0, -0.0, 0.0), x).to(DEV)
+    slots = torch.arange(n, dtype=torch.int64, device=DEV)
+    sel = _write(x, ratio, None, torch.float32, "rows", "select", None, slots, 1, 16)
+    srt = _write(x, ratio, None, torch.float32, "rows", "sort", None, slots, 1, 16)
+    _assert_bits(sel, srt, "select vs sort")
+    _assert_bits(sel, _want_cache(x, ratio, None, torch.float32, "rows", slots, 1, 16), "select vs reference")
