@@ -1,0 +1,42 @@
+"""scripts/gpu_write_bench.py: the smoke mode runs every case kind (CPU, Triton interpreter) and writes its JSON; a
+failing case is recorded and does not stop the others."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.scripts import load_script
+
+pytestmark = pytest.mark.unit
+
+
+def test_smoke_runs_every_case(tmp_path: Path) -> None:
+    bench = load_script("gpu_write_bench")
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["env"]["interpret"] and result["env"]["torch"] and result["env"]["triton"]
+    rows = result["results"]
+    assert [r["error"] for r in rows] == [None] * len(rows)
+    assert all(r["n"] == 1 and len(r["us_repeats"]) == 2 and r["us_per_launch"] > 0 for r in rows)
+    qw = [(r["layout"], r["clip_method"], r["block_t_auto"]) for r in rows if r["op"] == "quantize_write"]
+    for layout in ("rows", "token_quads"):
+        for method in ("select", "sort"):
+            assert {(layout, method, True), (layout, method, False), (layout, None, True)} <= set(qw)
+    assert {r["op"] for r in rows} == {"quantize_write", "rotate_kv", "torch_rotate"}
+    assert {r["block_t"] for r in rows if r["op"] == "quantize_write"} == {1, 16}  # N=1: auto picks 1
+
+
+def test_failing_case_is_recorded() -> None:
+    bench = load_script("gpu_write_bench")
+
+    def boom() -> None:
+        raise RuntimeError("bad launch")
+
+    row: dict[str, Any] = bench.run_case({"name": "x", "n": 1}, boom, lambda fn: bench.time_wall(fn, 2))
+    assert row["error"] == "RuntimeError: bad launch" and row["us_per_launch"] is None
+    ok = bench.run_case({"name": "y", "n": 1}, lambda: None, lambda fn: bench.time_wall(fn, 2))
+    assert ok["error"] is None and len(ok["us_repeats"]) == 2
