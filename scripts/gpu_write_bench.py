@@ -1,5 +1,5 @@
 """Micro-benchmark of the vLLM decode write path at the engine's shapes: ``ops.quantize_write`` of K (``"rows"``)
-and V (``"token_quads"``), clip on/off, clip threshold ``select`` vs ``sort``, ``block_t`` from N vs 16; and the
+and V (``"token_quads"``), clip on/off, clip threshold ``select`` vs ``sort``, ``block_t`` from N vs 16, 4 warps vs 1; and the
 step's rotation, ``ops.rotate_kv`` vs the torch path ``(x.float() @ r).to(bf16)`` for K and V.
 
 Shapes: H_kv 8, D 128, G 128, pages of 16 tokens, a cache of 4096 pages, bf16 inputs and metadata, a per-head
@@ -110,20 +110,23 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
     slots = torch.randperm(pages * PAGE, generator=gen)[:n].to(dev)
     caches = {lay: ops.new_paged_cache(pages, h_kv, PAGE, d, min(G, d), bf16, dev, layout=lay) for lay in ops.LAYOUTS}
     out: list[tuple[dict[str, Any], Callable[[], object]]] = []
-    configs = [(0.0, "select", None), (0.0, "select", 16), (CLIP, "select", None), (CLIP, "sort", None),
-               (CLIP, "select", 16), (CLIP, "sort", 16)]
+    # clip ratio, clip method, block_t (None: from N), num_warps (the launcher's default is 4; 1 warp keeps a row's
+    # reductions inside one warp when BLOCK_T is small)
+    configs = [(0.0, "select", None, 4), (0.0, "select", 16, 4), (CLIP, "select", None, 4), (CLIP, "sort", None, 4),
+               (CLIP, "select", 16, 4), (CLIP, "sort", 16, 4), (CLIP, "select", None, 1), (CLIP, "sort", None, 1)]
     for layout, x in (("rows", k), ("token_quads", v)):
-        for clip, method, bt in configs:
+        for clip, method, bt, warps in configs:
             def fn(x: torch.Tensor = x, layout: str = layout, clip: float = clip, method: str = method,
-                   bt: int | None = bt) -> None:
+                   bt: int | None = bt, warps: int = warps) -> None:
                 ops.quantize_write(x, caches[layout], slots, mean=mean, clip_ratio=clip, layout=layout,
-                                   clip_method=method, block_t=bt)
+                                   clip_method=method, block_t=bt, num_warps=warps)
 
             name = f"quantize_write {'K rows' if layout == 'rows' else 'V token_quads'} " + \
-                (f"clip {method}" if clip else "noclip") + f" block_t {'auto' if bt is None else bt}"
+                (f"clip {method}" if clip else "noclip") + f" block_t {'auto' if bt is None else bt}" + \
+                f" warps {warps}"
             out.append(({"name": name, "op": "quantize_write", "n": n, "layout": layout, "clip_ratio": clip,
                          "clip_method": method if clip else None, "block_t": bt if bt else auto_block_t(n, False),
-                         "block_t_auto": bt is None}, fn))
+                         "block_t_auto": bt is None, "num_warps": warps}, fn))
 
     def triton_rotate() -> None:
         ops.rotate_kv(k, v, r, r, dtype=bf16)

@@ -26,6 +26,7 @@ def test_smoke_runs_every_case(tmp_path: Path) -> None:
     for layout in ("rows", "token_quads"):
         for method in ("select", "sort"):
             assert {(layout, method, True), (layout, method, False), (layout, None, True)} <= set(qw)
+    assert {r["num_warps"] for r in rows if r["op"] == "quantize_write"} == {1, 4}
     assert {r["op"] for r in rows} == {"quantize_write", "rotate_kv", "torch_rotate"}
     assert {r["block_t"] for r in rows if r["op"] == "quantize_write"} == {1, 16}  # N=1: auto picks 1
 
