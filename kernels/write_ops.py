@@ -52,7 +52,7 @@ def auto_block_t(n: int, rotation: bool) -> int:
 def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
                    rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
                    clip_ratio: float = 0.0, block_t: int | None = None, num_warps: int = 4, layout: str = "rows",
-                   clip_method: str = "select") -> None:
+                   clip_method: str = "sort") -> None:
     """Quantize rows and scatter them into a paged cache, in one launch for all tokens and KV heads.
 
     Args:

@@ -124,7 +124,7 @@ Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k,
 # two casts), while a 4,096-token prefill takes ~130 µs: small batches are its bad case. 512 is the largest batch
 # vLLM captures in full CUDA graphs by default (``min(2 · max_num_seqs, 512)``), so every graph-captured decode step
 # and small mixed step takes the kernel; prefill-sized batches stay with cuBLAS.
-ROTATE_TRITON_MAX_ROWS = 512
+ROTATE_TRITON_MAX_ROWS = 64
 
 
 def rotates_in_torch(num_tokens: int, forced: bool) -> bool:
