@@ -279,6 +279,18 @@ def _increment(task: NiahTask, length: int) -> int:
     return 50 if task.haystack == "essay" else 1
 
 
+def check_length(
+    task: NiahTask, length: int, builder: PromptBuilder, essay: list[str] | None, seed: int, tokens: int | None = None
+) -> None:
+    """One line when ``length`` is too short for ``task``'s prompt with a one-step haystack (a short prompt to count:
+    a run checks every length before its first batch); ``tokens``: that prompt's count when already known."""
+    if tokens is None:
+        text, prefix, _, _ = _render(task, _increment(task, length), _sample_rng(seed, task.name, length, 0), essay)
+        tokens = builder.count(text, prefix)
+    if tokens > length - TOKENS_TO_GENERATE:
+        raise EvalError(f"{task.name}: a length of {length} tokens is too short for even a minimal haystack")
+
+
 def fit_haystack(task: NiahTask, length: int, builder: PromptBuilder, essay: list[str] | None, seed: int) -> int:
     """Largest haystack size (words or lines, a multiple of the step) whose sample 0 fits ``length``.
 
@@ -297,8 +309,7 @@ def fit_haystack(task: NiahTask, length: int, builder: PromptBuilder, essay: lis
             counted[units] = builder.count(text, prefix)
         return counted[units]
 
-    if count(1) > budget:
-        raise EvalError(f"{task.name}: a length of {length} tokens is too short for even a minimal haystack")
+    check_length(task, length, builder, essay, seed, count(1))
     lo, x = 1, 2  # lo fits; grow x from the tokens per unit seen so far until it does not
     while count(x) <= budget:
         lo = x
