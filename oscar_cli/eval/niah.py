@@ -280,7 +280,9 @@ class PromptBuilder:
         if len(self._pieces) > _MAX_PIECES:  # before this call's new pieces: a shrunk sample reuses its lines
             self._pieces.clear()
         new = list(dict.fromkeys(p for pieces in split if pieces is not None for p in pieces if p not in self._pieces))
-        self._pieces.update(zip(new, self.ids_many(new), strict=True))
+        if new:  # the backend directly: a piece is short, and the wrapper's per-encoding conversion dominated
+            encoded = self.tokenizer.backend_tokenizer.encode_batch(new, add_special_tokens=not self.chat)
+            self._pieces.update(zip(new, (e.ids for e in encoded), strict=True))
         for i, pieces in enumerate(split):
             if pieces is not None:
                 ids: list[int] = []
