@@ -142,8 +142,13 @@ def test_run_size_estimate_and_progress_lines_off_a_terminal(
                                                            "eval-ruler: 6/6"]  # fmt: skip
     assert "ETA" in batches[0] and "ETA" not in batches[-1]
     assert sum(ln.startswith("eval-ruler: estimate: about ") for ln in lines) == 1
-    code, _, err = _main(argv, capsys)  # resumed: nothing left to run
+    built = [i for i, ln in enumerate(lines) if ln.startswith("eval-ruler: building prompts: niah_single_1 @ 1024 (")]
+    size = lines.index("eval-ruler: 1 tasks × 3 samples × 1 lengths × 2 methods = 6 samples")
+    cost = next(i for i, ln in enumerate(lines) if ln.startswith("eval-ruler: on cpu this is about "))
+    assert len(built) == 1 and size < cost < built[0] < lines.index(batches[0])  # built once, for both methods
+    code, _, err = _main(argv, capsys)  # resumed: nothing left to run, nothing built
     assert code == 0 and "= 6 samples (6 already in" in err and "on cpu this is about" not in err
+    assert "building" not in err
 
 
 def test_no_artifact_default_leaves_oscar_out_with_a_note(

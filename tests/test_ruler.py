@@ -206,3 +206,76 @@ def test_batched_samples_equal_one_by_one(essay: list[str]) -> None:
     n = fit_haystack(TASKS["niah_multivalue"], 2048, b, essay, 42)
     many = make_samples("niah_multivalue", 2048, [0, 3, 5], n, b, essay)
     assert [s for s, _ in many] == [make_sample("niah_multivalue", 2048, i, n, b, essay)[0] for i in (0, 3, 5)]
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_bpe(essay: list[str], add_prefix_space: bool = False, chat: bool = True):
+    """A small byte-level BPE (GPT-2 regex) trained on the prose, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([" ".join(essay[i : i + 200]) for i in range(0, len(essay), 200)] + [NOISE], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    if chat:
+        fast.chat_template = CHATML
+    return fast
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "plain"])
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_piecewise_prompt_ids_equal_whole_tokenization(essay: list[str], task: str, chat: bool) -> None:
+    """Tokenizing the haystack's pieces once each gives, for every sample, the ids of tokenizing its prompt whole."""
+    from oscar_cli.eval.niah import make_samples
+
+    tok = _byte_level_bpe(essay, chat=chat)
+    fast, whole = PromptBuilder(tok), PromptBuilder(tok, piecewise=False)
+    assert fast.piecewise and not whole.piecewise and fast.chat is chat
+    n = fit_haystack(TASKS[task], 3000, fast, essay, 42)
+    assert n == fit_haystack(TASKS[task], 3000, whole, essay, 42)
+    got = make_samples(task, 3000, [0, 1, 2, 7], n, fast, essay)
+    assert got == make_samples(task, 3000, [0, 1, 2, 7], n, whole, essay)
+    assert all(ids == whole.ids(whole.prompt(s.text, s.answer_prefix)) for s, ids in got)
+    assert fast._pieces  # the pieces were memoised, not the whole prompt tokenized
+
+
+def test_piecewise_only_where_the_tokenizer_splits_there(essay: list[str]) -> None:
+    from tokenizers import normalizers
+
+    assert not PromptBuilder(CharTokenizer()).piecewise  # not a fast tokenizer
+    assert not PromptBuilder(_byte_level_bpe(essay, add_prefix_space=True)).piecewise
+    tok = _byte_level_bpe(essay)
+    tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert not PromptBuilder(tok).piecewise
+    b = PromptBuilder(_byte_level_bpe(essay))
+    text = "a b <|im_end|> c d"  # an added token inside the text: tokenized whole
+    assert b._split(text, " e") is None and b.prompt_ids(text, " e") == b.ids(b.prompt(text, " e"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_piecewise_equals_whole_on_the_embedded_tokenizer(task: str) -> None:
+    """The embedded SmolLM2 tokenizer: the piecewise ids of every sample are those of the whole prompt."""
+    from transformers import AutoTokenizer
+
+    from oscar_cli.eval.niah import make_samples
+    from oscar_cli.model.load import model_directory
+
+    tok = AutoTokenizer.from_pretrained(model_directory())
+    essay = load_essay_words(None)
+    fast, whole = PromptBuilder(tok), PromptBuilder(tok, piecewise=False)
+    assert fast.piecewise
+    n = fit_haystack(TASKS[task], 8192, fast, essay, 42)
+    assert n == fit_haystack(TASKS[task], 8192, whole, essay, 42)
+    assert make_samples(task, 8192, [0, 1, 2], n, fast, essay) == make_samples(task, 8192, [0, 1, 2], n, whole, essay)

@@ -1,11 +1,13 @@
 """``oscar eval-ruler``: RULER NIAH accuracy of each KV-cache method, resumable, on one loaded model.
 
-Flow: load the model once → (YaRN beyond its positions) → generate every (task, length, index) sample (deterministic,
-:mod:`oscar_cli.eval.niah`) → for each method, attach it (:func:`oscar_cli.quant.use_method`) and run the
-samples not yet in ``samples.jsonl`` in batches (left-padded, chunked prefill, greedy decode of up to 128
-tokens, stop at EOS) → score with ``string_match_all`` → append one JSON line per sample as soon as its batch
-finishes (a rerun skips what is there) → aggregate everything in the file that matches this run.
-"""
+Flow: load the model once → (YaRN beyond its positions) → lengths outer, methods inner: attach the method
+(:func:`oscar_cli.quant.use_method`) and run the samples not yet in ``samples.jsonl`` in batches (left-padded,
+chunked prefill, greedy decode of up to 128 tokens, stop at EOS), each task's in turn, a batch possibly spanning
+two tasks → score with ``string_match_all`` → append one JSON line per sample as soon as its batch finishes (a
+rerun skips what is there) → aggregate everything in the file that matches this run. A ``(task, length)``'s
+samples (deterministic, :mod:`oscar_cli.eval.niah`) are built when its first batch needs them, only for the
+indices still pending, and kept for the other methods of that length (:class:`LazySamples`): a 128K task's
+prompts take seconds to tokenize, and building all of them first delayed the first result by minutes."""
 
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -30,6 +32,7 @@ from oscar_cli.eval.niah import (
     TASKS,
     NiahSample,
     PromptBuilder,
+    check_length,
     fit_haystack,
     haystack_files,
     load_essay_words,
@@ -138,21 +141,125 @@ def _append(path: Path, records: list[dict[str, Any]]) -> None:
         os.fsync(f.fileno())
 
 
+Item = tuple[NiahSample, list[int]]  # a sample and its prompt ids
+
+
+class LazySamples:
+    """The samples of each ``(task, length)`` with their prompt ids, built when first asked for and kept until
+    :meth:`forget`: a long length's prompts cost seconds per task, so a run builds each one just before its
+    first batch, and the methods after the first reuse them.
+
+    Args:
+        cfg: the run (tasks, lengths, samples, seed, haystack).
+        tokenizer: the model's tokenizer.
+        indices: the sample indices to build per ``(task, length)`` (default: ``range(cfg.samples)``); a sample is
+            the same whichever others are built with it (its own RNG; the haystack is fitted on sample 0).
+        progress_cb: called after each build with ``"TASK @ LENGTH"`` and the seconds it took.
+    """
+
+    def __init__(
+        self,
+        cfg: RulerConfig,
+        tokenizer: Any,
+        indices: dict[tuple[str, int], list[int]] | None = None,
+        progress_cb: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.cfg, self.indices, self.progress_cb = cfg, indices, progress_cb
+        self.builder = PromptBuilder(tokenizer)
+        self._essay: list[str] | None = None
+        self._built: dict[tuple[str, int], dict[int, Item]] = {}
+
+    def _essay_words(self) -> list[str]:
+        if self._essay is None:
+            self._essay = load_essay_words(self.cfg.haystack_dir)
+        return self._essay
+
+    def get(self, task: str, length: int) -> dict[int, Item]:
+        """``{index: (sample, prompt ids)}`` of ``(task, length)``, built on the first call."""
+        key = (task, length)
+        if key not in self._built:
+            t0 = time.perf_counter()
+            cfg = self.cfg
+            essay = self._essay_words() if TASKS[task].haystack == "essay" else None
+            wanted = list(range(cfg.samples)) if self.indices is None else self.indices.get(key, [])
+            n_hay = fit_haystack(TASKS[task], length, self.builder, essay, cfg.seed)
+            items = make_samples(task, length, wanted, n_hay, self.builder, essay, cfg.seed)
+            self._built[key] = {it[0].index: it for it in items}
+            if self.progress_cb:
+                self.progress_cb(f"{task} @ {length}", time.perf_counter() - t0)
+        return self._built[key]
+
+    def check(self) -> None:
+        """Refuse, before anything is built, a length too short for a task (:func:`check_length`, one short prompt
+        each), so a lazily built run fails where an eager one did: before its first batch."""
+        keys = self.indices or {(t, n): [] for n in self.cfg.lengths for t in self.cfg.tasks}
+        for task, length in keys:
+            essay = self._essay_words() if TASKS[task].haystack == "essay" else None
+            check_length(TASKS[task], length, self.builder, essay, self.cfg.seed)
+
+    def forget(self, length: int) -> None:
+        """Drop the samples of ``length`` (a 128K prompt's ids are megabytes; a run is done with a length at once)."""
+        for key in [k for k in self._built if k[1] == length]:
+            del self._built[key]
+
+
 def build_samples(
     cfg: RulerConfig, tokenizer: Any, progress_cb: Callable[[str], None] | None = None
-) -> dict[tuple[str, int], list[tuple[NiahSample, list[int]]]]:
+) -> dict[tuple[str, int], list[Item]]:
     """Every requested sample with its prompt ids, per ``(task, length)``; ``progress_cb`` after each."""
-    builder = PromptBuilder(tokenizer)
-    needs_essay = any(TASKS[t].haystack == "essay" for t in cfg.tasks)
-    essay = load_essay_words(cfg.haystack_dir) if needs_essay else None
-    out: dict[tuple[str, int], list[tuple[NiahSample, list[int]]]] = {}
-    for length in cfg.lengths:
-        for task in cfg.tasks:
-            n_hay = fit_haystack(TASKS[task], length, builder, essay, cfg.seed)
-            out[(task, length)] = make_samples(task, length, list(range(cfg.samples)), n_hay, builder, essay, cfg.seed)
-            if progress_cb:
-                progress_cb(f"{task} @ {length}")
-    return out
+    samples = LazySamples(cfg, tokenizer, progress_cb=(lambda what, _s: progress_cb(what)) if progress_cb else None)
+    return {(task, length): list(samples.get(task, length).values()) for length in cfg.lengths for task in cfg.tasks}
+
+
+class PendingSamples(Sequence[Item]):
+    """The samples one method still has to run at one length, in order, without building them up front.
+
+    ``groups`` holds, per ``(task, length)`` in task order, how many items it contributes and a function that
+    returns them (building the task's prompts on the first call): reading an item builds its group only, so a
+    batch that reaches into the next task builds that task then, and ``len()`` costs nothing.
+    """
+
+    def __init__(self, groups: list[tuple[int, Callable[[], list[Item]]]]) -> None:
+        self.groups = [g for g in groups if g[0]]
+        self._loaded: dict[int, list[Item]] = {}
+
+    def __len__(self) -> int:
+        return sum(n for n, _ in self.groups)
+
+    def _item(self, i: int) -> Item:
+        for g, (n, load) in enumerate(self.groups):
+            if i < n:
+                if g not in self._loaded:
+                    self._loaded[g] = load()
+                    assert len(self._loaded[g]) == n, (len(self._loaded[g]), n)
+                return self._loaded[g][i]
+            i -= n
+        raise IndexError(i)
+
+    @overload
+    def __getitem__(self, i: int) -> Item: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Item]: ...
+    def __getitem__(self, i: int | slice) -> Item | list[Item]:
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(len(self)))]
+        return self._item(i if i >= 0 else len(self) + i)
+
+
+def pending_samples(
+    samples: LazySamples, length: int, tasks: list[str], indices: Callable[[str], list[int]]
+) -> PendingSamples:
+    """The samples ``indices(task)`` of each task at ``length``, task by task, each task's sorted by prompt length
+    (less left padding in a batch) — built only when read."""
+
+    def group(task: str, wanted: list[int]) -> Callable[[], list[Item]]:
+        def load() -> list[Item]:
+            built = samples.get(task, length)
+            return sorted((built[i] for i in wanted), key=lambda it: len(it[1]))
+
+        return load
+
+    return PendingSamples([(len(idx), group(t, idx)) for t in tasks for idx in [indices(t)]])
 
 
 def eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -167,15 +274,28 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+def _batches(items: Sequence[Item], size: Callable[[int], int], deadline: float | None) -> Iterator[list[Item]]:
+    """Consecutive items of one length, at most ``size(length)`` per batch, read (and so built) one batch at a time;
+    stops before reading a batch once ``time.perf_counter()`` passes ``deadline``."""
+    i = 0
+    while i < len(items):
+        if deadline is not None and time.perf_counter() > deadline:
+            return
+        first = items[i]
+        batch, limit = [first], size(first[0].length)
+        while len(batch) < limit and i + len(batch) < len(items):
+            nxt = items[i + len(batch)]
+            if nxt[0].length != first[0].length:
+                break
+            batch.append(nxt)
+        i += len(batch)
+        yield batch
 
 
 def run_method_samples(
     loaded: Any,
     method: Any,
-    pending: list[tuple[NiahSample, list[int]]],
+    pending: Sequence[Item],
     cfg: RulerConfig,
     sink: Callable[[list[dict[str, Any]]], None],
     report: RunProgress | None = None,
@@ -183,7 +303,10 @@ def run_method_samples(
 ) -> bool:
     """Generate, score and hand over (``sink``) the records of ``pending`` samples for one attached method.
 
-    Returns False when ``deadline`` (``time.perf_counter()`` value) passed before every batch ran.
+    Batches take the samples in the order given (consecutive samples of one length; :func:`pending_samples` sorts
+    each task's by prompt length) and read them one batch at a time, so a :class:`PendingSamples` builds a task's
+    prompts only when its first batch needs them. Returns False when ``deadline`` (``time.perf_counter()``
+    value) passed before every batch ran.
     """
     from oscar_cli._options import format_ctx
     from oscar_cli.quant import greedy_generate, left_pad, use_method
@@ -193,52 +316,47 @@ def run_method_samples(
     eos = eos_ids(model, tok)
     head_dim = loaded.geometry.head_dim
     rope = rope_tag(cfg)
-    by_len: dict[int, list[tuple[NiahSample, list[int]]]] = defaultdict(list)
-    for item in pending:
-        by_len[item[0].length].append(item)
+    ran = 0
     with use_method(model, method, backend=cfg.backend) as session:
-        for length, items in sorted(by_len.items()):
-            items.sort(key=lambda it: len(it[1]))
-            size = cfg.batch_size or default_batch_size(length, loaded.device)
+        for batch in _batches(pending, lambda n: cfg.batch_size or default_batch_size(n, loaded.device), deadline):
+            length = batch[0][0].length
             what = f"{method.name} @ {format_ctx(length)}"
-            for batch in _batches(items, size):
-                if deadline is not None and time.perf_counter() > deadline:
-                    return False
-                cache = session.new_cache()
-                ids, mask = left_pad([b[1] for b in batch], pad_id, loaded.device)
-                t0 = time.perf_counter()
-                chunks = chunk_progress(model, report, ids.shape[1], what) if report else nullcontext()
-                with chunks:
-                    outs = greedy_generate(model, cache, ids, mask, cfg.max_new_tokens, eos, cfg.chunk_size)
-                dt = time.perf_counter() - t0
-                measured = cache.measured_bits_per_element()
-                records = []
-                for (sample, prompt_ids), out in zip(batch, outs, strict=True):
-                    pred = postprocess(tok.decode(out, skip_special_tokens=True))
-                    records.append(
-                        {
-                            "method": method.name,
-                            "method_source": method.source,
-                            "rope": rope,
-                            "task": sample.task,
-                            "length": sample.length,
-                            "index": sample.index,
-                            "score": 100.0 * match_all(pred, sample.answers),
-                            "pred": pred,
-                            "answers": list(sample.answers),
-                            "depths": list(sample.depths),
-                            "prompt_tokens": len(prompt_ids),
-                            "output_tokens": len(out),
-                            "bpe_formula": method.bits_per_element(len(prompt_ids), head_dim),
-                            "bpe_measured_batch": measured,
-                            "batch_seconds": dt,
-                            "batch_size": len(batch),
-                        }
-                    )
-                sink(records)
-                if report:
-                    report.batch_done(len(batch), length, dt, what)
-    return True
+            cache = session.new_cache()
+            ids, mask = left_pad([b[1] for b in batch], pad_id, loaded.device)
+            t0 = time.perf_counter()
+            chunks = chunk_progress(model, report, ids.shape[1], what) if report else nullcontext()
+            with chunks:
+                outs = greedy_generate(model, cache, ids, mask, cfg.max_new_tokens, eos, cfg.chunk_size)
+            dt = time.perf_counter() - t0
+            measured = cache.measured_bits_per_element()
+            records = []
+            for (sample, prompt_ids), out in zip(batch, outs, strict=True):
+                pred = postprocess(tok.decode(out, skip_special_tokens=True))
+                records.append(
+                    {
+                        "method": method.name,
+                        "method_source": method.source,
+                        "rope": rope,
+                        "task": sample.task,
+                        "length": sample.length,
+                        "index": sample.index,
+                        "score": 100.0 * match_all(pred, sample.answers),
+                        "pred": pred,
+                        "answers": list(sample.answers),
+                        "depths": list(sample.depths),
+                        "prompt_tokens": len(prompt_ids),
+                        "output_tokens": len(out),
+                        "bpe_formula": method.bits_per_element(len(prompt_ids), head_dim),
+                        "bpe_measured_batch": measured,
+                        "batch_seconds": dt,
+                        "batch_size": len(batch),
+                    }
+                )
+            sink(records)
+            if report:
+                report.batch_done(len(batch), length, dt, what)
+            ran += len(batch)
+    return ran == len(pending)
 
 
 def aggregate(
@@ -382,25 +500,25 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     )
     if pending_lengths and loaded.device.type != "cuda":
         _announce(_cost_note(loaded, pending_lengths))
+    # a (task, length) is built just before its first batch, for the indices any method still needs
+    need: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for length, _m, t, i in pending_keys:
+        need[(t, length)].add(i)
     with progress() as p:
-        gen_task = p.add_task("building prompts", total=len(cfg.tasks) * len(cfg.lengths))
-        _announce(f"building {len(cfg.tasks) * len(cfg.lengths) * cfg.samples} prompts")
-        t_build = time.perf_counter()
+        gen_task = p.add_task("building prompts", total=len(need))
+        if need:
+            n_prompts = sum(len(v) for v in need.values())
+            _announce(f"building {n_prompts} prompts, each (task, length)'s just before its first batch")
 
-        def built(what: str) -> None:
+        def built(what: str, seconds: float) -> None:
             p.advance(gen_task)
             if not progress_enabled():
-                _announce(f"building prompts: {what} ({fmt_seconds(time.perf_counter() - t_build)})")
+                _announce(f"building prompts: {what} ({fmt_seconds(seconds)})")
 
-        samples = build_samples(cfg, loaded.tokenizer, built)
-        todo = {
-            (length, m): [
-                it for t in cfg.tasks for it in samples[(t, length)] if (length, m, t, it[0].index) in pending_keys
-            ]
-            for length in cfg.lengths
-            for m in cfg.methods
-        }
-        report = RunProgress("eval-ruler", len(pending_lengths), sum(pending_lengths), p if progress_enabled() else None)
+        samples = LazySamples(cfg, loaded.tokenizer, {k: sorted(v) for k, v in need.items()}, built)
+        samples.check()
+        bar = p if progress_enabled() else None
+        report = RunProgress("eval-ruler", len(pending_lengths), sum(pending_lengths), bar)
         evaluated = 0
         complete = True
 
@@ -411,9 +529,16 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
 
         deadline = None if cfg.time_budget is None else t0 + cfg.time_budget
         # lengths outer, methods inner: an interrupted run leaves complete columns for the shorter lengths
-        for (_length, m), pending in todo.items():
-            if pending and complete:
-                complete = run_method_samples(loaded, methods[m], pending, cfg, write, report, deadline)
+        for length in cfg.lengths:
+            for m in cfg.methods:
+
+                def todo(task: str, length: int = length, m: str = m) -> list[int]:
+                    return [i for i in range(cfg.samples) if (length, m, task, i) in pending_keys]
+
+                pending = pending_samples(samples, length, cfg.tasks, todo)
+                if len(pending) and complete:
+                    complete = run_method_samples(loaded, methods[m], pending, cfg, write, report, deadline)
+            samples.forget(length)
     scores, counts, mean, bpe, ptoks = aggregate(read_records(path), cfg, sources, head_dim, methods)
     result = RulerResult(
         config=asdict(cfg),
