@@ -121,9 +121,10 @@ Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k,
 
 # The Triton rotation (``ops.rotate_kv``) serves batches of up to this many tokens, cuBLAS (torch) larger ones. On an
 # H200 cuBLAS runs ``x.float() @ R`` for one decode token with a float32 GEMM tile that took 51.6 µs per call (plus
-# two casts), while a 4,096-token prefill takes ~130 µs: small batches are its bad case. 512 is the largest batch
-# vLLM captures in full CUDA graphs by default (``min(2 · max_num_seqs, 512)``), so every graph-captured decode step
-# and small mixed step takes the kernel; prefill-sized batches stay with cuBLAS.
+# two casts), while a 4,096-token prefill takes ~130 µs: small batches are its bad case. Measured on the H200
+# (scripts/gpu_write_bench.py, K and V together, CUDA-graph replay): ops.rotate_kv 5.9 / 6.0 / 6.9 / 222 µs at
+# 1 / 8 / 64 / 512 tokens against torch's 114 / 27 / 18 / 24 µs, so the kernel takes batches up to 64 tokens
+# (decode steps up to batch 64) and cuBLAS the rest.
 ROTATE_TRITON_MAX_ROWS = 64
 
 
