@@ -11,10 +11,26 @@ non-negative float32 patterns order like the values; 31 steps of compare + row c
 
 Paged cache layouts (what the decode kernel reads): keys ``codes uint8 [num_pages, H_kv, P, D/4]`` (quarter
 packing, ``TQ=False``); values ``codes uint8 [num_pages, H_kv, P/R·D, R/4]`` (token quads in rows of
-``R = min(P, 64)`` tokens, ``TQ=True``: a token writes 2 bits of ``D`` bytes that it shares with the 3 other tokens of its quad, so it clears and sets its bits
-with ``atomic_and`` / ``atomic_or`` on the 32-bit words: rows of one quad may be written by different programs
-or launches, in any order). ``scale`` and ``zero`` ``md [num_pages, H_kv, P, D/G]`` for both.
+``R = min(P, 64)`` tokens, ``TQ=True``). ``scale`` and ``zero`` ``md [num_pages, H_kv, P, D/G]`` for both.
 A token's slot is ``page * P + offset``; a negative slot is skipped (padding rows, CUDA-graph safe).
+
+Token-quad updates. A token owns 2 bits of each of ``D`` bytes that it shares with the 3 other tokens of its quad;
+the kernel updates the 32-bit words holding them (16 tokens' bits of one channel), keeping the other 30 bits.
+Precondition of every variant: no slot appears twice among the non-negative slots of one launch (the 2 bits of a
+token have one writer per launch); launches on one stream are ordered, so an earlier launch's bits are visible.
+
+- ``TQ_XOR=False``: ``atomic_and(~m)`` then ``atomic_or(c << s)`` (``m = 3 << s``): two atomics per word.
+- ``TQ_XOR=True`` (the default): ``w = load(word)`` then ``atomic_xor(((w >> s & 3) ^ c) << s)``. Correct under
+  concurrent writers of the word's other bits: those writers change only their own bits (by atomics) and nobody
+  else writes bits ``m`` in this launch, so bits ``m`` hold the same value ``o`` in every value the word takes
+  during the launch, whichever of them the load returns; the load is ``volatile`` (PTX ``ld.relaxed.sys``: not a
+  data race with the atomics, it returns one of the word's values, not a torn or undefined one). The xor's
+  operand is zero outside ``m``, so it leaves the other bits as the atomic finds them, and turns ``o`` into
+  ``o ^ (o ^ c) = c`` inside ``m``. Atomicity is all it needs (one atomic per address per thread; nothing is
+  published through it): ``sem="relaxed"``.
+- ``EXCLUSIVE_WORDS=True``: ``load``, clear ``m``, or ``c << s``, ``store``; only when the caller guarantees that
+  no two rows of the launch share a 32-bit word (e.g. a decode-only step: one token per sequence and sequences on
+  distinct pages), as two rows in one word would lose one's update.
 """
 
 from __future__ import annotations
@@ -54,10 +70,15 @@ def _quantize_write_kernel(
     DO_CLIP: tl.constexpr,
     TQ: tl.constexpr,
     CLIP_SORT: tl.constexpr = True,
+    TQ_XOR: tl.constexpr = True,
+    EXCLUSIVE_WORDS: tl.constexpr = False,
 ):
     """Quantize ``BLOCK_T`` rows of one KV head and scatter them into the paged cache.
 
-    Grid: ``(cdiv(N, BLOCK_T), H_kv)``.
+    Grid: ``(cdiv(N, BLOCK_T), H_kv)``. Token quads (``TQ``) update a row's 2 bits of each of its ``D`` 32-bit
+    words in one of three ways (bitwise the same result under their preconditions; see the module docstring):
+    ``EXCLUSIVE_WORDS`` a plain load / clear / or / store, ``TQ_XOR`` a relaxed load and one ``atomic_xor``,
+    else ``atomic_and`` + ``atomic_or``.
     """
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -96,8 +117,16 @@ def _quantize_write_kernel(
             + cols[None, :].to(tl.int64) * stride_cr
         shift = ((byte % 4) * 8 + (off % 4)[:, None] * 2).to(tl.int32)
         word = codes_ptr + byte // 4
-        tl.atomic_and(word, ~(3 << shift), mask=ok[:, None])
-        tl.atomic_or(word, codes << shift, mask=ok[:, None])
+        wok = ok[:, None]
+        if EXCLUSIVE_WORDS:  # no other row of this launch touches these words: a plain read-modify-write
+            w = tl.load(word, mask=wok, other=0)
+            tl.store(word, (w & ~(3 << shift)) | (codes << shift), mask=wok)
+        elif TQ_XOR:  # only this row writes these 2 bits: flip exactly the bits that change, one atomic
+            w = tl.load(word, mask=wok, other=0, volatile=True)
+            tl.atomic_xor(word, (((w >> shift) & 3) ^ codes) << shift, mask=wok, sem="relaxed")
+        else:
+            tl.atomic_and(word, ~(3 << shift), mask=wok)
+            tl.atomic_or(word, codes << shift, mask=wok)
     else:
         cbase = page * stride_cp + h * stride_ch + off * stride_cr
         packed = _pack_quarters(codes, BLOCK_T, D)

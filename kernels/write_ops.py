@@ -14,6 +14,7 @@ from oscar_kernels.reference import TOKEN_QUAD_ROW, QuantizedRows, token_quad_ro
 
 LAYOUTS = ("rows", "token_quads")
 CLIP_METHODS = ("select", "sort")
+TQ_UPDATES = ("xor", "and_or")
 
 
 def new_paged_cache(num_pages: int, h_kv: int, page_size: int, d: int, group_size: int | None = None,
@@ -52,7 +53,7 @@ def auto_block_t(n: int, rotation: bool) -> int:
 def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
                    rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
                    clip_ratio: float = 0.0, block_t: int | None = None, num_warps: int = 4, layout: str = "rows",
-                   clip_method: str = "sort") -> None:
+                   clip_method: str = "sort", exclusive_words: bool = False, tq_update: str = "xor") -> None:
     """Quantize rows and scatter them into a paged cache, in one launch for all tokens and KV heads.
 
     Args:
@@ -68,6 +69,15 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         clip_method: ``"sort"`` (default: ``tl.sort`` of ``|y|``) or ``"select"`` (a bitwise select on the float32
             bit patterns, no sort); both give exactly the sorted element, bitwise equal results. On an H200 the sort
             is faster (2.9 vs 5.4 µs for one K row; docs/results/write-bench-h200.json).
+        exclusive_words: ``layout="token_quads"`` only (ignored for rows): the caller promises that no two rows of
+            this call share a 32-bit token-quad word (16 consecutive tokens of one page and channel; e.g. a
+            decode-only step, one new token per sequence, sequences on distinct pages); each row then updates its
+            words by a plain load / modify / store, no atomics. A broken promise loses bits of the other rows.
+        tq_update: token quads without ``exclusive_words`` (rows of one word written by several programs):
+            ``"xor"`` (default: a load and one ``atomic_xor`` per word) or ``"and_or"`` (``atomic_and`` +
+            ``atomic_or``); bitwise the same bytes (:mod:`oscar_kernels.int2_pack` has the argument).
+
+    Every non-negative slot may appear at most once per call (the token-quad updates assume one writer per token).
     """
     dev = x.device
     if x.dim() != 3 or x.dtype not in (*ACT, torch.float32) or x.shape[-1] % 16 or x.stride(-1) != 1:
@@ -79,6 +89,8 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if clip_method not in CLIP_METHODS:
         raise ValueError(f"clip_method: expected one of {CLIP_METHODS}, got {clip_method!r}")
+    if tq_update not in TQ_UPDATES:
+        raise ValueError(f"tq_update: expected one of {TQ_UPDATES}, got {tq_update!r}")
     if tq:
         check_tensor("cache.packed", codes, f"uint8 [pages, {h_kv}, P/R·{d}, R/4]", (None, h_kv, None, None), (torch.uint8,),
                dev)
@@ -120,7 +132,8 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
         n, page_size, row if tq else 0, clip_idx,
         D=d, G=d // ng, BLOCK_T=bt, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
-        TQ=tq, CLIP_SORT=clip_method == "sort", num_warps=num_warps,
+        TQ=tq, CLIP_SORT=clip_method == "sort", TQ_XOR=tq_update == "xor", EXCLUSIVE_WORDS=tq and exclusive_words,
+        num_warps=num_warps,
     )
 
 

@@ -151,6 +151,69 @@ def test_quantize_write_token_quads_bitwise(page: int) -> None:
     assert torch.equal(cache.packed.cpu(), want2)
 
 
+def _stale_token_quads(pages: int, h: int, page: int, d: int, seed: int) -> ref.QuantizedRows:
+    cache = ops.new_paged_cache(pages, h, page, d, None, torch.float16, DEV, layout="token_quads")
+    cache.packed.copy_(torch.randint(0, 256, cache.packed.shape, generator=torch.Generator().manual_seed(seed),
+                                     dtype=torch.uint8).to(DEV))  # stale bits everywhere
+    return cache
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+@pytest.mark.parametrize("n", [1, 6])
+def test_token_quads_exclusive_and_xor_equal_and_or_and_reference(page: int, n: int) -> None:
+    """Decode-shaped writes (one token per sequence, each sequence on its own page; a padding row of slot -1):
+    the atomic-free read-modify-write (``exclusive_words``), the load + ``atomic_xor`` and the ``atomic_and`` +
+    ``atomic_or`` updates give the same bytes as ``reference.pack_token_quads``, the pages' stale bits of every
+    other token kept; a second step (the next token of each sequence, same quads) too."""
+    h, d = 2, 64
+    pages = n + 2
+    gen = torch.Generator().manual_seed(page * 10 + n)
+    order = torch.randperm(pages, generator=gen)[:n]  # distinct pages, shuffled
+    offs = torch.randint(0, page - 1, (n,), generator=gen)
+    slots = (order * page + offs).to(DEV)
+    if n > 1:
+        slots[n // 2] = -1  # padding / skipped row
+    x = _rows(page + n, 1, n, h, d, torch.float16)[0]
+    caches = {key: _stale_token_quads(pages, h, page, d, page + n) for key in ("exclusive", "xor", "and_or")}
+    want = _token_quads_want(caches["xor"], x, slots, page)
+    ops.quantize_write(x, caches["exclusive"], slots, layout="token_quads", exclusive_words=True)
+    ops.quantize_write(x, caches["xor"], slots, layout="token_quads", tq_update="xor")
+    ops.quantize_write(x, caches["and_or"], slots, layout="token_quads", tq_update="and_or")
+    for key, cache in caches.items():
+        got = cache.packed.cpu()
+        assert torch.equal(got, want), f"{key}: {int((got != want).sum())} bytes differ"
+    nxt = torch.where(slots >= 0, slots + 1, slots)  # the next position: the same word
+    x2 = _rows(page + n + 1, 1, n, h, d, torch.float16)[0]
+    want2 = _token_quads_want(caches["xor"], x2, nxt, page)
+    ops.quantize_write(x2, caches["exclusive"], nxt, layout="token_quads", exclusive_words=True, block_t=1)
+    ops.quantize_write(x2, caches["xor"], nxt, layout="token_quads", block_t=1)
+    ops.quantize_write(x2, caches["and_or"], nxt, layout="token_quads", tq_update="and_or", block_t=1)
+    for key, cache in caches.items():
+        assert torch.equal(cache.packed.cpu(), want2), key
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+@pytest.mark.parametrize("tq_update", ["xor", "and_or"])
+@pytest.mark.parametrize("block_t", [1, 16])
+def test_token_quads_shared_words_in_one_launch(page: int, tq_update: str, block_t: int) -> None:
+    """The shared-word updates: every token of a 16-token word (4 quads) and a few scattered tokens written in one launch,
+    in shuffled order, by one program (block 16) or one per row (block 1), over stale bits: reference bytes."""
+    h, d, pages = 2, 64, 2
+    gen = torch.Generator().manual_seed(page + block_t)
+    # one whole 16-token word group of page 1 (its 4 quads), and 5 scattered tokens of page 0 (partial quads)
+    whole = torch.arange(16) + page + (page // 2 // 16) * 16
+    part = torch.randperm(page, generator=gen)[:5]
+    slots = torch.cat([whole, part, torch.tensor([-1])])[torch.randperm(22, generator=gen)].to(DEV)
+    x = _rows(page + 7, 1, 22, h, d, torch.float16)[0]
+    cache = _stale_token_quads(pages, h, page, d, page)
+    want = _token_quads_want(cache, x, slots, page)
+    ops.quantize_write(x, cache, slots, layout="token_quads", tq_update=tq_update, block_t=block_t)
+    got = cache.packed.cpu()
+    assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+
+
 @pytest.mark.unit
 def test_token_quads_cache_shape_and_refusals() -> None:
     c = ops.new_paged_cache(2, 3, 64, 128, None, torch.bfloat16, DEV, layout="token_quads")
@@ -163,6 +226,8 @@ def test_token_quads_cache_shape_and_refusals() -> None:
     with pytest.raises(ValueError, match="layout: expected one of"):
         ops.new_paged_cache(2, 3, 64, 128, None, torch.bfloat16, DEV, layout="cols")
     x = torch.zeros(1, 3, 128, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match=r"tq_update: expected one of \('xor', 'and_or'\), got 'cas'"):
+        ops.quantize_write(x, c, torch.zeros(1, dtype=torch.int64, device=DEV), layout="token_quads", tq_update="cas")
     with pytest.raises(ValueError, match=r"cache.packed: expected token-quad pages"):
         ops.quantize_write(x, ops.new_paged_cache(2, 3, 64, 128, device=DEV), torch.zeros(1, dtype=torch.int64,
                                                                                             device=DEV),
