@@ -224,7 +224,7 @@ class _Record:
     def __init__(self) -> None:
         self.inputs: list[tuple[torch.Tensor, ...]] = []
 
-    def quantize_write(self, *args: object) -> None:
+    def quantize_write(self, *args: object, **kwargs: object) -> None:
         pass
 
     def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out):  # type: ignore[no-untyped-def]

@@ -291,7 +291,7 @@ class TorchKernels(TorchTiers):
     """A torch twin of the kernel calls (reference quantizer + reference tiered attention; the tier copies of
     :class:`~oscar_cli.vllm.core.TorchTiers`), for long runs."""
 
-    def quantize_write(self, x, cache, slots, mean, clip, layout_name) -> None:
+    def quantize_write(self, x, cache, slots, mean, clip, layout_name, exclusive_words=False) -> None:
         q = ref.quantize_rows(x.transpose(0, 1), None, mean, clip)  # [H, N, D/4]
         codes = ref.unpack_int2(q.packed)
         for i, slot in enumerate(slots.tolist()):
@@ -484,3 +484,42 @@ def test_prefix_caching_defaults_to_off_only_for_the_int2_backend(backend: str, 
                            enable_prefix_caching=given)
     assert with_prefix_caching_off(create_engine_config)(args) == "config"
     assert seen["prefix"] is expected
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode-only", "mixed"])
+def test_layer_write_keeps_the_other_tokens_bits(decode_only: bool) -> None:
+    """``PagedInt2Layer.write`` through the Triton kernels (interpreter on CPU) over pages of stale bytes: a
+    decode-only step (its V write without atomics: ``exclusive_words``) and a mixed step (decode + a prefill chunk
+    whose tokens share token-quad words: the atomic path) leave the pages as the torch twin's read-modify-write,
+    every other token's bits kept; the padding row (slot -1) writes nothing."""
+    from oscar_cli.vllm.core import TritonKernels
+    from oscar_cli.vllm.core import decode_only as is_decode_only
+
+    g = torch.Generator().manual_seed(11)
+    t = layout.LayerTensors(torch.eye(D), torch.eye(D), 0.2 * torch.randn(HKV, D, generator=g),
+                            0.1 * torch.randn(HKV, D, generator=g), 0.92, 0.9)
+    s = layout.Int2Settings(sink=S0, recent=W)
+    layer = PagedInt2Layer(t, s, 4, HQ, HKV, D, P, ACT, DEV, kernels=TritonKernels(CFG))  # type: ignore[arg-type]
+    # (tokens this step, length after it, blocks): three decodes in the middle of their pages, or a decode and a
+    # 6-token chunk (positions 18 .. 23 of page 5: two words' worth of quads)
+    reqs = [(1, 30, [2, 7]), (1, 22, [4, 1]), (1, 45, [3, 6, 0])] if decode_only else [(1, 30, [2, 7]), (6, 24, [4, 5])]
+    qsl, seq, slots, table = [0], [], [], []
+    for n, length, blocks in reqs:
+        qsl.append(qsl[-1] + n)
+        seq.append(length)
+        slots += [blocks[p // P] * P + p % P for p in range(length - n, length)]
+        table.append(blocks + [0] * (3 - len(blocks)))
+    n_tok = qsl[-1] + 1  # one padding token
+    st = build_step(torch.tensor(qsl, dtype=torch.int32), qsl, torch.tensor(seq, dtype=torch.int32), seq,
+                    torch.tensor(table, dtype=torch.int32), torch.tensor(slots + [-1], dtype=torch.int64), n_tok,
+                    list(range(len(reqs))), torch.zeros(5, 2, dtype=torch.int32), s)
+    assert is_decode_only(st) is decode_only
+    kv = torch.randint(0, 256, (8, P, HKV, spec.slot_bytes(D)), generator=g, dtype=torch.uint8)
+    kv_twin = kv.clone()
+    kr, vr = (torch.randn(n_tok, HKV, D, generator=g).to(ACT) for _ in range(2))
+    layer.write(kr, vr, *layout.carve_pages(kv, D), st)
+    kp, vp = layout.carve_pages(kv_twin, D)
+    TorchKernels().quantize_write(kr, kp, st.slot_mapping, t.k_mean, t.k_clip, "rows")
+    TorchKernels().quantize_write(vr, vp, st.slot_mapping, t.v_mean, t.v_clip, "token_quads")
+    assert torch.equal(kv, kv_twin), f"{int((kv != kv_twin).sum())} bytes differ"

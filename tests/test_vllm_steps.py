@@ -100,10 +100,15 @@ class _Recorder(TorchTiers):
 
     def __init__(self) -> None:
         self.writes: list[int] = []
+        self.v_exclusive: list[bool] = []  # per step: the V write's exclusive_words
         self.decodes: list[tuple[int, list[int], list[int], list[int]]] = []
 
-    def quantize_write(self, x, cache, slots, mean, clip, layout_name) -> None:
+    def quantize_write(self, x, cache, slots, mean, clip, layout_name, exclusive_words=False) -> None:
         self.writes.append(int(x.shape[0]))
+        if layout_name == "token_quads":
+            self.v_exclusive.append(exclusive_words)
+        else:
+            assert not exclusive_words
 
     def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out):
         self.decodes.append((int(q.shape[0]), hist_len.tolist(), sink_len.tolist(), recent_len.tolist()))
@@ -131,10 +136,12 @@ def test_engine_start_warmup_then_the_smoke_run_terminate_with_the_right_lengths
 
     for b in CAPTURE_SIZES:  # FULL graph capture: dummy one-token requests on the scratch row
         forward([(1, 1)] * b, [[0]] * b, capture=True)
+    assert rec.v_exclusive == [True] * len(CAPTURE_SIZES)  # captured decode graphs: V written without atomics
     # the V2 runner's warm-up (vllm/v1/worker/gpu/warmup.py): 64 requests of 2 prompt tokens, then one decode each
     warm = [[1 + i] for i in range(64)]
     forward([(2, 2)] * 64, warm)
     forward([(1, 3)] * 64, warm)
+    assert rec.v_exclusive[-2:] == [False, True]
     assert rec.decodes[-1][0] == 64 and rec.decodes[-1][1] == [0] * 64 and rec.decodes[-1][2] == [3] * 64
     # the smoke run: 700- and 100-token prompts in chunks of 256 tokens, then 8 decodes each (blocks reuse the
     # warm-up's ids, as vLLM's block pool hands out the lowest free ids first)
@@ -143,8 +150,10 @@ def test_engine_start_warmup_then_the_smoke_run_terminate_with_the_right_lengths
     forward([(256, 512)], [a])
     forward([(188, 700), (68, 68)], [a, b_])
     forward([(1, 701), (32, 100)], [a, b_])
+    assert rec.v_exclusive[-4:] == [False] * 4  # prefill chunks, alone or with a decode: shared-word atomics
     for i in range(1, 8):
         st = forward([(1, 701 + i), (1, 100 + i)], [a, b_], pad=2)  # padded to a captured batch of 4
+        assert rec.v_exclusive[-1] and st.slot_mapping[2:].tolist() == [-1, -1]
     assert st.rows_host[:2] != [ROWS, ROWS] and st.rows_host[0] != st.rows_host[1]
     bsz, hist, sink, recent = rec.decodes[-1]
     assert bsz == 2 and sink == [S0, S0]  # the padding requests carry no token (the captured graph covers them)

@@ -79,6 +79,16 @@ def split_decodes(query_start_loc_cpu: list[int]) -> int:
     return nd
 
 
+def decode_only(st: Step) -> bool:
+    """Whether no two tokens of the step share a 32-bit token-quad word of the V pages (so the V write needs no
+    atomics): every request with tokens has exactly one (no prefill chunk: :func:`split_decodes` puts all one-token
+    requests first and :func:`build_step` lists every later request with tokens in ``prefills``); the tokens past
+    those (FULL-graph padding) have slot -1 (vLLM's ``PAD_SLOT_ID``), skipped; and requests never share a page:
+    pages are shared only through prefix caching, which the backend refuses (``backend.runtime``). Host-side, from
+    the step's layout alone: static per captured graph (vLLM captures FULL graphs of one-token decodes only)."""
+    return not st.prefills
+
+
 def build_step(query_start_loc: torch.Tensor, query_start_loc_cpu: list[int], seq_lens: torch.Tensor,
                seq_lens_cpu: list[int], block_table: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int,
                rows: list[int], recent_state: torch.Tensor, s: Int2Settings,
@@ -194,10 +204,10 @@ class TritonKernels:
         return ops.rotate_kv(k, v, r_k, r_v, dtype=dtype)
 
     def quantize_write(self, x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, mean: torch.Tensor,
-                       clip: float, layout: str) -> None:
+                       clip: float, layout: str, exclusive_words: bool = False) -> None:
         from oscar_kernels import ops
 
-        ops.quantize_write(x, cache, slots, mean=mean, clip_ratio=clip, layout=layout)
+        ops.quantize_write(x, cache, slots, mean=mean, clip_ratio=clip, layout=layout, exclusive_words=exclusive_words)
 
     def tier_write(self, kr: torch.Tensor, vr: torch.Tensor, tiers: Tiers, sink_row: torch.Tensor,
                    sink_pos: torch.Tensor, ring_row: torch.Tensor, ring_slot: torch.Tensor) -> None:
@@ -282,11 +292,17 @@ class PagedInt2Layer:
     def write(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
               st: Step) -> None:
         """Store rotated rows ``kr``/``vr`` ``[N, H_kv, D]`` (from :meth:`rotate`): INT2 into the pages at
-        ``st.slot_mapping`` (negative: skipped), BF16 into the sink / ring rows of their requests."""
+        ``st.slot_mapping`` (negative: skipped), BF16 into the sink / ring rows of their requests.
+
+        V token quads of a decode-only step (:func:`decode_only`) are written without atomics
+        (``exclusive_words``): its rows are one token per request, each in the request's own last page, and the
+        padding rows are skipped; a static choice per captured graph (those are decode-only). Other steps keep
+        the shared-word atomics (a prefill chunk's tokens share words)."""
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
         self.kernels.quantize_write(kr, k_pages, slots, self.t.k_mean, self.t.k_clip, "rows")
-        self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads")
+        self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads",
+                                    exclusive_words=decode_only(st))
         self.kernels.tier_write(kr, vr, self.tiers, st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
                                 st.ring_slot[:n])
 
