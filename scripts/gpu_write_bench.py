@@ -2,6 +2,12 @@
 and V (``"token_quads"``), clip on/off, clip threshold ``select`` vs ``sort``, ``block_t`` from N vs 16, 4 warps vs 1; and the
 step's rotation, ``ops.rotate_kv`` vs the torch path ``(x.float() @ r).to(bf16)`` for K and V.
 
+V token-quad word updates (``tq_update``, ``exclusive_words``), at the backend's settings (clip sort, block_t from
+N, 4 warps), clip on and off: ``and_or`` (two atomics) and ``xor`` (a load + one atomic) on the random slots, and
+``and_or``, ``xor`` and ``exclusive`` (plain read-modify-write, no atomics) on decode slots: one token per page,
+distinct pages, as a decode batch writes (the exclusive case needs them). The plain V cases above use the
+launcher's default update (``xor``).
+
 Shapes: H_kv 8, D 128, G 128, pages of 16 tokens, a cache of 4096 pages, bf16 inputs and metadata, a per-head
 mean (as the backend passes), clip ratio 0.96, random distinct valid slots; N in {1, 8, 64, 512} tokens.
 Each case is timed in a CUDA graph of ``--launches`` launches (50) replayed ``--repeats`` times (7): the figure is
@@ -108,6 +114,9 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
     mean = (torch.randn(h_kv, d, generator=gen) * 0.1).to(dev)
     r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float().to(dev)
     slots = torch.randperm(pages * PAGE, generator=gen)[:n].to(dev)
+    if n > pages:
+        raise ValueError(f"decode slots: {n} tokens need as many pages, got --pages {pages}")
+    decode_slots = (torch.randperm(pages, generator=gen)[:n] * PAGE + torch.randint(0, PAGE, (n,), generator=gen)).to(dev)
     caches = {lay: ops.new_paged_cache(pages, h_kv, PAGE, d, min(G, d), bf16, dev, layout=lay) for lay in ops.LAYOUTS}
     out: list[tuple[dict[str, Any], Callable[[], object]]] = []
     # clip ratio, clip method, block_t (None: from N), num_warps (the launcher's default is 4; 1 warp keeps a row's
@@ -126,7 +135,24 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
                 f" warps {warps}"
             out.append(({"name": name, "op": "quantize_write", "n": n, "layout": layout, "clip_ratio": clip,
                          "clip_method": method if clip else None, "block_t": bt if bt else auto_block_t(n, False),
-                         "block_t_auto": bt is None, "num_warps": warps}, fn))
+                         "block_t_auto": bt is None, "num_warps": warps, "slots": "random",
+                         "tq_update": "xor" if layout == "token_quads" else None}, fn))
+    # V word updates: atomics (and+or, xor) on random and decode slots; no atomics (exclusive) on decode slots only
+    variants = [("random", "and_or"), ("random", "xor"), ("decode", "and_or"), ("decode", "xor"),
+                ("decode", "exclusive")]
+    for clip in (CLIP, 0.0):
+        for kind, update in variants:
+            def vfn(clip: float = clip, sl: torch.Tensor = decode_slots if kind == "decode" else slots,
+                    update: str = update) -> None:
+                ops.quantize_write(v, caches["token_quads"], sl, mean=mean, clip_ratio=clip, layout="token_quads",
+                                   clip_method="sort", exclusive_words=update == "exclusive",
+                                   tq_update="xor" if update == "exclusive" else update)
+
+            name = f"quantize_write V token_quads {'clip sort' if clip else 'noclip'} block_t auto warps 4 " \
+                f"slots {kind} {update}"
+            out.append(({"name": name, "op": "quantize_write", "n": n, "layout": "token_quads", "clip_ratio": clip,
+                         "clip_method": "sort" if clip else None, "block_t": auto_block_t(n, False),
+                         "block_t_auto": True, "num_warps": 4, "slots": kind, "tq_update": update}, vfn))
 
     def triton_rotate() -> None:
         ops.rotate_kv(k, v, r, r, dtype=bf16)
@@ -138,6 +164,42 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
     out.append(({"name": "rotate K+V ops.rotate_kv", "op": "rotate_kv", "n": n}, triton_rotate))
     out.append(({"name": "rotate K+V torch (x.float() @ r).to(bf16)", "op": "torch_rotate", "n": n}, torch_rotate))
     return out
+
+
+def check_updates(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> dict[str, Any]:
+    """Bytes of the V word updates against each other over pages of random stale bytes (on the GPU: concurrent
+    programs, which the interpreter's tests cannot show): decode slots (one per page) by ``and_or``, ``xor`` and
+    ``exclusive``; ``n`` consecutive slots (every row's words shared by 15 other rows) by ``and_or`` and ``xor``.
+    A mismatch is the row's error."""
+    import torch
+
+    from oscar_kernels import ops
+
+    row: dict[str, Any] = {"name": "check V updates: same bytes", "op": "check_updates", "n": n, "us_per_launch": None,
+                           "us_repeats": [], "error": None}
+    try:
+        gen = torch.Generator().manual_seed(n + 1)
+        v = torch.randn(n, h_kv, d, generator=gen).to(torch.bfloat16).to(dev)
+        mean = (torch.randn(h_kv, d, generator=gen) * 0.1).to(dev)
+        base = ops.new_paged_cache(pages, h_kv, PAGE, d, min(G, d), torch.bfloat16, dev, layout="token_quads")
+        stale = torch.randint(0, 256, base.packed.shape, generator=gen, dtype=torch.uint8).to(dev)
+        decode = (torch.randperm(pages, generator=gen)[:n] * PAGE + torch.randint(0, PAGE, (n,), generator=gen)).to(dev)
+        dense = torch.arange(n, dtype=torch.int64, device=dev) + PAGE
+        bad = []
+        for kind, sl, updates in (("decode", decode, ("and_or", "xor", "exclusive")), ("dense", dense, ("and_or", "xor"))):
+            got = {}
+            for update in updates:
+                cache = ops.new_paged_cache(pages, h_kv, PAGE, d, min(G, d), torch.bfloat16, dev, layout="token_quads")
+                cache.packed.copy_(stale)
+                ops.quantize_write(v, cache, sl, mean=mean, clip_ratio=CLIP, layout="token_quads", clip_method="sort",
+                                   exclusive_words=update == "exclusive", tq_update="xor" if update == "exclusive" else update)
+                got[update] = cache.packed.cpu()
+            bad += [f"{kind} {u}: {int((got[u] != got['and_or']).sum())} bytes differ from and_or"
+                    for u in updates[1:] if not torch.equal(got[u], got["and_or"])]
+        row["error"] = "; ".join(bad) or None
+    except Exception as e:  # noqa: BLE001 - recorded like a failing case
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+    return row
 
 
 def environment(dev: str) -> dict[str, Any]:
@@ -185,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"name": "setup", "n": n, "us_per_launch": None, "us_repeats": [],
                          "error": f"{type(e).__name__}: {e}"[:2000]})
             continue
+        rows.append(check_updates(n, pages, dev, h_kv, d))
+        print(table(rows[-1:]).splitlines()[1], flush=True)
         for desc, fn in todo:
             rows.append(run_case(desc, fn, timer))
             print(table(rows[-1:]).splitlines()[1], flush=True)

@@ -21,6 +21,9 @@ def test_smoke_runs_every_case(tmp_path: Path) -> None:
     assert result["env"]["interpret"] and result["env"]["torch"] and result["env"]["triton"]
     rows = result["results"]
     assert [r["error"] for r in rows] == [None] * len(rows)
+    checks = [r for r in rows if r["op"] == "check_updates"]
+    assert len(checks) == 1 and checks[0]["n"] == 1
+    rows = [r for r in rows if r["op"] != "check_updates"]
     assert all(r["n"] == 1 and len(r["us_repeats"]) == 2 and r["us_per_launch"] > 0 for r in rows)
     qw = [(r["layout"], r["clip_method"], r["block_t_auto"]) for r in rows if r["op"] == "quantize_write"]
     for layout in ("rows", "token_quads"):
@@ -29,6 +32,12 @@ def test_smoke_runs_every_case(tmp_path: Path) -> None:
     assert {r["num_warps"] for r in rows if r["op"] == "quantize_write"} == {1, 4}
     assert {r["op"] for r in rows} == {"quantize_write", "rotate_kv", "torch_rotate"}
     assert {r["block_t"] for r in rows if r["op"] == "quantize_write"} == {1, 16}  # N=1: auto picks 1
+    v = {(r["clip_method"], r["slots"], r["tq_update"]) for r in rows if r["op"] == "quantize_write"
+         and r["layout"] == "token_quads" and r["num_warps"] == 4 and r["block_t_auto"]}
+    for method in ("sort", None):
+        assert {(method, "random", "and_or"), (method, "random", "xor"), (method, "decode", "and_or"),
+                (method, "decode", "xor"), (method, "decode", "exclusive")} <= v
+    assert {r["tq_update"] for r in rows if r["op"] == "quantize_write" and r["layout"] == "rows"} == {None}
 
 
 def test_failing_case_is_recorded() -> None:
@@ -41,3 +50,26 @@ def test_failing_case_is_recorded() -> None:
     assert row["error"] == "RuntimeError: bad launch" and row["us_per_launch"] is None
     ok = bench.run_case({"name": "y", "n": 1}, lambda: None, lambda fn: bench.time_wall(fn, 2))
     assert ok["error"] is None and len(ok["us_repeats"]) == 2
+
+
+def test_check_updates_compares_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The V-update check passes on the real kernels (N=3: dense slots share words) and names a variant whose bytes
+    differ (here an ``xor`` that writes nothing)."""
+    import torch
+
+    from oscar_kernels import ops
+
+    bench = load_script("gpu_write_bench")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest)
+    assert bench.check_updates(3, 4, dev, 1, 64)["error"] is None
+
+    real = ops.quantize_write
+
+    def lazy_xor(*args: Any, **kw: Any) -> None:
+        if kw.get("tq_update") == "xor" and not kw.get("exclusive_words"):
+            return
+        real(*args, **kw)
+
+    monkeypatch.setattr(ops, "quantize_write", lazy_xor)
+    err = bench.check_updates(3, 4, dev, 1, 64)["error"]
+    assert err is not None and "decode xor:" in err and "dense xor:" in err and "exclusive" not in err
