@@ -260,6 +260,33 @@ def test_quantize_gpu_grid(clip: float, meta: torch.dtype, d: int, dtype: torch.
     _assert_same(ops.quantize_rows(x, None, mean, clip, None, meta), _ref_cpu(x, None, mean, clip, None, meta))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="requires CUDA")
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("block_t", [1, 16])
+def test_token_quads_updates_concurrent_on_gpu(page: int, block_t: int) -> None:
+    """Concurrent programs on the GPU: 2048 consecutive slots (every word written by 16 rows, of up to 16
+    programs) by ``xor`` and ``and_or``, and 512 decode slots (one per page) by all three updates, over stale
+    bytes, 8 heads of D = 128: the reference's bytes."""
+    h, d, pages = 8, 128, 512
+    cache = _stale_token_quads(pages, h, page, d, page)
+    stale = cache.packed.clone()
+    gen = torch.Generator().manual_seed(page + block_t)
+    dense = torch.arange(2048, dtype=torch.int64) + page
+    dense = dense[torch.randperm(2048, generator=gen)].to(DEV)
+    decode = (torch.randperm(pages, generator=gen) * page + torch.randint(0, page, (pages,), generator=gen)).to(DEV)
+    for slots, updates in ((dense, ("xor", "and_or")), (decode, ("xor", "and_or", "exclusive"))):
+        x = _rows(int(slots.shape[0]) + page, 1, int(slots.shape[0]), h, d, torch.float16)[0]
+        want = _token_quads_want(cache, x, slots, page)
+        for update in updates:
+            cache.packed.copy_(stale)
+            ops.quantize_write(x, cache, slots, layout="token_quads", block_t=block_t,
+                               exclusive_words=update == "exclusive", tq_update="and_or" if update == "and_or" else "xor")
+            got = cache.packed.cpu()
+            assert torch.equal(got, want), f"{update}: {int((got != want).sum())} bytes differ"
+        cache.packed.copy_(stale)
+
+
 # --- clip threshold: bit-pattern select (default) vs tl.sort vs the reference, block sizes from N ---------------
 
 def _awkward_row(kind: str, d: int, idx: int, gen: torch.Generator) -> torch.Tensor:
