@@ -214,16 +214,21 @@ CHATML = (
 )
 
 
-def _byte_level_bpe(essay: list[str], add_prefix_space: bool = False, chat: bool = True):
-    """A small byte-level BPE (GPT-2 regex) trained on the prose, as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def _byte_level_bpe(essay: list[str], add_prefix_space: bool = False, chat: bool = True, as_gguf_517: bool = False):
+    """A small byte-level BPE (GPT-2 regex) trained on the prose, as a transformers fast tokenizer; ``as_gguf_517``:
+    configured as transformers 5.17 converts the embedded SmolLM2's GGUF (an empty normalizer ``Sequence``,
+    ``trim_offsets`` off, BPE with an unknown token, ``fuse_unk`` and ``byte_fallback``)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    tok = Tokenizer(models.BPE(unk_token="<|endoftext|>", fuse_unk=True, byte_fallback=True) if as_gguf_517 else
+                    models.BPE())  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, trim_offsets=not as_gguf_517)
+    if as_gguf_517:
+        tok.normalizer = normalizers.Sequence([])
     trainer = trainers.BpeTrainer(
         vocab_size=600,
-        special_tokens=["<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"] if as_gguf_517 else ["<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([" ".join(essay[i : i + 200]) for i in range(0, len(essay), 200)] + [NOISE], trainer)
@@ -233,13 +238,15 @@ def _byte_level_bpe(essay: list[str], add_prefix_space: bool = False, chat: bool
     return fast
 
 
-@pytest.mark.parametrize("chat", [True, False], ids=["chat-template", "plain"])
+@pytest.mark.parametrize(
+    ("chat", "as_gguf_517"), [(True, False), (False, False), (True, True)], ids=["chat-template", "plain", "gguf-5.17"]
+)
 @pytest.mark.parametrize("task", TASK_NAMES)
-def test_piecewise_prompt_ids_equal_whole_tokenization(essay: list[str], task: str, chat: bool) -> None:
+def test_piecewise_prompt_ids_equal_whole_tokenization(essay: list[str], task: str, chat: bool, as_gguf_517: bool) -> None:
     """Tokenizing the haystack's pieces once each gives, for every sample, the ids of tokenizing its prompt whole."""
     from oscar_cli.eval.niah import make_samples
 
-    tok = _byte_level_bpe(essay, chat=chat)
+    tok = _byte_level_bpe(essay, chat=chat, as_gguf_517=as_gguf_517)
     fast, whole = PromptBuilder(tok), PromptBuilder(tok, piecewise=False)
     assert fast.piecewise and not whole.piecewise and fast.chat is chat
     n = fit_haystack(TASKS[task], 3000, fast, essay, 42)
@@ -258,6 +265,10 @@ def test_piecewise_only_where_the_tokenizer_splits_there(essay: list[str]) -> No
     tok = _byte_level_bpe(essay)
     tok.backend_tokenizer.normalizer = normalizers.Lowercase()
     assert not PromptBuilder(tok).piecewise
+    tok.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase()])  # only an empty one runs none
+    assert not PromptBuilder(tok).piecewise
+    tok.backend_tokenizer.normalizer = normalizers.Sequence([])
+    assert PromptBuilder(tok).piecewise
     b = PromptBuilder(_byte_level_bpe(essay))
     text = "a b <|im_end|> c d"  # an added token inside the text: tokenized whole
     assert b._split(text, " e") is None and b.prompt_ids(text, " e") == b.ids(b.prompt(text, " e"))

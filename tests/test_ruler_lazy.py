@@ -186,3 +186,74 @@ def test_on_a_terminal_the_bar_counts_builds_and_samples(
            for t in bar.tasks}  # fmt: skip
     assert got == {"building prompts": (2, 2), "eval-ruler": (8, 8)}
     assert "building prompts:" not in capsys.readouterr().err  # the bar, not log lines
+
+
+def _batch_sizes(records: list[dict[str, Any]]) -> list[int]:
+    return [r["batch_size"] for r in records]
+
+
+@pytest.mark.parametrize(
+    ("samples", "sizes", "expected"),
+    [
+        (2, ([1, 3, 3, 3, 4, 4, 4, 4], [4] * 8), [("build", "niah_single_1", "1024", "0,1"), ("batch", "bf16:niah_single_1"),
+             ("build", "niah_multikey_2", "1024", "0,1"),
+             ("batch", "bf16:niah_single_1", "bf16:niah_multikey_2", "bf16:niah_multikey_2"),
+             ("batch", "naive-int2:niah_single_1", "naive-int2:niah_single_1", "naive-int2:niah_multikey_2",
+              "naive-int2:niah_multikey_2")]),
+        (1, ([1, 2, 2, 3, 3, 3], [3] * 6), [("build", "niah_single_1", "1024", "0"), ("batch", "bf16:niah_single_1"),
+             ("build", "niah_multivalue", "1024", "0"), ("build", "niah_multikey_2", "1024", "0"),
+             ("batch", "bf16:niah_multivalue", "bf16:niah_multikey_2"),
+             ("batch", "naive-int2:niah_single_1", "naive-int2:niah_multivalue", "naive-int2:niah_multikey_2")]),
+    ],
+    ids=["rest-of-the-first-batch-next", "one-sample-per-task"],
+)  # fmt: skip
+def test_default_batch_size_runs_the_first_sample_alone(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    samples: int,
+    sizes: tuple[list[int], list[int]],
+    expected: list[tuple[str, ...]],
+) -> None:
+    """No --batch-size (4 on CPU): the run's first sample is a batch of its own, built alone (only its (task,
+    length)), the rest of its batch runs next and every later batch is as without the cut; the records are those
+    of --batch-size 4 but for the split batch's size and time."""
+    tasks = ["niah_single_1", "niah_multikey_2"] if samples == 2 else TASKS
+    spy = Spy(monkeypatch)
+    cfg = _cfg(tmp_path, lengths=[1024], tasks=tasks, samples=samples, batch_size=None)
+    assert run_ruler(cfg, tiny_loaded()).complete
+    assert [e for e in spy.events if e[0] != "fit"] == expected
+    got = read_records(Path(cfg.out) / SAMPLES_FILE)
+    assert _batch_sizes(got) == sizes[0]
+    ref_cfg = _cfg(tmp_path, lengths=[1024], tasks=tasks, samples=samples, batch_size=4, out=str(tmp_path / "ref"))
+    run_ruler(ref_cfg, tiny_loaded())
+    ref = read_records(Path(ref_cfg.out) / SAMPLES_FILE)
+    assert _batch_sizes(ref) == sizes[1]
+    cut = sizes[1][0]  # the records of the lone sample and of the rest of its batch
+    assert [{k: v for k, v in r.items() if k != "batch_size"} for r in _strip(got)[:cut]] == [
+        {k: v for k, v in r.items() if k != "batch_size"} for r in _strip(ref)[:cut]
+    ]
+    assert _strip(got)[cut:] == _strip(ref)[cut:]  # the batches after the split one are the uncut run's
+
+
+def test_a_resumed_run_runs_its_first_sample_alone_and_a_given_batch_size_is_kept(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, lengths=[1024], tasks=["niah_single_1", "niah_multikey_2"], batch_size=None)
+    path = Path(cfg.out) / SAMPLES_FILE
+    run_ruler(cfg, tiny_loaded())
+    records = read_records(path)
+    kept = [r for r in records if r["method"] != "naive-int2"]
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
+    again = run_ruler(_cfg(tmp_path, lengths=[1024], tasks=["niah_single_1", "niah_multikey_2"], batch_size=None),
+                      tiny_loaded())  # fmt: skip
+    assert again.evaluated == 4 and again.complete
+    assert _batch_sizes(read_records(path)[len(kept) :]) == [1, 3, 3, 3]  # this process's first batch: one sample
+    given = _cfg(tmp_path, lengths=[1024], tasks=["niah_single_1", "niah_multikey_2"], batch_size=4,
+                 out=str(tmp_path / "given"))  # fmt: skip
+    run_ruler(given, tiny_loaded())
+    assert _batch_sizes(read_records(Path(given.out) / SAMPLES_FILE)) == [4] * 8
+
+
+def test_a_run_of_one_sample(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, lengths=[1024], tasks=["niah_single_1"], methods=["bf16"], samples=1, batch_size=None)
+    res = run_ruler(cfg, tiny_loaded())
+    assert res.complete and res.evaluated == 1
+    assert _batch_sizes(read_records(Path(cfg.out) / SAMPLES_FILE)) == [1]

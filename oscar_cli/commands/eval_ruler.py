@@ -138,7 +138,8 @@ def eval_ruler(
     ] = False,
     batch_size: Annotated[
         int | None,
-        typer.Option("--batch-size", min=1, help="Prompts per batch (default: 4 on CPU, ~1M tokens on GPU)."),
+        typer.Option("--batch-size", min=1, help="Prompts per batch, every batch when given. Default: 4 on CPU, "
+                     "~1M tokens on GPU, the run's first sample alone (its result and the ETA come early)."),
     ] = None,
     chunk_size: ChunkSizeOpt = 4096,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Greedy tokens per answer.")] = 128,

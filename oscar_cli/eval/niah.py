@@ -187,15 +187,20 @@ _PIECE_BOUNDARY = re.compile(r"(?<=\S)(?=[ \n]\S)")
 _MAX_PIECES = 1_000_000  # memoised pieces kept (random needles never repeat; the memo is cleared past this)
 
 
+_NO_NORMALIZER = {"type": "Sequence", "normalizers": []}  # runs no normalizer: the text unchanged
+
+
 def _splits_exactly(tokenizer: Any, add_special_tokens: bool) -> bool:
     """True when ``tokenizer`` encodes text as the concatenation of its pieces split at :data:`_PIECE_BOUNDARY`.
 
-    That holds for a fast tokenizer with no normalizer, the byte-level pre-tokenizer with the GPT-2 regex and no
-    prefix space, a BPE model without dropout, no added token containing whitespace, and no post-processor that
-    adds tokens: the regex's alternatives (``'s``, `` ?\\p{L}+``, `` ?\\p{N}+``, `` ?[^\\s\\p{L}\\p{N}]+``,
-    ``\\s+(?!\\S)``, ``\\s+``) take whitespace only at a pre-token's start or as a run of whitespace alone, so the
-    pre-token before such a space ends at it and the match from it on does not depend on what precedes (no
-    look-behind); BPE runs inside each pre-token. Any other configuration is tokenized whole.
+    That holds for a fast tokenizer with no normalizer (or an empty ``Sequence`` of them, which runs none:
+    transformers 5.17 converts the embedded SmolLM2's GGUF with one), the byte-level pre-tokenizer with the GPT-2
+    regex and no prefix space, a BPE model without dropout (its other options act inside one pre-token), no added
+    token containing whitespace, and no post-processor that adds tokens: the regex's alternatives (``'s``,
+    `` ?\\p{L}+``, `` ?\\p{N}+``, `` ?[^\\s\\p{L}\\p{N}]+``, ``\\s+(?!\\S)``, ``\\s+``) take whitespace only at a
+    pre-token's start or as a run of whitespace alone, so the pre-token before such a space ends at it and the
+    match from it on does not depend on what precedes (no look-behind); BPE runs inside each pre-token. Any other
+    configuration is tokenized whole.
     """
     import json
 
@@ -207,7 +212,9 @@ def _splits_exactly(tokenizer: Any, add_special_tokens: bool) -> bool:
     except Exception:
         return False
     pre, model, post = cfg.get("pre_tokenizer") or {}, cfg.get("model") or {}, cfg.get("post_processor")
-    if cfg.get("normalizer") is not None or cfg.get("truncation") is not None or cfg.get("padding") is not None:
+    if cfg.get("normalizer") not in (None, _NO_NORMALIZER):
+        return False
+    if cfg.get("truncation") is not None or cfg.get("padding") is not None:
         return False
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
     if {k: v for k, v in pre.items() if k != "trim_offsets"} != byte_level:  # trim_offsets: offsets only

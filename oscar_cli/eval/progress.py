@@ -3,7 +3,10 @@
 On a terminal (and not under ``--json``) a rich bar counts samples and shows, inside a long batch, its
 prefill chunks. Otherwise — CI, ``2> log``, ``--json`` — one line per finished batch goes to stderr
 (``done/total``, elapsed, ETA), and inside a batch of :data:`LONG_BATCH_TOKENS`+ prompt tokens one line per
-prefill chunk. The ETA weighs every sample by its length (prefill dominates the cost).
+prefill chunk. The ETA weighs every sample by its length (prefill dominates the cost) and counts the time from
+the start of the first batch it measures (setup and the first prompt building happen once); a first batch cut to one
+sample to report early gives a first estimate, marked so (one sample alone is slower per sample than a batch), and
+is left out of the rate once the next batch finished.
 
 Chunk progress comes from a forward pre-hook on the model (each forward call is one prefill chunk or one
 decode step), so the generation loop needs no callback.
@@ -50,35 +53,60 @@ class RunProgress:
         self.task = bar.add_task(label, total=total) if bar is not None else None
         self.batches = 0
         self.first_batch: tuple[int, int, float] | None = None  # (samples, length, seconds)
+        # the ETA's rate: the time since `_since` over the weight finished since then
+        self._since: float | None = None
+        self._weight = 0
+        self._last_end = self.t0
+        self.provisional = False  # the rate so far is that of one sample run alone
+        self.first_alone = False
 
     def _line(self, text: str) -> None:
         print(f"{self.label}: {text}", file=sys.stderr, flush=True)
 
     def eta(self) -> float | None:
-        """Seconds left, from the length-weighted rate so far (None before the first batch)."""
-        if not self.done_weight:
+        """Seconds left, from the length-weighted rate of the batches measured so far (None before the first)."""
+        if self._since is None or not self._weight:
             return None
-        elapsed = time.perf_counter() - self.t0
-        return elapsed * (self.total_weight - self.done_weight) / self.done_weight
+        rate = (time.perf_counter() - self._since) / self._weight
+        return rate * (self.total_weight - self.done_weight)
 
-    def batch_done(self, n: int, length: int, seconds: float, what: str) -> None:
-        """``n`` samples of ``length`` tokens finished (the batch took ``seconds``)."""
+    def batch_done(self, n: int, length: int, seconds: float, what: str, alone: bool = False) -> None:
+        """``n`` samples of ``length`` tokens finished (the batch took ``seconds``); ``alone``: a sample cut from
+        the first batch to report early, measured only until another batch finished."""
+        now = time.perf_counter()
         self.done += n
         self.done_weight += n * length
         self.batches += 1
         if self.first_batch is None:
-            self.first_batch = (n, length, seconds)
+            self.first_batch, self.first_alone = (n, length, seconds), alone
+        if self._since is None:  # the first batch: its own time, not what came before it
+            self._since, self._weight, self.provisional = now - seconds, n * length, alone
+        elif self.provisional:  # drop the lone sample: from its end (building in between included)
+            self._since, self._weight, self.provisional = self._last_end, n * length, False
+        else:
+            self._weight += n * length
+        self._last_end = now
         eta = self.eta()
-        elapsed = time.perf_counter() - self.t0
+        elapsed = now - self.t0
         if self.bar is not None:
             self.bar.update(self.task, advance=n, description=f"{self.label} {what}")
             return
-        left = f", ETA {fmt_seconds(eta)}" if eta is not None and self.done < self.total else ""
+        first = " (first estimate, from 1 sample run alone)" if self.provisional else ""
+        left = f", ETA {fmt_seconds(eta)}{first}" if eta is not None and self.done < self.total else ""
         self._line(
             f"{self.done}/{self.total} samples ({100 * self.done / max(1, self.total):.0f} %), "
             f"{fmt_seconds(elapsed)} elapsed{left} — {what}: {n} in {fmt_seconds(seconds)}"
         )
-        if self.batches == 1 and self.done < self.total and eta is not None:
+        # an estimate after the first batch, and again after the next one when the first was a lone sample
+        if self.done >= self.total or eta is None:
+            return
+        if self.provisional:
+            self._line(
+                f"estimate: about {fmt_seconds(eta)} more for the {self.total - self.done} samples left — a first "
+                "estimate from 1 sample run alone (batches of several are usually faster per sample); the next "
+                "batch refines it"
+            )
+        elif self.batches == 1 or (self.batches == 2 and self.first_alone):
             self._line(f"estimate: about {fmt_seconds(eta)} more for the {self.total - self.done} samples left")
 
     def chunk(self, done_tokens: int, total_tokens: int, what: str) -> None:

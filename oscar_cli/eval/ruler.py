@@ -7,7 +7,10 @@ two tasks → score with ``string_match_all`` → append one JSON line per sampl
 rerun skips what is there) → aggregate everything in the file that matches this run. A ``(task, length)``'s
 samples (deterministic, :mod:`oscar_cli.eval.niah`) are built when its first batch needs them, only for the
 indices still pending, and kept for the other methods of that length (:class:`LazySamples`): a 128K task's
-prompts take seconds to tokenize, and building all of them first delayed the first result by minutes."""
+prompts take seconds to tokenize, and building all of them first delayed the first result by minutes. Unless
+``--batch-size`` is given, the first batch the process runs holds one sample (the rest of what would have been its
+batch runs next): the first record and ETA come after one sample's time, not a batch's (~40 s of prefill for 8 ×
+128K on an H200)."""
 
 from __future__ import annotations
 
@@ -274,20 +277,36 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def _batches(items: Sequence[Item], size: Callable[[int], int], deadline: float | None) -> Iterator[list[Item]]:
+def _batches(
+    items: Sequence[Item], size: Callable[[int], int], deadline: float | None, alone_first: bool = False
+) -> Iterator[list[Item]]:
     """Consecutive items of one length, at most ``size(length)`` per batch, read (and so built) one batch at a time;
-    stops before reading a batch once ``time.perf_counter()`` passes ``deadline``."""
-    i = 0
+    stops before reading a batch once ``time.perf_counter()`` passes ``deadline``.
+
+    ``alone_first``: the first batch is cut after its first sample (where it would hold more) and the rest of it is
+    the next batch, so the batches after those two are the ones without the cut; only the first sample is read
+    before the first batch runs."""
+
+    def take(i: int, limit: int) -> list[Item]:
+        batch, length = [items[i]], items[i][0].length
+        while len(batch) < limit and i + len(batch) < len(items):
+            nxt = items[i + len(batch)]
+            if nxt[0].length != length:
+                break
+            batch.append(nxt)
+        return batch
+
+    i, rest = 0, 0  # rest: what is left of the first batch once its first sample ran alone
     while i < len(items):
         if deadline is not None and time.perf_counter() > deadline:
             return
-        first = items[i]
-        batch, limit = [first], size(first[0].length)
-        while len(batch) < limit and i + len(batch) < len(items):
-            nxt = items[i + len(batch)]
-            if nxt[0].length != first[0].length:
-                break
-            batch.append(nxt)
+        if rest and items[i][0].length == items[0][0].length:
+            limit, rest = rest, 0
+        elif alone_first and i == 0 and (full := size(items[0][0].length)) > 1:
+            limit, rest = 1, full - 1
+        else:
+            limit, rest = size(items[i][0].length), 0
+        batch = take(i, limit)
         i += len(batch)
         yield batch
 
@@ -300,6 +319,7 @@ def run_method_samples(
     sink: Callable[[list[dict[str, Any]]], None],
     report: RunProgress | None = None,
     deadline: float | None = None,
+    alone_first: bool = False,
 ) -> bool:
     """Generate, score and hand over (``sink``) the records of ``pending`` samples for one attached method.
 
@@ -307,6 +327,12 @@ def run_method_samples(
     each task's by prompt length) and read them one batch at a time, so a :class:`PendingSamples` builds a task's
     prompts only when its first batch needs them. Returns False when ``deadline`` (``time.perf_counter()``
     value) passed before every batch ran.
+
+    ``alone_first`` (:func:`run_ruler`: the run's first batch, batch size not given): the first sample runs alone
+    and the rest of its batch next (:func:`_batches`), so its record and the first ETA come after one sample's
+    time. The batches after those two are the ones of an uncut run; the records of the split batch differ in
+    ``batch_size``, ``batch_seconds`` and ``bpe_measured_batch``, and its rows in left padding (the lone sample
+    has none), which bf16 rounding and a quantized method's BF16 sink window can see, as with any batch size.
     """
     from oscar_cli._options import format_ctx
     from oscar_cli.quant import greedy_generate, left_pad, use_method
@@ -317,9 +343,14 @@ def run_method_samples(
     head_dim = loaded.geometry.head_dim
     rope = rope_tag(cfg)
     ran = 0
+
+    def size(length: int) -> int:
+        return cfg.batch_size or default_batch_size(length, loaded.device)
+
     with use_method(model, method, backend=cfg.backend) as session:
-        for batch in _batches(pending, lambda n: cfg.batch_size or default_batch_size(n, loaded.device), deadline):
+        for k, batch in enumerate(_batches(pending, size, deadline, alone_first)):
             length = batch[0][0].length
+            alone = alone_first and k == 0 and len(pending) > 1 and size(length) > 1  # cut so as to report early
             what = f"{method.name} @ {format_ctx(length)}"
             cache = session.new_cache()
             ids, mask = left_pad([b[1] for b in batch], pad_id, loaded.device)
@@ -354,7 +385,7 @@ def run_method_samples(
                 )
             sink(records)
             if report:
-                report.batch_done(len(batch), length, dt, what)
+                report.batch_done(len(batch), length, dt, what, alone=alone)
             ran += len(batch)
     return ran == len(pending)
 
@@ -537,7 +568,10 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
 
                 pending = pending_samples(samples, length, cfg.tasks, todo)
                 if len(pending) and complete:
-                    complete = run_method_samples(loaded, methods[m], pending, cfg, write, report, deadline)
+                    # the first batch this process runs holds one sample (unless --batch-size was given): the first
+                    # record and ETA come after one sample's time instead of a whole batch's
+                    alone_first = evaluated == 0 and cfg.batch_size is None
+                    complete = run_method_samples(loaded, methods[m], pending, cfg, write, report, deadline, alone_first)
             samples.forget(length)
     scores, counts, mean, bpe, ptoks = aggregate(read_records(path), cfg, sources, head_dim, methods)
     result = RulerResult(
