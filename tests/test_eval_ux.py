@@ -152,8 +152,8 @@ def test_run_size_estimate_and_progress_lines_off_a_terminal(
 
 
 def test_first_sample_alone_off_a_terminal(tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """No --batch-size: the first line comes after one sample, its ETA marked as a first estimate, and the estimate
-    is given again after the next batch; a run of one sample has one line and no estimate."""
+    """No --batch-size: the first line comes after one sample, with no ETA (it says the next batch gives one), and
+    the estimate after the next batch; a run of one sample has one line and no estimate."""
     argv = ["--json", "eval-ruler", "tiny", "--tasks", "niah_single_1", "--ctx", "1k", "--samples", "3",
             "--methods", "bf16,kivi-2", "--out", str(tmp_path / "a"), "--max-new-tokens", "2"]  # fmt: skip
     code, _, err = _main(argv, capsys)
@@ -161,12 +161,12 @@ def test_first_sample_alone_off_a_terminal(tiny: Any, tmp_path: Path, capsys: py
     lines = [ln for ln in err.splitlines() if ln.startswith("eval-ruler: ")]
     batches = [ln for ln in lines if " samples (" in ln and "elapsed" in ln]
     assert [ln.split(" samples")[0] for ln in batches] == ["eval-ruler: 1/6", "eval-ruler: 3/6", "eval-ruler: 6/6"]
-    assert "(first estimate, from 1 sample run alone) — bf16 @ 1k: 1 in " in batches[0]
-    assert "ETA" in batches[1] and "first estimate" not in batches[1]
+    assert ", ETA after the next batch (a first sample run alone, one-time warm-up included) — bf16 @ 1k: 1 in " \
+        in batches[0]
+    assert ", ETA " in batches[1] and "after the next batch" not in batches[1]
     estimates = [ln for ln in lines if ln.startswith("eval-ruler: estimate: about ")]
-    assert len(estimates) == 2 and "a first estimate from 1 sample run alone" in estimates[0]
-    assert estimates[1].endswith("more for the 3 samples left")
-    assert lines.index(batches[0]) < lines.index(estimates[0]) < lines.index(batches[1]) < lines.index(estimates[1])
+    assert len(estimates) == 1 and estimates[0].endswith("more for the 3 samples left")
+    assert lines.index(batches[0]) < lines.index(batches[1]) < lines.index(estimates[0])
     one = [*argv[:7], "--samples", "1", "--methods", "bf16", "--out", str(tmp_path / "b"), "--max-new-tokens", "2"]
     code, _, err = _main(one, capsys)
     assert code == 0, err
@@ -178,8 +178,8 @@ def test_first_sample_alone_off_a_terminal(tiny: Any, tmp_path: Path, capsys: py
 def test_eta_leaves_out_what_came_before_and_a_lone_first_sample(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The rate counts from the first measured batch's start; a lone first sample gives a marked first estimate and
-    is dropped from the rate once the next batch finished (the time between them, building, is kept)."""
+    """The rate counts from the first measured batch's start; a lone first sample gives no ETA and is dropped from
+    the rate once the next batch finished (the time between them, building, is kept)."""
     from types import SimpleNamespace
 
     from oscar_cli.eval import progress as progress_mod
@@ -195,10 +195,8 @@ def test_eta_leaves_out_what_came_before_and_a_lone_first_sample(
     report.batch_done(8, 100, 10.0, "bf16 @ 100")
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
-        "eval-ruler: 1/17 samples (6 %), 10 s elapsed, ETA 1 min 04 s (first estimate, from 1 sample run alone) — "
-        "bf16 @ 100: 1 in 4 s",
-        "eval-ruler: estimate: about 1 min 04 s more for the 16 samples left — a first estimate from 1 sample run "
-        "alone (batches of several are usually faster per sample); the next batch refines it",
+        "eval-ruler: 1/17 samples (6 %), 10 s elapsed, ETA after the next batch (a first sample run alone, one-time "
+        "warm-up included) — bf16 @ 100: 1 in 4 s",
         "eval-ruler: 9/17 samples (53 %), 22 s elapsed, ETA 12 s — bf16 @ 100: 8 in 10 s",
         "eval-ruler: estimate: about 12 s more for the 8 samples left",
         "eval-ruler: 17/17 samples (100 %), 32 s elapsed — bf16 @ 100: 8 in 10 s",

@@ -5,8 +5,9 @@ prefill chunks. Otherwise — CI, ``2> log``, ``--json`` — one line per finish
 (``done/total``, elapsed, ETA), and inside a batch of :data:`LONG_BATCH_TOKENS`+ prompt tokens one line per
 prefill chunk. The ETA weighs every sample by its length (prefill dominates the cost) and counts the time from
 the start of the first batch it measures (setup and the first prompt building happen once); a first batch cut to one
-sample to report early gives a first estimate, marked so (one sample alone is slower per sample than a batch), and
-is left out of the rate once the next batch finished.
+sample to report early gives no ETA (one sample alone carries the one-time warm-up and is slower per sample than a
+batch: on an H200 at 128K its extrapolation would be several times the run's) and is left out of the rate once the
+next batch finished, whose line gives the first ETA and the estimate.
 
 Chunk progress comes from a forward pre-hook on the model (each forward call is one prefill chunk or one
 decode step), so the generation loop needs no callback.
@@ -91,22 +92,19 @@ class RunProgress:
         if self.bar is not None:
             self.bar.update(self.task, advance=n, description=f"{self.label} {what}")
             return
-        first = " (first estimate, from 1 sample run alone)" if self.provisional else ""
-        left = f", ETA {fmt_seconds(eta)}{first}" if eta is not None and self.done < self.total else ""
+        if self.provisional:
+            left = ", ETA after the next batch (a first sample run alone, one-time warm-up included)"
+        else:
+            left = f", ETA {fmt_seconds(eta)}" if eta is not None else ""
+        left = left if self.done < self.total else ""
         self._line(
             f"{self.done}/{self.total} samples ({100 * self.done / max(1, self.total):.0f} %), "
             f"{fmt_seconds(elapsed)} elapsed{left} — {what}: {n} in {fmt_seconds(seconds)}"
         )
-        # an estimate after the first batch, and again after the next one when the first was a lone sample
-        if self.done >= self.total or eta is None:
+        # the estimate after the first batch, or after the next one when the first was a lone sample
+        if self.done >= self.total or eta is None or self.provisional:
             return
-        if self.provisional:
-            self._line(
-                f"estimate: about {fmt_seconds(eta)} more for the {self.total - self.done} samples left — a first "
-                "estimate from 1 sample run alone (batches of several are usually faster per sample); the next "
-                "batch refines it"
-            )
-        elif self.batches == 1 or (self.batches == 2 and self.first_alone):
+        if self.batches == 1 or (self.batches == 2 and self.first_alone):
             self._line(f"estimate: about {fmt_seconds(eta)} more for the {self.total - self.done} samples left")
 
     def chunk(self, done_tokens: int, total_tokens: int, what: str) -> None:
