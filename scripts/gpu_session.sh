@@ -92,6 +92,8 @@ vllm)  # vllm NAME LIMIT_S ARGS... : one gpu_vllm_bench.py run (engine) with a t
     echo "$name rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^(oscar|\{|  )|Error|error" /tmp/res/vllm-$name.log | grep -v Warning | tail -25
     ;;
 ablate)  # #21 / #18 item 2: levers on the real head_dim-128 model, same prompts and seeds (docs/RESULTS.md)
+    # a fresh machine resumes from the committed state: its finished rows (same model path, recipe, text) are skipped
+    [ -f /tmp/q/abl/ablation.json ] || { mkdir -p /tmp/q/abl && cp docs/results/ablation-qwen2.5-coder-1.5b-h200.json /tmp/q/abl/ablation.json; }
     PYTHONPATH=/tmp/site python3 scripts/ablate.py "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib \
         --text /tmp/q/austen_persuasion.txt --ctx 4k,32704 --windows 3 --backend reference --device cuda \
         --budget "${2:-420}" --out /tmp/q/abl \
