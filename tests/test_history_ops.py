@@ -286,7 +286,8 @@ def test_dequantize_history_compiles_without_fma() -> None:
 def test_dequantize_history_engine_shapes_on_gpu(meta: torch.dtype) -> None:
     """Qwen3-8B's attention shape (8 KV heads, D = 128, pages of 16, bf16 outputs, per-head means) over a 128K-token
     history (S0 = 64 to 131,008) in shuffled pages: bitwise the torch twin; prints both paths' times (µs per call,
-    CUDA events, median of 5 after a warm-up). fp32 scales make ``code·scale`` inexact: a contracted FMA would show."""
+    CUDA events, median of 5 after a warm-up; the kernel also at other tile sizes and warp counts). fp32 scales make
+    ``code·scale`` inexact: a contracted FMA would show."""
     h, d, p, s0, n = 8, 128, 16, 64, 131_072 - 64 - 64
     gen = torch.Generator().manual_seed(11)
     used = s0 // p + -(-n // p)
@@ -314,3 +315,12 @@ def test_dequantize_history_engine_shapes_on_gpu(meta: torch.dtype) -> None:
     moved = 2 * n * h * (d * 2 + d // 4 + 2 * meta.itemsize)  # K and V: outputs, codes, scale + zero
     print(f"\nhistory {n} tokens x {h} heads x D {d}, {meta} meta: ops.dequantize_history {t_kernel:.1f} us "
           f"({moved / t_kernel / 1e6:.2f} TB/s), torch_history {t_torch:.1f} us ({t_torch / t_kernel:.1f}x)")
+    tiles = []  # the launcher's tile size (block_t = 32, 4 warps) against its neighbours
+    for bt in (16, 32, 64, 128):
+        for nw in (4, 8):
+            us = timed(lambda bt=bt, nw=nw: ops.dequantize_history(kp, vp, blocks, s0, *got, k_mean, v_mean,
+                                                                   block_t=bt, num_warps=nw))
+            tiles.append(f"{bt}/{nw}w {us:.1f}")
+    print("block_t/warps (us): " + ", ".join(tiles))
+    for nm, a, b in zip(("k_out", "v_out"), got, want, strict=True):
+        _assert_bitwise(a, b, nm)
