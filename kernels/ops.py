@@ -2,7 +2,8 @@
 
 The public API, re-exported from :mod:`oscar_kernels.write_ops` (allocation, quantize-on-write),
 :mod:`oscar_kernels.decode_ops` (configs, plans, decode attention), :mod:`oscar_kernels.tier_ops` (the vLLM
-backend's BF16 tier copies) and :mod:`oscar_kernels.rotate_ops` (its K/V rotation); all check their arguments with :mod:`oscar_kernels.launch_checks`.
+backend's BF16 tier copies), :mod:`oscar_kernels.rotate_ops` (its K/V rotation) and :mod:`oscar_kernels.history_ops`
+(its prefill's dequantized history); all check their arguments with :mod:`oscar_kernels.launch_checks`.
 
 Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET=1``, for tests):
 
@@ -16,6 +17,9 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
   gather a decode batch's tier rows, centred, in the order the decode reads them (one launch each).
 - :func:`rotate_kv` — ``(float32(x) @ R).to(dtype)`` for a step's K and V rows ``[N, H_kv, D]`` (strided rows,
   shared or per-head rotations), one launch for both.
+- :func:`dequantize_history` — a range of one sequence's paged INT2 keys and values, dequantized through its
+  block-table row with the mean added back, into activation-dtype ``[T, H_kv, D]`` buffers (one launch; the vLLM
+  backend's prefill chunks attend to it).
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
   :func:`default_num_splits`.
 
@@ -41,6 +45,7 @@ from oscar_kernels.decode_ops import (
     default_num_splits,
     make_workspace,
 )
+from oscar_kernels.history_ops import dequantize_history
 from oscar_kernels.rotate_ops import rotate_kv
 from oscar_kernels.tier_ops import tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
@@ -54,6 +59,7 @@ __all__ = [
     "DecodePlan",
     "decode_attention",
     "decode_attention_contiguous",
+    "dequantize_history",
     "default_config",
     "default_num_splits",
     "make_workspace",

@@ -108,6 +108,8 @@ gputests)  # the kernels' gpu-marked tests (CUDA, no interpreter)
     site || exit 1
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rotate_ops.py \
         tests/test_tier_ops.py tests/test_kernels_pack.py 2>&1 | tail -15
+    # the prefill's history dequantization at 128K: bitwise the torch twin, both paths' µs printed (-s)
+    PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_history_ops.py 2>&1 | tail -8
     ;;
 wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     site || exit 1

@@ -12,7 +12,8 @@ all layers); :class:`PagedInt2Layer` is one attention layer: its transforms and 
   centres the batch's sink and ring rows into buffers shared by the layers, then ``ops.DecodePlan``, the split-KV
   kernel; all launches are CUDA-graph capturable);
 - :meth:`PagedInt2Layer.prefill` — a chunk attends to the sink, to earlier tokens through a transient
-  dequantized copy of their INT2 pages, and to itself unquantized (causal), as the reference cache does.
+  dequantized copy of their INT2 pages (``ops.dequantize_history``, one launch per chunk), and to itself unquantized
+  (causal), as the reference cache does.
 
 Semantics are the reference cache's (``oscar_cli.quant.int2_layer.Int2Layer``): the recent length follows its placement
 rule (:func:`oscar_cli.vllm.layout.next_recent_len`), so a decode step sees exactly the tokens the reference keeps
@@ -36,7 +37,7 @@ from oscar_cli.vllm.layout import (
     tier_write_index,
     token_positions,
 )
-from oscar_kernels.reference import QuantizedRows, dequantize_int2, unpack_token_quads
+from oscar_kernels.reference import QuantizedRows, dequantize_codes, dequantize_int2, unpack_token_quads
 
 # (q [n, H_q, D], k [T, H_kv, D], v [T, H_kv, D], offset, softmax scale) -> [n, H_q, D];
 # query i sees keys 0 .. offset + i
@@ -150,10 +151,34 @@ def torch_rotate(x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.
     return y.to(dtype)
 
 
+def torch_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
+                  k_mean: torch.Tensor, v_mean: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+                  piece: int = 4096) -> None:
+    """The torch twin of ``ops.dequantize_history``: positions ``start .. start + len(k_out)`` (``start``
+    page-aligned) of the sequence whose pages are ``blocks`` (its block-table row) into ``k_out``/``v_out``
+    ``[T, H_kv, D]``, ``float32(zero) + code * float32(scale)`` per group of ``G``, ``+ mean`` (float32 ``[H_kv, D]`` or ``[D]``), cast
+    to the outputs' dtype; ``piece`` tokens at a time (float32 only per piece; about 15 device ops each)."""
+    p, d, h_kv = int(k_pages.packed.shape[2]), int(k_out.shape[-1]), int(k_out.shape[1])
+    n = int(k_out.shape[0])
+    per = max(1, piece // p)
+    for a in range(0, -(-n // p), per):
+        ids = blocks[start // p + a: start // p + min(a + per, -(-n // p))].long()
+        t0, t1 = a * p, min(n, (a + per) * p)
+
+        def tokens(x: torch.Tensor, m: int = t1 - t0) -> torch.Tensor:  # [pages, H, P, C] -> [m, H, C]
+            return x.permute(0, 2, 1, 3).reshape(-1, h_kv, x.shape[-1])[:m]
+
+        k = dequantize_int2(tokens(k_pages.packed[ids]), tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
+        codes = unpack_token_quads(v_pages.packed[ids], p, d)  # [pages, H, P, D]
+        v = dequantize_codes(tokens(codes), tokens(v_pages.scale[ids]), tokens(v_pages.zero[ids]))
+        k_out[t0:t1] = (k + k_mean).to(k_out.dtype)
+        v_out[t0:t1] = (v + v_mean).to(v_out.dtype)
+
+
 class TorchTiers:
-    """The K/V rotation and the BF16 tier copies in torch (the twin of ``ops.rotate_kv``, ``ops.tier_write`` and
-    ``ops.tier_gather``: matmuls, index assignments, gathers and casts, several device ops each); kernel twins of
-    tests inherit it."""
+    """The K/V rotation, the BF16 tier copies and the prefill's history in torch (the twin of ``ops.rotate_kv``,
+    ``ops.tier_write``, ``ops.tier_gather`` and ``ops.dequantize_history``: matmuls, index assignments, gathers,
+    bit operations and casts, several device ops each); kernel twins of tests inherit it."""
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +207,11 @@ class TorchTiers:
         for o, g in zip(out, got, strict=True):
             o.copy_(g)
         return out
+
+    def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
+                k_mean: torch.Tensor, v_mean: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+                piece: int) -> None:
+        torch_history(k_pages, v_pages, blocks, start, k_mean, v_mean, k_out, v_out, piece)
 
 
 class TritonKernels:
@@ -220,6 +250,14 @@ class TritonKernels:
         from oscar_kernels import ops
 
         return ops.tier_gather(*tiers, rows, ring_index, k_mean, v_mean, out=out)
+
+    def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
+                k_mean: torch.Tensor, v_mean: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+                piece: int) -> None:
+        """``ops.dequantize_history``: one launch for the whole range (``piece`` is the torch twin's)."""
+        from oscar_kernels import ops
+
+        ops.dequantize_history(k_pages, v_pages, blocks, start, k_out, v_out, k_mean, v_mean)
 
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
@@ -326,22 +364,9 @@ class PagedInt2Layer:
                 k_out: torch.Tensor, v_out: torch.Tensor, piece: int = 4096) -> None:
         """Dequantize positions ``start .. start + len(k_out)`` of the sequence whose pages are ``blocks`` (int32, its
         block-table row; ``start`` page-aligned) into ``k_out``/``v_out`` ``[T, H_kv, D]`` (activation dtype, rotated,
-        mean added back: what the reference cache's view holds), ``piece`` tokens at a time (float32 only per piece)."""
-        p, d = self.block_size, self.d
-        n = int(k_out.shape[0])
-        per = max(1, piece // p)
-        for a in range(0, -(-n // p), per):
-            ids = blocks[start // p + a: start // p + min(a + per, -(-n // p))].long()
-            t0, t1 = a * p, min(n, (a + per) * p)
-
-            def tokens(x: torch.Tensor, m: int = t1 - t0) -> torch.Tensor:  # [pages, H, P, C] -> [m, H, C]
-                return x.permute(0, 2, 1, 3).reshape(-1, self.h_kv, x.shape[-1])[:m]
-
-            k = dequantize_int2(tokens(k_pages.packed[ids]), tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
-            codes = unpack_token_quads(v_pages.packed[ids], p, d).float()  # [pages, H, P, D]
-            v = tokens(v_pages.zero[ids]).float() + tokens(codes) * tokens(v_pages.scale[ids]).float()
-            k_out[t0:t1] = (k + self.t.k_mean).to(self.act)
-            v_out[t0:t1] = (v + self.t.v_mean).to(self.act)
+        mean added back: what the reference cache's view holds): ``kernels.history`` (``ops.dequantize_history``,
+        one launch; the torch twin :func:`torch_history` goes ``piece`` tokens at a time)."""
+        self.kernels.history(k_pages, v_pages, blocks, start, self.t.k_mean, self.t.v_mean, k_out, v_out, piece)
 
     def prefill(self, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows,
                 v_pages: QuantizedRows, st: Step, attend: Attend = masked_attend) -> list[torch.Tensor]:
