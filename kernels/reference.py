@@ -31,6 +31,14 @@ Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic 
    block's ``R`` tokens (64, or a whole page of at most 64) of channel ``d``, the earliest in bits 0-1. Keys always use quarter packing (their MMA reduction axis is D).
 7. Dequantize: ``x_hat = float(zero) + code * float(scale)`` in float32 (``code`` as float32; one multiply,
    one add, no fma), then cast to the requested dtype.
+8. Non-uniform levels (optional, reference path only; recipe ``quant.levels``): with ``inner`` ``a`` in
+   ``(0, 0.5)`` the four levels of a group are ``zero + scale·L[code]``, ``L = (0, 3a, 3 - 3a, 3)`` (float64
+   arithmetic, then float32; uniform is ``a = 1/3``, ``L = (0, 1, 2, 3)`` exactly). Scale and zero are those of
+   step 4 (the extreme levels stay the group's min and max). Codes: ``v = (y - float(zero)) / float(scale) + 0.5``
+   in float32 exactly as in step 5, ``code = #{k : v >= theta_k}`` with ``theta_k = float32((L[k-1] + L[k]) / 2
+   + 0.5)``, ``k = 1..3``: the nearest level, a value exactly halfway going up (round half up, as step 5); at
+   ``a = 1/3`` the thresholds are 1, 2, 3 and the codes are step 5's bitwise. Dequantize:
+   ``float(zero) + L[code] * float(scale)`` in float32 (step 7 with ``L[code]`` for ``code``).
 
 Attention over the three tiers (sink: absolute positions ``[0, S0)``; history: INT2; recent: the last
 tokens) computes one partial ``(o_t, lse_t)`` per tier — softmax attention restricted to that tier, with
@@ -65,11 +73,12 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, UNIFORM_INNER
 
 __all__ = [
     "QuantizedRows",
     "attention_partial",
+    "UNIFORM_INNER",
     "bits_per_element",
     "clip_rows",
     "clip_threshold",
@@ -79,6 +88,8 @@ __all__ = [
     "dequantize_rows",
     "fake_quantize_rows",
     "hadamard",
+    "level_codes",
+    "level_table",
     "merge_partials",
     "pack_int2",
     "pack_token_quads",
@@ -93,6 +104,21 @@ __all__ = [
 ]
 
 _META_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def level_table(inner: float = UNIFORM_INNER) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(levels, thresholds)`` of formula 8: ``L = (0, 3a, 3 - 3a, 3)`` and ``theta_k = (L[k-1] + L[k])/2 + 0.5``
+    as float32 values (Python floats). ``a = 1/3`` gives ``(0, 1, 2, 3)`` and ``(1, 2, 3)``."""
+    a = float(inner)
+    if not 0.0 < a < 0.5:
+        raise ValueError(f"inner level: expected a value in (0, 0.5) (uniform: 1/3), got {inner!r}")
+    lv = (0.0, 3.0 * a, 3.0 - 3.0 * a, 3.0)
+    th = tuple((lv[k - 1] + lv[k]) / 2 + 0.5 for k in (1, 2, 3))
+
+    def f32(xs: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(float(x) for x in torch.tensor(xs, dtype=torch.float64).float().tolist())
+
+    return f32(lv), f32(th)
 
 
 @dataclass(frozen=True)
@@ -171,7 +197,8 @@ def clip_rows(y: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def quantize_int2(
-    y: torch.Tensor, group_size: int | None = None, meta_dtype: torch.dtype = torch.bfloat16
+    y: torch.Tensor, group_size: int | None = None, meta_dtype: torch.dtype = torch.bfloat16,
+    inner: float = UNIFORM_INNER,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min-max INT2 per group of ``G`` channels.
 
@@ -179,6 +206,7 @@ def quantize_int2(
         y: ``[..., D]`` rows (already rotated, centred and clipped), any float dtype; computed in float32.
         group_size: ``G`` dividing ``D`` (default ``D``).
         meta_dtype: storage dtype of scale and zero.
+        inner: the inner level of formula 8 (default uniform: formula 5, computed as before).
 
     Returns:
         ``codes`` uint8 ``[..., D]`` in ``{0..3}``, ``scale`` and ``zero`` ``meta_dtype [..., D/G]``.
@@ -199,8 +227,20 @@ def quantize_int2(
     zero = mn.to(meta_dtype)
     sf = scale.float().unsqueeze(-1)
     zf = zero.float().unsqueeze(-1)
-    codes = torch.floor((y32 - zf) / sf + 0.5).clamp_(0, 3).to(torch.uint8)
+    if inner == UNIFORM_INNER:
+        codes = torch.floor((y32 - zf) / sf + 0.5).clamp_(0, 3).to(torch.uint8)
+    else:
+        codes = level_codes((y32 - zf) / sf + 0.5, inner)
     return codes.reshape(*y.shape[:-1], d), scale, zero
+
+
+def level_codes(v: torch.Tensor, inner: float) -> torch.Tensor:
+    """Formula 8's codes from ``v = (y - zero) / scale + 0.5`` (float32): ``#{k : v >= theta_k}`` as uint8."""
+    _, th = level_table(inner)
+    codes = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for t in th:
+        codes += (v >= t).to(torch.uint8)
+    return codes
 
 
 def pack_int2(codes: torch.Tensor) -> torch.Tensor:
@@ -279,17 +319,24 @@ def rows_to_token_quads(packed_rows: torch.Tensor, row_tokens: int = TOKEN_QUAD_
 
 
 def dequantize_int2(
-    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype = torch.float32
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+    inner: float = UNIFORM_INNER,
 ) -> torch.Tensor:
-    """``x_hat = float(zero) + code * float(scale)`` per group; returns ``out_dtype [..., D]``."""
-    return dequantize_codes(unpack_int2(packed), scale, zero, out_dtype)
+    """``x_hat = float(zero) + code * float(scale)`` per group (``L[code]`` for ``code`` with a non-uniform
+    ``inner``, formula 8); returns ``out_dtype [..., D]``."""
+    return dequantize_codes(unpack_int2(packed), scale, zero, out_dtype, inner)
 
 
 def dequantize_codes(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype = torch.float32
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+    inner: float = UNIFORM_INNER,
 ) -> torch.Tensor:
     """:func:`dequantize_int2` from unpacked codes ``uint8 [..., D]`` (either packing, once unpacked)."""
-    codes = codes.float()
+    if inner == UNIFORM_INNER:
+        codes = codes.float()
+    else:
+        lv, _ = level_table(inner)
+        codes = torch.tensor(lv, dtype=torch.float32, device=codes.device)[codes.long()]
     d = codes.shape[-1]
     n_groups = scale.shape[-1]
     if d % n_groups or zero.shape != scale.shape:
@@ -321,6 +368,7 @@ def quantize_rows(
     clip_ratio: float = 0.0,
     group_size: int | None = None,
     meta_dtype: torch.dtype = torch.bfloat16,
+    inner: float = UNIFORM_INNER,
 ) -> QuantizedRows:
     """The whole write path: rotate → center → clip → quantize → pack.
 
@@ -329,15 +377,18 @@ def quantize_rows(
         rotation: ``[D, D]`` or ``[H_kv, D, D]`` float32 (None: identity).
         mean: ``[D]`` or ``[H_kv, D]`` in the rotated space (None: no centering).
         clip_ratio: see :func:`clip_rows`.
+        inner: the inner level (formula 8; default uniform).
     """
     y = _transform(x, rotation, mean, clip_ratio)
-    codes, scale, zero = quantize_int2(y, group_size, meta_dtype)
+    codes, scale, zero = quantize_int2(y, group_size, meta_dtype, inner)
     return QuantizedRows(pack_int2(codes), scale, zero)
 
 
-def dequantize_rows(q: QuantizedRows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_rows(
+    q: QuantizedRows, out_dtype: torch.dtype = torch.float32, inner: float = UNIFORM_INNER
+) -> torch.Tensor:
     """Dequantize stored rows back to the rotated, centred space (no inverse rotation)."""
-    return dequantize_int2(q.packed, q.scale, q.zero, out_dtype)
+    return dequantize_int2(q.packed, q.scale, q.zero, out_dtype, inner)
 
 
 def fake_quantize_rows(
@@ -347,9 +398,10 @@ def fake_quantize_rows(
     clip_ratio: float = 0.0,
     group_size: int | None = None,
     meta_dtype: torch.dtype = torch.bfloat16,
+    inner: float = UNIFORM_INNER,
 ) -> torch.Tensor:
     """``dequantize_rows(quantize_rows(...))`` in float32: rotated, centred space, like the cache stores it."""
-    return dequantize_rows(quantize_rows(x, rotation, mean, clip_ratio, group_size, meta_dtype))
+    return dequantize_rows(quantize_rows(x, rotation, mean, clip_ratio, group_size, meta_dtype, inner), inner=inner)
 
 
 def attention_partial(

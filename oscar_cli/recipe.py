@@ -27,7 +27,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from oscar_cli._schema import FloatList, Schema, StrictFloat, first_error
 from oscar_cli.errors import RecipeError
-from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, UNIFORM_INNER
 
 METHODS = ("oscar", "hadamard", "identity")
 # Upper bounds keep every size a recipe can ask for finite (a fuzzed or hostile recipe cannot ask for 10**12).
@@ -35,6 +35,7 @@ MAX_TOKENS = 1 << 31
 MAX_SEQ_LEN = 1 << 20
 MAX_WINDOW = 1 << 20
 Ratio = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
+InnerLevel = Annotated[StrictFloat, Field(gt=0.0, lt=0.5)]  # quant.levels: the inner level a (uniform 1/3)
 Count = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 
 
@@ -113,6 +114,7 @@ class QuantConfig(Schema):
     sink: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_SINK
     recent: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_RECENT
     keep: KeepConfig = Field(default_factory=KeepConfig)
+    levels: InnerLevel = UNIFORM_INNER  # non-uniform INT2 levels zero + scale·3·(0, a, 1-a, 1) (reference path)
 
 
 class Recipe(Schema):
@@ -152,13 +154,15 @@ class Recipe(Schema):
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
-        ``quant.keep`` is left out while it is off (fraction 0), ``statistics.v_metric`` while it is ``none`` and
-        ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
+        ``quant.keep`` is left out while it is off (fraction 0), ``quant.levels`` while uniform (1/3),
+        ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
         knob."""
         out = self.full_dict()
         if self.quant.keep.fraction == 0.0:
             del out["quant"]["keep"]
+        if self.quant.levels == UNIFORM_INNER:
+            del out["quant"]["levels"]
         if self.statistics.v_metric == "none":
             del out["statistics"]["v_metric"]
         if self.rotation.dc == "min":

@@ -30,7 +30,7 @@ def _config(layers: int = 2):
                        num_hidden_layers=layers, intermediate_size=64, vocab_size=128)
 
 
-def _artifact(path: Path, cfg) -> Path:
+def _artifact(path: Path, cfg, **quant) -> Path:
     g = torch.Generator().manual_seed(0)
     layers = [LayerTransform(k_rotation=random_orthogonal(1, D, i), v_rotation=random_orthogonal(1, D, i + 7),
                              k_mean=0.1 * torch.randn(HKV, D, generator=g), v_mean=0.1 * torch.randn(HKV, D, generator=g),
@@ -38,7 +38,8 @@ def _artifact(path: Path, cfg) -> Path:
               for i in range(cfg.num_hidden_layers)]
     m = Manifest(oscar_version="0.1.0", model={"reference": "tiny", "resolved": "sha256:" + "0" * 64},
                  architecture=architecture_fingerprint(cfg), method="oscar", recipe={},
-                 quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 16, "recent": 16}, data={}, seed=0)
+                 quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 16, "recent": 16, **quant}, data={},
+                 seed=0)
     return write_artifact(path, m, layers, "{}\n")
 
 
@@ -127,4 +128,16 @@ def test_engine_start_refusals(tmp_path: Path) -> None:
         backend.runtime(_engine(art, _config(3)), HKV, D)
     with pytest.raises(ArtifactError):
         backend.runtime(_engine(tmp_path / "missing", cfg), HKV, D)
+
+
+def test_artifact_with_non_uniform_levels_is_refused_in_one_line(tmp_path: Path) -> None:
+    from oscar_cli.errors import UnsupportedModelError
+    from oscar_cli.vllm import backend
+
+    cfg = _config()
+    backend._RUNTIMES.clear()
+    art = _artifact(tmp_path / "levels", cfg, levels=0.38)
+    with pytest.raises(UnsupportedModelError, match=r"non-uniform INT2 levels \(quant.levels 0.38") as e:
+        backend.runtime(_engine(art, cfg), HKV, D)
+    assert "\n" not in str(e.value)
 

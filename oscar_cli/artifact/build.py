@@ -17,6 +17,7 @@ from oscar_cli._version import __version__
 from oscar_cli.artifact.manifest import Manifest
 from oscar_cli.environment import environment
 from oscar_cli.recipe import Recipe
+from oscar_kernels.layout import UNIFORM_INNER
 
 CLIP_OBJECTIVES = {  # what each clip.objective minimized (oscar_cli.calibration.clipping); "error" is the mean one
     "mean": "relative attention-output error, held-out tokens, INT2 tier only",
@@ -66,6 +67,7 @@ def build_manifest(
             "sink": recipe.quant.sink,
             "recent": recipe.quant.recent,
             **({"keep": recipe.quant.keep.model_dump()} if recipe.quant.keep.fraction else {}),
+            **({"levels": recipe.quant.levels} if recipe.quant.levels != UNIFORM_INNER else {}),
         },
         data=dict(data),
         seed=recipe.data.seed,

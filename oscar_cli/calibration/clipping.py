@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from oscar_kernels.layout import UNIFORM_INNER
+
 META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 OBJECTIVES = ("mean", "topk")
 
@@ -77,6 +79,7 @@ class LayerClipProblem:
         k_rotation: torch.Tensor | None, v_rotation: torch.Tensor | None,
         k_mean: torch.Tensor | None, v_mean: torch.Tensor | None, scaling: float, sink: int, recent: int,
         group_size: int | None, meta_dtype: str, objective: str = "mean", topk_keys: int = 8,
+        inner: float = UNIFORM_INNER,
     ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -95,7 +98,7 @@ class LayerClipProblem:
         self.v = torch.einsum("bhtd,hde->bhte", v.float(), rv) - mv[:, None]
         self.mu_v = mv.expand(h_kv, d)[None, :, None]  # [1, H_kv, 1, D]
         self.scaling = scaling
-        self.group_size, self.meta = group_size, META_DTYPES[meta_dtype]
+        self.group_size, self.meta, self.inner = group_size, META_DTYPES[meta_dtype], inner
         self.int2 = int2_pair_mask(t, tq, sink, recent, dev).repeat(g, 1)  # [g·Tq, T]
         causal = torch.arange(t, device=dev)[None, :] <= torch.arange(t - tq, t, device=dev)[:, None]
         self.neg = torch.zeros(tq, t, device=dev).masked_fill(~causal, float("-inf")).repeat(g, 1)
@@ -127,7 +130,7 @@ class LayerClipProblem:
         return (self.q @ k.transpose(-1, -2)) * self.scaling + self.neg
 
     def _fake(self, x: torch.Tensor, ratio: float) -> torch.Tensor:
-        return fake_quantize(x, ratio, self.group_size, self.meta)
+        return fake_quantize(x, ratio, self.group_size, self.meta, self.inner)
 
     def _error(self, out_hat: torch.Tensor) -> float:
         return float((out_hat - self.out).square().sum()) / max(self.norm, 1e-30)
@@ -173,14 +176,18 @@ class LayerClipProblem:
         return self._p_int2 @ self._fake(self.v, ratio) + self._exact_part
 
 
-def fake_quantize(x: torch.Tensor, ratio: float, group_size: int | None, meta: torch.dtype) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, ratio: float, group_size: int | None, meta: torch.dtype,
+                  inner: float = UNIFORM_INNER) -> torch.Tensor:
     """``oscar_kernels.reference.fake_quantize_rows`` on already rotated, centred rows, minus the pack/unpack
-    round trip (lossless): clip → ``quantize_int2`` → ``zero + code·scale`` in float32. ``x [..., D]``."""
-    from oscar_kernels.reference import clip_rows, quantize_int2
+    round trip (lossless): clip → ``quantize_int2`` → ``zero + code·scale`` in float32 (``zero + L[code]·scale``
+    with a non-uniform inner level, recipe ``quant.levels``). ``x [..., D]``."""
+    from oscar_kernels.reference import clip_rows, dequantize_codes, quantize_int2
 
     d = x.shape[-1]
     g = d if group_size is None else group_size
-    codes, scale, zero = quantize_int2(clip_rows(x, ratio), group_size, meta)
+    codes, scale, zero = quantize_int2(clip_rows(x, ratio), group_size, meta, inner)
+    if inner != UNIFORM_INNER:
+        return dequantize_codes(codes, scale, zero, torch.float32, inner)
     c = codes.float().reshape(*x.shape[:-1], d // g, g)
     return (zero.float().unsqueeze(-1) + c * scale.float().unsqueeze(-1)).reshape(x.shape)
 

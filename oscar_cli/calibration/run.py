@@ -249,6 +249,7 @@ def _clip(
                 q.meta_dtype,
                 c.objective,
                 c.topk_keys,
+                q.levels,
             )
             for qq, k, v in store.layers[i]
         ]
@@ -262,7 +263,7 @@ def _clip(
         err = choices[-1].error
         if err is not None and recipe.method == "oscar":
             scored.append(score_layer(i, store.layers[i], err, store.scaling, q.sink, q.recent, q.group_size,
-                                      q.meta_dtype))
+                                      q.meta_dtype, q.levels))
         store.layers[i] = []  # free as we go
         report("clip", i + 1, len(solved))
     return choices, scored

@@ -39,6 +39,7 @@ import torch
 from oscar_cli.calibration.clipping import META_DTYPES, LayerClipProblem, evaluate_clip, fake_quantize, int2_pair_mask
 from oscar_cli.errors import CalibrationError
 from oscar_cli.transform import LAYER_SCHEMES, LayerTransform
+from oscar_kernels.layout import UNIFORM_INNER
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +164,10 @@ def score_layer(
     recent: int,
     group_size: int | None,
     meta_dtype: str,
+    inner: float = UNIFORM_INNER,
 ) -> LayerScheme:
-    """Errors of every scheme on one layer's held-out sequences (mean over sequences, like the clip search)."""
+    """Errors of every scheme on one layer's held-out sequences (mean over sequences, like the clip search); the
+    INT2 schemes use the inner level ``inner`` (recipe ``quant.levels``), KIVI its uniform levels."""
     d = held_out[0][1].shape[-1]
     errors = {"oscar": oscar_error}
     for scheme in ("identity", "hadamard"):
@@ -172,7 +175,7 @@ def score_layer(
             continue
         t = alternative_transform(scheme, d)
         problems = [LayerClipProblem(q, k, v, t.k_rotation, t.v_rotation, None, None, scaling, sink, recent,
-                                     group_size, meta_dtype) for q, k, v in held_out]
+                                     group_size, meta_dtype, inner=inner) for q, k, v in held_out]
         problems = [p for p in problems if p.has_int2]
         if problems:
             err = evaluate_clip(problems, 0.0, 0.0).error
@@ -244,7 +247,8 @@ def scheme_bpe(recipe: Any, head_dim: int) -> Callable[[list[str]], float]:
 
     q = recipe.quant
     base = QuantMethod(name="oscar", kind="int2", sink=q.sink, recent=q.recent, group_size=q.group_size,
-                       meta_dtype=META_DTYPES[q.meta_dtype], keep_fraction=q.keep.fraction, keep_score=q.keep.score)
+                       meta_dtype=META_DTYPES[q.meta_dtype], keep_fraction=q.keep.fraction, keep_score=q.keep.score,
+                       levels=q.levels)
 
     def bpe(schemes: list[str]) -> float:
         kinds = tuple(LAYER_SCHEMES[s] for s in schemes)

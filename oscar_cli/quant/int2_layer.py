@@ -14,6 +14,11 @@ Per decoder layer (:class:`Int2Layer`), keys and values live in three tiers (DES
   those rows instead of their INT2 copy (:mod:`oscar_cli.quant.keep`; reference path only, the Triton path
   refuses such a method).
 
+With a non-uniform inner level (recipe ``quant.levels``, :attr:`QuantMethod.levels` other than 1/3) the history
+rows are coded to the nearest of ``zero + scale·3·(0, a, 1 - a, 1)`` and dequantized with the same levels
+(``oscar_kernels.reference`` formula 8), alike for prefill writes and decode demotion; reference path only, the
+Triton path refuses such a method.
+
 Nothing else persists: no dense copy of the history exists between calls.
 
 All tiers hold **rotated** K (``k·R_K``, post-RoPE, computed here at run time in float32 and cast to the
@@ -53,6 +58,7 @@ from oscar_cli.quant.keep import KeepTier, keep_count, token_scores
 from oscar_cli.quant.kernel_path import BACKENDS, centred, flat_mean, front, kernel_unsupported, rotation_matrix
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
+from oscar_kernels.layout import UNIFORM_INNER
 
 log = logging.getLogger(__name__)
 PIECE = 1024  # tokens quantized (prefill writes) or dequantized (what attention reads) at a time
@@ -145,6 +151,9 @@ class Int2Layer(AppendLayer):
         if self.keep is not None and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton decode kernel does not read the BF16 keep tier "
                              f"(quant.keep.fraction {self.method.keep_fraction:g})", hint="use --backend reference")
+        if self.method.levels != UNIFORM_INNER and (reason is None or self.backend == "triton"):
+            raise OscarError(f"backend {self.backend}: the Triton kernels code and decode uniform INT2 levels only "
+                             f"(quant.levels {self.method.levels:g})", hint="use --backend reference")
         if reason is not None and self.backend == "triton":
             raise OscarError(f"backend triton: {reason}", hint="use --backend reference (torch) or auto")
         path = "reference" if reason else "triton"
@@ -255,11 +264,12 @@ class Int2Layer(AppendLayer):
                 means = (flat_mean(self.k_mean), flat_mean(self.v_mean))
                 self.pool.write_kernel(flat(piece_k), flat(piece_v), to, means, (t.k_clip, t.v_clip))
                 continue
-            qk = quantize_rows(piece_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype)
-            qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype)
+            qk = quantize_rows(piece_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
+            qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype, meth.levels)
             self.pool.write(_rows(qk, flat), _rows(qv, flat), to)
             if self.keep is not None:
-                hats = [with_mean(dequantize_rows(q), mean) for q, mean in ((qk, self.k_mean), (qv, self.v_mean))]
+                hats = [with_mean(dequantize_rows(q, inner=meth.levels), mean)
+                        for q, mean in ((qk, self.k_mean), (qv, self.v_mean))]
                 score = token_scores(self.keep.kind, piece_k, piece_v, *hats)
                 pad = (slots[:, a:e] < 0).view(b, 1, e - a)
                 scores.append(score.masked_fill(pad, float("-inf")))
@@ -300,7 +310,7 @@ class Int2Layer(AppendLayer):
             e = min(width, a + PIECE)
             codes = self.pool.codes(self.hist_slots, e - a, start=a)
             for out, q, mean in zip(outs, codes, (self.k_mean, self.v_mean), strict=True):
-                out[..., s + a : s + e, :] = with_mean(dequantize_codes(*q, torch.float32), mean)
+                out[..., s + a : s + e, :] = with_mean(dequantize_codes(*q, torch.float32, self.method.levels), mean)
         if self.keep is not None:  # kept tokens: attention reads their BF16 rows (slot t is index t here)
             self.keep.substitute(*outs, limit=s + width)
         return outs

@@ -30,7 +30,7 @@ import torch
 from oscar_cli.errors import ArtifactError, EvalError
 from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.transform import LAYER_SCHEMES, LayerStorage, LayerTransform
-from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK
+from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK, UNIFORM_INNER
 
 MethodKind = LayerStorage
 
@@ -56,6 +56,8 @@ class QuantMethod:
             see :meth:`for_layer`.
         keep_fraction, keep_score: the per-token BF16 keep budget of ``int2`` layers (recipe ``quant.keep``,
             :mod:`oscar_cli.quant.keep`; 0 = off).
+        levels: the inner INT2 level ``a`` of ``int2`` layers (recipe ``quant.levels``): levels
+            ``zero + scale·3·(0, a, 1 - a, 1)``; ``1/3`` = uniform (reference path only otherwise).
     """
 
     name: str
@@ -70,6 +72,7 @@ class QuantMethod:
     layer_kinds: tuple[MethodKind, ...] = ()
     keep_fraction: float = 0.0
     keep_score: str = "qerr"
+    levels: float = UNIFORM_INNER
 
     def layer(self, idx: int) -> LayerTransform:
         """The transforms of decoder layer ``idx`` (identity when the method has none)."""
@@ -88,8 +91,8 @@ class QuantMethod:
             return replace(self, layer_kinds=())
         if kind == "kivi":
             return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=(),
-                           keep_fraction=0.0)
-        return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0)
+                           keep_fraction=0.0, levels=UNIFORM_INNER)
+        return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0, levels=UNIFORM_INNER)
 
     @property
     def demotion_block(self) -> int:
@@ -221,7 +224,7 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     keep = quant.get("keep") or {}
     return replace(meth, layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
                    extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
-                   keep_score=str(keep.get("score", "qerr")))
+                   keep_score=str(keep.get("score", "qerr")), levels=float(quant.get("levels", UNIFORM_INNER)))
 
 
 def artifact_schemes(calibration: dict[str, Any], n_layers: int, ref: str) -> list[str]:

@@ -27,6 +27,7 @@ import torch
 
 from oscar_cli.errors import OscarError, UnsupportedModelError
 from oscar_cli.vllm.spec import DEMOTION_BLOCK, ring_tokens
+from oscar_kernels.layout import UNIFORM_INNER
 from oscar_kernels.reference import QuantizedRows, token_quad_row
 
 KERNEL_HEAD_DIMS = (64, 128)
@@ -111,12 +112,16 @@ def layer_tensors(method: object, num_layers: int, num_kv_heads: int, head_dim: 
 
 def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, group_size: int | None,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                   alibi: bool = False, kv_sharing: bool = False, keep_fraction: float = 0.0) -> None:
+                   alibi: bool = False, kv_sharing: bool = False, keep_fraction: float = 0.0,
+                   levels: float = UNIFORM_INNER) -> None:
     """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16."""
     reasons = []
     if keep_fraction:
         reasons.append(f"a BF16 keep budget (quant.keep.fraction {keep_fraction:g}: the kernels do not read the "
                        "kept tier; serve it through transformers with --backend reference)")
+    if levels != UNIFORM_INNER:
+        reasons.append(f"non-uniform INT2 levels (quant.levels {levels:g}: the kernels code and decode uniform levels "
+                       "only; serve it through transformers with --backend reference)")
     if head_dim not in KERNEL_HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} (the INT2 decode kernel supports {KERNEL_HEAD_DIMS})")
     if block_size not in BLOCK_SIZES:

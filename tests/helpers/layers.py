@@ -47,10 +47,10 @@ def dense_reference(
         return torch.cat([rotate(x[..., a:e, :], r).to(x.dtype) for a, e in zip(bounds, bounds[1:], strict=False)], -2)
 
     kr, vr = rotated(k, rot[0]), rotated(v, rot[1])
-    g, md = meth.group_size, meth.meta_dtype
+    g, md, a = meth.group_size, meth.meta_dtype, meth.levels
 
     def fake(x: torch.Tensor, mean: torch.Tensor | None, clip: float) -> torch.Tensor:
-        deq = dequantize_rows(quantize_rows(x, None, mean, clip, g, md), torch.float32)
+        deq = dequantize_rows(quantize_rows(x, None, mean, clip, g, md, a), torch.float32, a)
         return (deq + (0 if mean is None else mean.float().unsqueeze(-2))).to(x.dtype)
 
     qk, qv = fake(kr, t.k_mean, t.k_clip), fake(vr, t.v_mean, t.v_clip)
