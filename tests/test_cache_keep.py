@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.calib import random_transform
-from helpers.layers import chunked, dense_reference, run_layer
+from helpers.layers import assert_kernels_refuse, chunked, dense_reference, run_layer
 
-from oscar_cli.errors import OscarError, RecipeError
-from oscar_cli.quant import LayerTransform, int2_layer, oscar_method
+from oscar_cli.errors import RecipeError
+from oscar_cli.quant import LayerTransform, oscar_method
 from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.quant.keep import keep_bits, keep_count, token_scores
 from oscar_cli.recipe import Recipe, recipe_from_dict
@@ -136,16 +136,7 @@ def test_triton_path_refuses_a_keep_budget(monkeypatch: pytest.MonkeyPatch) -> N
     """``--backend triton`` refuses in one line; ``auto`` refuses where the kernels would run, and takes the
     reference path where they could not anyway (CPU)."""
     meth = replace(oscar_method([LayerTransform()], sink=8, recent=16), keep_fraction=0.02)
-    k = torch.randn(1, 2, 40, 16).bfloat16()
-    with pytest.raises(OscarError, match="keep tier") as e:
-        Int2Layer(meth, LayerTransform(), backend="triton").update(k, k)
-    assert e.value.hint == "use --backend reference" and "\n" not in e.value.message
-    layer = Int2Layer(meth, LayerTransform(), backend="auto")
-    layer.update(k, k)
-    assert layer.path == "reference"
-    monkeypatch.setattr(int2_layer, "kernel_unsupported", lambda *a, **kw: None)  # as on a CUDA device
-    with pytest.raises(OscarError, match="keep tier"):
-        Int2Layer(meth, LayerTransform(), backend="auto").update(k, k)
+    assert_kernels_refuse(meth, "keep tier", "keep tier", monkeypatch)
 
 
 def test_recipe_knob_is_validated_and_left_out_while_off() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.bitwise import assert_bitwise as _assert_bitwise
 
 from oscar_cli.vllm import layout
 from oscar_cli.vllm.core import PagedInt2Layer, TorchTiers, TritonKernels, torch_history
@@ -21,17 +22,6 @@ from oscar_kernels.reference import QuantizedRows
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()]).cpu()
-
-
-def _assert_bitwise(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype} {tuple(got.shape)} vs " \
-        f"{want.dtype} {tuple(want.shape)}"
-    bad = (_bits(got) != _bits(want)).nonzero()
-    assert bad.numel() == 0, f"{name}: {bad.shape[0]} mismatches, first at {bad[0].tolist()}"
 
 
 def _fill(pages: QuantizedRows, g: torch.Generator) -> None:

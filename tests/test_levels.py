@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.calib import random_transform
-from helpers.layers import chunked, dense_reference, run_layer
+from helpers.layers import assert_kernels_refuse, chunked, dense_reference, run_layer
 
-from oscar_cli.errors import OscarError, RecipeError, UnsupportedModelError
-from oscar_cli.quant import LayerTransform, int2_layer, oscar_method
+from oscar_cli.errors import RecipeError, UnsupportedModelError
+from oscar_cli.quant import LayerTransform, oscar_method
 from oscar_cli.quant.int2_layer import Int2Layer
 from oscar_cli.recipe import Recipe, recipe_from_dict
 from oscar_kernels import reference as ref
@@ -146,16 +146,8 @@ def test_triton_path_refuses_non_uniform_levels(monkeypatch: pytest.MonkeyPatch)
     """``--backend triton`` refuses in one line; ``auto`` refuses where the kernels would run, and takes the
     reference path where they could not anyway (CPU)."""
     meth = replace(oscar_method([LayerTransform()], sink=8, recent=16), levels=0.38)
+    assert_kernels_refuse(meth, "uniform INT2 levels only", "quant.levels 0.38", monkeypatch)
     k = torch.randn(1, 2, 40, 16).bfloat16()
-    with pytest.raises(OscarError, match="uniform INT2 levels only") as e:
-        Int2Layer(meth, LayerTransform(), backend="triton").update(k, k)
-    assert e.value.hint == "use --backend reference" and "\n" not in e.value.message
-    layer = Int2Layer(meth, LayerTransform(), backend="auto")
-    layer.update(k, k)
-    assert layer.path == "reference"
-    monkeypatch.setattr(int2_layer, "kernel_unsupported", lambda *a, **kw: None)  # as on a CUDA device
-    with pytest.raises(OscarError, match="quant.levels 0.38"):
-        Int2Layer(meth, LayerTransform(), backend="auto").update(k, k)
     Int2Layer(replace(meth, levels=ref.UNIFORM_INNER), LayerTransform(), backend="auto").update(k, k)
 
 

@@ -84,3 +84,25 @@ def run_layer(layer: Any, k: torch.Tensor, v: torch.Tensor, pads: list[int], chu
 
 def chunked(total: int, chunk: int) -> list[int]:
     return [min(chunk, total - s) for s in range(0, total, chunk)]
+
+
+def assert_kernels_refuse(method: QuantMethod, match: str, match_auto: str, monkeypatch: Any) -> None:
+    """A reference-path-only ``method`` knob: ``--backend triton`` refuses it in one line (hint: the reference
+    backend); ``auto`` takes the reference path where the kernels could not run anyway (CPU) and refuses where they
+    would (``kernel_unsupported`` patched to say they could, as on a CUDA device)."""
+    import pytest
+
+    from oscar_cli.errors import OscarError
+    from oscar_cli.quant import int2_layer
+    from oscar_cli.quant.int2_layer import Int2Layer
+
+    k = torch.randn(1, 2, 40, 16).bfloat16()
+    with pytest.raises(OscarError, match=match) as e:
+        Int2Layer(method, LayerTransform(), backend="triton").update(k, k)
+    assert e.value.hint == "use --backend reference" and "\n" not in e.value.message
+    layer = Int2Layer(method, LayerTransform(), backend="auto")
+    layer.update(k, k)
+    assert layer.path == "reference"
+    monkeypatch.setattr(int2_layer, "kernel_unsupported", lambda *a, **kw: None)
+    with pytest.raises(OscarError, match=match_auto):
+        Int2Layer(method, LayerTransform(), backend="auto").update(k, k)
