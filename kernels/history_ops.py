@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, META, bad_tensor, check_tensor, mean_arg, triton_module
+from oscar_kernels.launch_checks import (
+    ACT,
+    META,
+    bad_tensor,
+    check_rows,
+    check_tensor,
+    mean_arg,
+    next_pow2,
+    triton_module,
+)
 from oscar_kernels.reference import QuantizedRows, token_quad_row
 
 HISTORY_DTYPES = (*ACT, torch.float32)
@@ -34,13 +43,6 @@ def _meta(name: str, pages: QuantizedRows, shape: tuple[int, int, int], d: int, 
     if z.stride() != s.stride():
         raise ValueError(f"{name}.zero: expected {name}.scale's strides {s.stride()}, got {z.stride()}")
     return d // ng
-
-
-def _out(name: str, t: Any, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, ...], dev: torch.device,
-         what: str) -> None:
-    check_tensor(name, t, what, shape, dtypes, dev)
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected a contiguous last dim, got strides {t.stride()}")
 
 
 def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
@@ -67,8 +69,8 @@ def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: t
     if k_out.dim() != 3 or k_out.dtype not in HISTORY_DTYPES or k_out.shape[-1] % 4 or k_out.shape[-1] == 0:
         raise bad_tensor("k_out", k_out, "bf16/fp16/fp32 [T, H_kv, D] with D a positive multiple of 4")
     n, h_kv, d = (int(s) for s in k_out.shape)
-    _out("k_out", k_out, (n, h_kv, d), (k_out.dtype,), dev, f"{k_out.dtype} [T, H_kv, D]")
-    _out("v_out", v_out, (n, h_kv, d), (k_out.dtype,), dev, f"{k_out.dtype} [{n}, {h_kv}, {d}] (as k_out)")
+    check_rows("k_out", k_out, f"{k_out.dtype} [T, H_kv, D]", (n, h_kv, d), (k_out.dtype,), dev)
+    check_rows("v_out", v_out, f"{k_out.dtype} [{n}, {h_kv}, {d}] (as k_out)", (n, h_kv, d), (k_out.dtype,), dev)
     kc = k_pages.packed
     check_tensor("k_pages.packed", kc, f"uint8 [pages, {h_kv}, P, {d // 4}]", (None, h_kv, None, d // 4),
                  (torch.uint8,), dev)
@@ -108,5 +110,5 @@ def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: t
         vc, vc.stride(0), vc.stride(1), vc.stride(2), vs, v_pages.zero, *vs.stride(),
         blocks, start // p, km, km_stride, vm, vm_stride,
         k_out, k_out.stride(0), k_out.stride(1), v_out, v_out.stride(0), v_out.stride(1), n,
-        P=p, R=r, D=d, BLOCK_D=1 << (d - 1).bit_length(), G_K=g_k, NG_K=d // g_k, G_V=g_v, NG_V=d // g_v,
+        P=p, R=r, D=d, BLOCK_D=next_pow2(d), G_K=g_k, NG_K=d // g_k, G_V=g_v, NG_V=d // g_v,
         BLOCK_T=block_t, num_warps=num_warps, **COMPILE_OPTIONS)

@@ -38,6 +38,19 @@ def check_tensor(name: str, t: Any, expected: str, shape: tuple[int | None, ...]
         raise bad_tensor(name, t, f"{expected} on {device}")
 
 
+def check_rows(name: str, t: Any, expected: str, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
+               device: torch.device) -> None:
+    """:func:`check_tensor`, and a contiguous last dim (rows of ``D`` elements; other strides free)."""
+    check_tensor(name, t, expected, shape, dtypes, device)
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a contiguous last dim, got strides {t.stride()}")
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``): Triton block sizes."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def triton_dtype(dtype: torch.dtype) -> Any:
     import triton.language as tl
 

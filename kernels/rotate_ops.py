@@ -8,20 +8,12 @@ CUDA-graph safe: no host sync, the grid only from static sizes.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, rotation_arg, triton_module
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_rows, rotation_arg, triton_module
 
 ROTATE_DTYPES = (*ACT, torch.float32)
-
-
-def _rows(name: str, t: Any, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, ...], dev: torch.device,
-          what: str) -> None:
-    check_tensor(name, t, what, shape, dtypes, dev)
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected a contiguous last dim, got strides {t.stride()}")
 
 
 def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor, *,
@@ -48,7 +40,7 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
     n, h_kv, d = (int(s) for s in k.shape)
     if k.stride(-1) != 1:
         raise ValueError(f"k: expected a contiguous last dim, got strides {k.stride()}")
-    _rows("v", v, (n, h_kv, d), (k.dtype,), dev, f"{k.dtype} [{n}, {h_kv}, {d}] (as k)")
+    check_rows("v", v, f"{k.dtype} [{n}, {h_kv}, {d}] (as k)", (n, h_kv, d), (k.dtype,), dev)
     rk, rk_stride = rotation_arg("r_k", r_k, h_kv, d, dev)
     rv, rv_stride = rotation_arg("r_v", r_v, h_kv, d, dev)
     if rk is None or rv is None:
@@ -60,8 +52,8 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
         yk, yv = (torch.empty(n, h_kv, d, dtype=dt, device=dev) for _ in range(2))
     else:
         yk, yv = out
-        _rows("out[0]", yk, (n, h_kv, d), (dtype,) if dtype else ROTATE_DTYPES, dev, f"[{n}, {h_kv}, {d}]")
-        _rows("out[1]", yv, (n, h_kv, d), (yk.dtype,), dev, f"{yk.dtype} [{n}, {h_kv}, {d}] (as out[0])")
+        check_rows("out[0]", yk, f"[{n}, {h_kv}, {d}]", (n, h_kv, d), (dtype,) if dtype else ROTATE_DTYPES, dev)
+        check_rows("out[1]", yv, f"{yk.dtype} [{n}, {h_kv}, {d}] (as out[0])", (n, h_kv, d), (yk.dtype,), dev)
     bt = block_t or (16 if n <= 64 else 64)
     if bt < 16 or bt & (bt - 1) or block_e < 16 or block_e & (block_e - 1) or d % block_e:
         raise ValueError(f"block_t, block_e: expected powers of two >= 16 (block_e dividing {d}), got {bt}, {block_e}")

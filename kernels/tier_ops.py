@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, mean_arg, triton_module
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, mean_arg, next_pow2, triton_module
 
 TIER_DTYPES = (*ACT, torch.float32)
 
@@ -50,7 +50,7 @@ def tier_write(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: t
     triton_module("tier_copy")._tier_write_kernel[(math.ceil(n / block_t), h_kv)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), sink_row, sink_pos, ring_row, ring_slot,
-        n, D=d, BLOCK_D=_next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
+        n, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
 
 
 def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
@@ -99,9 +99,5 @@ def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         rows, ring_index, ring_index.stride(0), km, vm, km_stride, vm_stride,
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
-        s, r, sink_tiles, D=d, BLOCK_D=_next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
+        s, r, sink_tiles, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
     return sk, sv, rk, rv
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()

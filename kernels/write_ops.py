@@ -9,7 +9,16 @@ import os
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, META, bad_tensor, check_tensor, mean_arg, rotation_arg, triton_modules
+from oscar_kernels.launch_checks import (
+    ACT,
+    META,
+    bad_tensor,
+    check_tensor,
+    mean_arg,
+    next_pow2,
+    rotation_arg,
+    triton_modules,
+)
 from oscar_kernels.reference import TOKEN_QUAD_ROW, QuantizedRows, token_quad_row
 
 LAYOUTS = ("rows", "token_quads")
@@ -47,7 +56,7 @@ def auto_block_t(n: int, rotation: bool) -> int:
     to clip and quantize at decode batch sizes); 16 when the kernel rotates (``tl.dot`` needs 16 rows)."""
     if rotation:
         return 16
-    return min(16, 1 << max(int(n) - 1, 0).bit_length())
+    return min(16, next_pow2(n))
 
 
 def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
