@@ -183,13 +183,8 @@ def fake_quantize(x: torch.Tensor, ratio: float, group_size: int | None, meta: t
     with a non-uniform inner level, recipe ``quant.levels``). ``x [..., D]``."""
     from oscar_kernels.reference import clip_rows, dequantize_codes, quantize_int2
 
-    d = x.shape[-1]
-    g = d if group_size is None else group_size
     codes, scale, zero = quantize_int2(clip_rows(x, ratio), group_size, meta, inner)
-    if inner != UNIFORM_INNER:
-        return dequantize_codes(codes, scale, zero, torch.float32, inner)
-    c = codes.float().reshape(*x.shape[:-1], d // g, g)
-    return (zero.float().unsqueeze(-1) + c * scale.float().unsqueeze(-1)).reshape(x.shape)
+    return dequantize_codes(codes, scale, zero, torch.float32, inner)
 
 
 def _argmin(errors: dict[float, float]) -> float:

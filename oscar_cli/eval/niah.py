@@ -185,8 +185,6 @@ def load_essay_words(haystack_dir: str | Path | None) -> list[str]:
 # non-whitespace characters starts a new pre-token (module docstring of PromptBuilder).
 _PIECE_BOUNDARY = re.compile(r"(?<=\S)(?=[ \n]\S)")
 _MAX_PIECES = 1_000_000  # memoised pieces kept (random needles never repeat; the memo is cleared past this)
-
-
 _NO_NORMALIZER = {"type": "Sequence", "normalizers": []}  # runs no normalizer: the text unchanged
 
 
@@ -268,9 +266,11 @@ class PromptBuilder:
 
     def _split(self, text: str, answer_prefix: str) -> list[str] | None:
         """The prompt of ``text`` as pieces whose ids concatenate to the prompt's, or None (tokenize it whole)."""
+        if not self.piecewise or any(t in text for t in self._added):
+            return None
         prompt = self.prompt(text, answer_prefix)
         start = prompt.find(text)
-        if not self.piecewise or start < 0 or any(t in text for t in self._added):
+        if start < 0:
             return None
         pieces = _PIECE_BOUNDARY.split(text)
         pieces[0] = prompt[:start] + pieces[0]

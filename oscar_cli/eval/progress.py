@@ -53,7 +53,6 @@ class RunProgress:
         self.bar = bar
         self.task = bar.add_task(label, total=total) if bar is not None else None
         self.batches = 0
-        self.first_batch: tuple[int, int, float] | None = None  # (samples, length, seconds)
         # the ETA's rate: the time since `_since` over the weight finished since then
         self._since: float | None = None
         self._weight = 0
@@ -78,8 +77,8 @@ class RunProgress:
         self.done += n
         self.done_weight += n * length
         self.batches += 1
-        if self.first_batch is None:
-            self.first_batch, self.first_alone = (n, length, seconds), alone
+        if self.batches == 1:
+            self.first_alone = alone
         if self._since is None:  # the first batch: its own time, not what came before it
             self._since, self._weight, self.provisional = now - seconds, n * length, alone
         elif self.provisional:  # drop the lone sample: from its end (building in between included)

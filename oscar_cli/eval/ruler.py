@@ -279,13 +279,13 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 def _batches(
     items: Sequence[Item], size: Callable[[int], int], deadline: float | None, alone_first: bool = False
-) -> Iterator[list[Item]]:
-    """Consecutive items of one length, at most ``size(length)`` per batch, read (and so built) one batch at a time;
-    stops before reading a batch once ``time.perf_counter()`` passes ``deadline``.
+) -> Iterator[tuple[list[Item], bool]]:
+    """``(batch, alone)``: consecutive items of one length, at most ``size(length)`` per batch, read (and so built)
+    one batch at a time; stops before reading a batch once ``time.perf_counter()`` passes ``deadline``.
 
     ``alone_first``: the first batch is cut after its first sample (where it would hold more) and the rest of it is
     the next batch, so the batches after those two are the ones without the cut; only the first sample is read
-    before the first batch runs."""
+    before the first batch runs. ``alone`` is True for that lone sample when a cut happened (more items follow)."""
 
     def take(i: int, limit: int) -> list[Item]:
         batch, length = [items[i]], items[i][0].length
@@ -308,7 +308,7 @@ def _batches(
             limit, rest = size(items[i][0].length), 0
         batch = take(i, limit)
         i += len(batch)
-        yield batch
+        yield batch, bool(rest) and i < len(items)
 
 
 def run_method_samples(
@@ -348,9 +348,8 @@ def run_method_samples(
         return cfg.batch_size or default_batch_size(length, loaded.device)
 
     with use_method(model, method, backend=cfg.backend) as session:
-        for k, batch in enumerate(_batches(pending, size, deadline, alone_first)):
+        for batch, alone in _batches(pending, size, deadline, alone_first):  # alone: cut so as to report early
             length = batch[0][0].length
-            alone = alone_first and k == 0 and len(pending) > 1 and size(length) > 1  # cut so as to report early
             what = f"{method.name} @ {format_ctx(length)}"
             cache = session.new_cache()
             ids, mask = left_pad([b[1] for b in batch], pad_id, loaded.device)
