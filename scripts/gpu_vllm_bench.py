@@ -289,6 +289,10 @@ def throughput(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: 
 
 def tpot(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[int], base: str) -> None:
     generate(llm, prompts(1, 64, args.vocab, 7), 8)  # warm-up
+    # and a prompt of more than one chunk: later chunks attend through the cache's history (oscar: its Triton
+    # dequantization kernel), whose first launch compiles; without this the first multi-chunk ctx's TTFT holds the
+    # compile and its TPOT (from the two runs' difference) comes out low (2026-12-02: 32K "1.91 ms")
+    generate(llm, prompts(1, min(2 * args.chunk + 64, max(ctxs)), args.vocab, 8), 2)
     for ctx in ctxs:
         p = prompts(1, ctx, args.vocab, ctx)
         t1, _ = generate(llm, p, 1)
