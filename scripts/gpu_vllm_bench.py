@@ -287,7 +287,8 @@ def encode_steps(log: StepLog) -> dict[str, str]:
 
 
 def decode_steps(d: dict[str, str]) -> StepLog:
-    return StepLog(*([float(x) if k == "ms" else int(x) for x in d[k].split()] for k in STEP_FIELDS))
+    """:func:`encode_steps` inverted."""
+    return StepLog([float(x) for x in d["ms"].split()], *([int(x) for x in d[k].split()] for k in STEP_FIELDS[1:]))
 
 
 def _window(log: StepLog, idx: list[int], bytes_per_request_step: int | None) -> dict[str, Any] | None:
@@ -569,8 +570,8 @@ def ruler(args: argparse.Namespace, llm: Any, model_dir: Path, ctxs: list[int], 
 def stepwise_record(n: int, ctx: int, run: StepRun, bytes_per_token: int | None) -> dict[str, Any]:
     """The issue's figures (wall, output tok/s, prefill included) and the step log's windows for ``n`` requests."""
     s = summarize_steps(n, run.log, ctx * bytes_per_token if bytes_per_token else None)
-    rec = {"batch": n, "prompt_tokens": ctx, "wall_s": run.wall_s, "add_s": run.add_s,
-           "output_tokens": sum(len(t) for t in run.tokens), "bytes_per_token": bytes_per_token}
+    rec: dict[str, Any] = {"batch": n, "prompt_tokens": ctx, "wall_s": run.wall_s, "add_s": run.add_s,
+                           "output_tokens": sum(len(t) for t in run.tokens), "bytes_per_token": bytes_per_token}
     rec["output_tok_per_s"] = rec["output_tokens"] / run.wall_s
     rec |= {k: v for k, v in s.items() if k not in ("wall_s", "output_tokens", "output_tok_per_s")}
     rec["step_log"] = encode_steps(run.log)
