@@ -25,7 +25,9 @@
 #       vllm ruler-oscar 560 --stage ruler --backend oscar --model $GGUF --artifact $ART --ctx 4k,16k,32k
 #       --samples 20 --max-model-len 32768 --max-num-seqs 32;
 #       vllm perf 330 --stage capacity,tpot,profile --backend oscar --ctx 4k,128k --profile-dir /tmp/prof
-#       --profile-tokens 34: the trace holds the prefill and 33 decode steps)
+#       --profile-tokens 34: the trace holds the prefill and 33 decode steps;
+#       vllm dec-oscar 560 --stage capacity,tpot,decode --backend oscar --ctx 32k --max-num-seqs auto
+#       --kv-tokens-hint 5150656 --decode-max-prefill-s 330: decode throughput at capacity, docs/VLLM.md)
 #   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 33)
 #   bash scripts/gpu_session.sh ablate [S]    (after setup: scripts/ablate.py on GGUF, prose base, eval-kl at 4K and
 #                                              32,704 tokens, one lever per row, no row starts after S (420) seconds)
@@ -46,7 +48,7 @@ finish() { local o=${OUT:-/tmp/out}; mkdir -p "$o/res" && cp -r /tmp/res/. "$o/r
 trap finish EXIT
 oscar() { (cd /tmp && PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" "$@"); }
 t0=$(date +%s)
-usage() { sed -n 2,36p "$0" >&2; exit 2; }
+usage() { sed -n 2,38p "$0" >&2; exit 2; }
 site() {  # oscar (this tree) and the wheels the image lacks -> /tmp/site, once
     [ -d /tmp/site/oscar_cli ] && return 0
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl || return 1
