@@ -143,16 +143,17 @@ qsweep)  # #18 item 4: the Qwen RULER/KL sweep in priority order, resumable (scr
     site || exit 1  # and this tree's oscar again: the call may come after a commit since setup
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     [ -f "$GGUF" ] && [ -f /tmp/q/austen_persuasion.txt ] || { echo "qsweep: run setup first (no $GGUF)"; exit 1; }
-    mkdir -p /tmp/res/qsweep
+    qres=${OUT:-/tmp/out}/res/qsweep  # straight into $OUT after every step: a call killed at its limit keeps them
+    mkdir -p "$qres"
     if [ -f .stage/qsweep/art/manifest.json ]; then  # the sweep's artifact: its rows resume only with it
         cmp -s .stage/qsweep/art/manifest.json "$ART/manifest.json" || { rm -rf "$ART" && cp -r .stage/qsweep/art "$ART"; }
         echo "artifact: the carried one ($(grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' "$ART/manifest.json"))"
     fi
     [ -f "$ART/manifest.json" ] || { echo "qsweep: no artifact at $ART"; exit 1; }
-    rm -rf /tmp/res/qsweep/art && cp -r "$ART" /tmp/res/qsweep/art
+    cp -r "$ART" "$qres/art"
     PYTHONPATH=/tmp/site python3 scripts/qsweep.py run --state /tmp/q/qsweep --carried .stage/qsweep \
-        --res /tmp/res/qsweep --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}"
-    echo "rc=$?"; du -sh /tmp/res/qsweep
+        --res "$qres" --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}"
+    echo "rc=$?"; du -sh "$qres"
     ;;
 trace)  # summarise a torch profiler trace dir
     PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60
