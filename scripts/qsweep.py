@@ -107,7 +107,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def merge_records(dst: Path, src: Path) -> tuple[int, int]:
-    """Union ``src``'s records into ``dst`` by resume key (``dst``'s copy wins); returns (added, total)."""
+    """Union ``src``'s records into ``dst`` by resume key (``dst``'s copy wins); returns (added, total).
+
+    ``dst`` is rewritten without unreadable lines: a call killed mid-write leaves a truncated last line, and
+    eval-ruler's next append would join its first record to it (and lose that record)."""
     have = read_records(dst)
     seen = {key(r) for r in have}
     new = []
@@ -290,6 +293,7 @@ def merge_carried(state: Path, carried: Path | None) -> str:
     """Bring a carried folder's samples and KL results into ``state``; one line saying what came in."""
     state.mkdir(parents=True, exist_ok=True)
     if carried is None or not carried.is_dir():
+        merge_records(state / SAMPLES_FILE, state / "none")  # still drop a truncated last line (a killed call)
         return "carried: nothing"
     added, total = merge_records(state / SAMPLES_FILE, carried / SAMPLES_FILE)
     kl = []

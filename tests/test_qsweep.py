@@ -193,3 +193,31 @@ def test_command_lines(tmp_path: Path) -> None:
     assert "--ctx 64k,128k" in " ".join(cmd) and "--methods bf16,oscar,kivi-2" in " ".join(cmd)
     k = " ".join(q.command(kl, "G", "/tmp/q/art", tmp_path, "held.txt", 100))
     assert k.startswith("--json eval-kl G --text held.txt") and "--ctx 32704 --tokens 64 --windows 8" in k
+
+
+def test_counts_and_resume_on_real_eval_ruler_records(tmp_path: Path) -> None:
+    """The rows eval-ruler writes are the ones qsweep counts, and eval-ruler resumes from a merged state file."""
+    from helpers.evaldata import prose
+    from helpers.tiny import tiny_loaded
+
+    from oscar_cli.eval.ruler import RulerConfig, run_ruler
+
+    q = _q()
+    tasks = ["niah_single_1", "niah_multikey_2"]
+
+    def cfg(out: Path) -> RulerConfig:
+        return RulerConfig(lengths=[1024], tasks=tasks, methods=["bf16"], samples=2, out=str(out),
+                           haystack_dir=str(prose(tmp_path / "prose")), max_new_tokens=2, batch_size=3)
+
+    run_ruler(cfg(tmp_path / "call1"), tiny_loaded())  # the first call's eval-ruler
+    step = q.Step("x", "ruler", ("bf16",), (1024,), 2)
+    state = tmp_path / "state"
+    q.merge_carried(state, tmp_path / "call1")  # the next call: what came back, carried in
+    assert q.done_count(q.read_records(state / "samples.jsonl"), step, None) == 2 * len(tasks)
+    lines = (state / "samples.jsonl").read_text().splitlines()
+    (state / "samples.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # one lost, one truncated
+    q.merge_carried(state, None)  # a call with nothing carried still drops the truncated line
+    again = run_ruler(cfg(state), tiny_loaded())
+    assert again.evaluated == 1 and again.complete
+    recs = q.read_records(state / "samples.jsonl")
+    assert len(recs) == 2 * len(tasks) and q.done_count(recs, step, None) == 2 * len(tasks)
