@@ -216,7 +216,10 @@ def environment(dev: str) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'N':>5}  {'µs/launch':>10}  case"]
     for row in rows:
-        us = f"{row['us_per_launch']:10.2f}" if row.get("us_per_launch") is not None else f"{'ERROR':>10}"
+        if row.get("us_per_launch") is not None:
+            us = f"{row['us_per_launch']:10.2f}"
+        else:  # a check row has no time: it passed unless it carries an error
+            us = f"{'FAILED' if row.get('error') else 'ok':>10}"
         lines.append(f"{row['n']:>5}  {us}  {row['name']}" + (f"  [{row['error'][:120]}]" if row.get("error") else ""))
     return "\n".join(lines)
 

@@ -73,3 +73,15 @@ def test_check_updates_compares_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "quantize_write", lazy_xor)
     err = bench.check_updates(3, 4, dev, 1, 64)["error"]
     assert err is not None and "decode xor:" in err and "dense xor:" in err and "exclusive" not in err
+
+
+def test_table_labels_check_rows() -> None:
+    """A check row has no time: the table says ``ok`` when it passed and ``FAILED`` (with the error) when not, a
+    timed case its µs, a case that raised ``FAILED``."""
+    bench = load_script("gpu_write_bench")
+    lines = bench.table([{"name": "check", "n": 8, "us_per_launch": None, "error": None},
+                         {"name": "check", "n": 64, "us_per_launch": None, "error": "AssertionError: bytes differ"},
+                         {"name": "case", "n": 1, "us_per_launch": 2.5, "error": None}]).splitlines()
+    assert lines[1].split()[:2] == ["8", "ok"]
+    assert lines[2].split()[:2] == ["64", "FAILED"] and "bytes differ" in lines[2]
+    assert lines[3].split()[:2] == ["1", "2.50"]
