@@ -84,7 +84,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,16 +305,18 @@ def _window(log: StepLog, idx: list[int], bytes_per_request_step: int | None) ->
     return w
 
 
-def summarize_steps(n: int, log: StepLog, bytes_per_request_step: int | None = None) -> dict[str, Any]:
+def summarize_steps(n: int, log: StepLog, bytes_per_request_step: int | None = None,
+                    exclude: frozenset[int] = frozenset()) -> dict[str, Any]:
     """Wall and output tok/s over all steps; the prefill phase (up to the step in which the last request got its first
     token); the decode phase (steps in which every unfinished request already had its first token) and the full batch
-    (those steps in which none of the ``n`` requests had finished). A window no step falls in is None."""
+    (those steps in which none of the ``n`` requests had finished). A window no step falls in is None. Steps in
+    ``exclude`` (0-based: e.g. the ones traced by the profiler) count in the wall time but in no window."""
     wall = sum(log.ms) / 1e3
     tokens = sum(log.tokens)
     done = next((i for i, p in enumerate(log.pending) if p == 0), None)
     pending_before = [n, *log.pending[:-1]]
     finished_before = [0, *log.finished[:-1]]
-    decode = [i for i in range(len(log.ms)) if pending_before[i] == 0]
+    decode = [i for i in range(len(log.ms)) if pending_before[i] == 0 and i not in exclude]
     full = [i for i in decode if finished_before[i] == 0]
     return {"steps": len(log.ms), "wall_s": wall, "output_tokens": tokens,
             "output_tok_per_s": tokens / wall if wall > 0 else None,
@@ -332,9 +334,52 @@ class StepRun:
     tokens: list[list[int]]
 
 
-def run_steps(eng: Any, inputs: Iterable[Any], params: Any, echo: bool = False) -> StepRun:
+@dataclass
+class ProfileWindow:
+    """A :func:`run_steps` hook that traces ``steps`` engine steps of the full batch: it starts the profiler ``skip``
+    steps after the first step in which no request waits for its first token (prefill over, every request decoding)
+    and stops it ``steps`` steps later. ``traced`` is then the 0-based indices of the traced steps, for
+    :func:`summarize_steps`' ``exclude`` (the profiler slows the steps it traces)."""
+
+    steps: int
+    start: Callable[[], None]
+    stop: Callable[[], None]
+    skip: int = 8
+    first_decode: int | None = None
+    started_after: int | None = None
+    stopped_after: int | None = None
+
+    def __call__(self, done: int, waiting: int) -> None:
+        if self.first_decode is None and waiting == 0:
+            self.first_decode = done
+        if self.first_decode is None or self.stopped_after is not None:
+            return
+        if self.started_after is None and done >= self.first_decode + self.skip:
+            self.start()
+            self.started_after = done
+        elif self.started_after is not None and done >= self.started_after + self.steps:
+            self.stop()
+            self.stopped_after = done
+
+    def finish(self) -> None:
+        """Stop a trace the run ended inside (fewer steps left than asked)."""
+        if self.started_after is not None and self.stopped_after is None:
+            self.stop()
+            self.stopped_after = -1
+
+    @property
+    def traced(self) -> frozenset[int]:
+        if self.started_after is None:
+            return frozenset()
+        end = self.stopped_after if self.stopped_after not in (None, -1) else self.started_after + self.steps
+        return frozenset(range(self.started_after, end))
+
+
+def run_steps(eng: Any, inputs: Iterable[Any], params: Any, echo: bool = False,
+              on_step: Callable[[int, int], None] | None = None) -> StepRun:
     """Add ``inputs`` as requests "0", "1", ... to a vLLM LLMEngine (``params`` with DELTA outputs) and step it until it
-    has no unfinished request, recording every step (:class:`StepLog`)."""
+    has no unfinished request, recording every step (:class:`StepLog`); ``on_step(steps so far, requests still
+    without a first token)`` runs after each step is recorded."""
     t0 = time.perf_counter()
     ids = []
     for i, x in enumerate(inputs):
@@ -359,6 +404,8 @@ def run_steps(eng: Any, inputs: Iterable[Any], params: Any, echo: bool = False) 
                 waiting.discard(o.request_id)
             finished += bool(o.finished)
         log.append(1e3 * (now - (prev if log.ms else t0)), new, got, len(waiting), finished)
+        if on_step is not None:
+            on_step(len(log.ms), len(waiting))
         if echo:
             print(f"[step {len(log.ms)}] {log.ms[-1]:.1f} ms, {len(outs)} outputs, {new} tokens, "
                   f"{len(waiting)} waiting for a first token, {finished} finished", flush=True)
@@ -473,7 +520,8 @@ def generate(llm: Any, ps: list[Any], tokens: int) -> tuple[float, list[list[int
     return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def generate_steps(llm: Any, ps: list[Any], tokens: int, echo: bool = False) -> StepRun:
+def generate_steps(llm: Any, ps: list[Any], tokens: int, echo: bool = False,
+                   on_step: Callable[[int, int], None] | None = None) -> StepRun:
     """:func:`generate` one engine step at a time (:func:`run_steps`): the prompts rendered as LLM.generate renders
     them (LLM._preprocess_cmpl_one, one at a time as they are added: vllm/entrypoints/offline_utils.py:306-316), with
     DELTA outputs so that every step returns the requests' new tokens."""
@@ -481,7 +529,7 @@ def generate_steps(llm: Any, ps: list[Any], tokens: int, echo: bool = False) -> 
     from vllm.sampling_params import RequestOutputKind
 
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
-    return run_steps(llm.llm_engine, (llm._preprocess_cmpl_one(p) for p in ps), sp, echo)
+    return run_steps(llm.llm_engine, (llm._preprocess_cmpl_one(p) for p in ps), sp, echo, on_step)
 
 
 def generate_stepwise(llm: Any, ps: list[Any], tokens: int) -> tuple[float, list[list[int]]]:
@@ -567,9 +615,10 @@ def ruler(args: argparse.Namespace, llm: Any, model_dir: Path, ctxs: list[int], 
                                                          "seed": cfg.seed})
 
 
-def stepwise_record(n: int, ctx: int, run: StepRun, bytes_per_token: int | None) -> dict[str, Any]:
+def stepwise_record(n: int, ctx: int, run: StepRun, bytes_per_token: int | None,
+                    exclude: frozenset[int] = frozenset()) -> dict[str, Any]:
     """The issue's figures (wall, output tok/s, prefill included) and the step log's windows for ``n`` requests."""
-    s = summarize_steps(n, run.log, ctx * bytes_per_token if bytes_per_token else None)
+    s = summarize_steps(n, run.log, ctx * bytes_per_token if bytes_per_token else None, exclude)
     rec: dict[str, Any] = {"batch": n, "prompt_tokens": ctx, "wall_s": run.wall_s, "add_s": run.add_s,
                            "output_tokens": sum(len(t) for t in run.tokens), "bytes_per_token": bytes_per_token}
     rec["output_tok_per_s"] = rec["output_tokens"] / run.wall_s
@@ -633,8 +682,16 @@ def decode(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list
             print(f"[decode {ctx}] skipped: estimated prefill {est:.0f} s > --decode-max-prefill-s "
                   f"{args.decode_max_prefill_s:g}", flush=True)
             continue
-        run = generate_steps(llm, prompts(plan.n, ctx, args.vocab, ctx), plan.out_tokens)
-        rec = stepwise_record(plan.n, ctx, run, bytes_per_token)
+        prof = (ProfileWindow(args.decode_profile_steps, llm.start_profile, llm.stop_profile)
+                if args.decode_profile_steps else None)
+        run = generate_steps(llm, prompts(plan.n, ctx, args.vocab, ctx), plan.out_tokens, on_step=prof)
+        if prof is not None:
+            prof.finish()
+        traced = prof.traced if prof is not None else frozenset()
+        rec = stepwise_record(plan.n, ctx, run, bytes_per_token, traced)
+        if prof is not None:  # 1-based step numbers, as the windows' first_step
+            rec["profiled_steps"] = [min(traced) + 1, max(traced) + 1] if traced else None
+            rec["profile_dir"] = str(args.profile_dir)
         rec |= {"out_tokens": plan.out_tokens, "window": plan.window, "planned_first_token_steps":
                 list(plan.first_token_steps), "blocks_per_request": plan.blocks_per_request,
                 "decode_graph_batch": graph_batch(llm, plan.n, args.max_num_seqs), "estimated_prefill_s": est}
@@ -703,6 +760,9 @@ def main() -> None:
                     "--gpu-mem; Qwen3-8B shape at 0.85 and --max-num-seqs 64: oscar 5150656, bf16 742512 "
                     "(docs/VLLM.md runs 2-3; oscar's pool is smaller at a larger --max-num-seqs: the stages re-plan "
                     "from the engine's count)")
+    ap.add_argument("--decode-profile-steps", type=int, default=0,
+                    help="--stage decode: trace this many full-batch steps with the torch profiler (needs "
+                         "--profile-dir; 8 steps after the last prefill; those steps are left out of the windows)")
     ap.add_argument("--decode-window", type=int, default=128,
                     help="--stage decode: full-batch pure-decode steps after the last prefill")
     ap.add_argument("--decode-max-prefill-s", type=float, default=0.0,
@@ -774,6 +834,8 @@ def main() -> None:
     if smoke_only:
         smoke(args, str(model_dir), dummy, artifact)
         return
+    if args.decode_profile_steps and args.profile_dir is None:
+        raise SystemExit("--decode-profile-steps needs --profile-dir DIR")
     if "profile" in stages and args.profile_dir is None:
         raise SystemExit("--stage profile needs --profile-dir DIR")
     if "ruler" in stages and dummy:

@@ -195,7 +195,7 @@ def _simulated_generate(bench: Any, chunk: int) -> Any:
     """generate_steps as the front end sees a run that follows prefill_first_tokens: one token per running request
     and step; a step without any token is not reported (its time goes into the next reported step)."""
 
-    def generate(llm: Any, ps: list[list[int]], tokens: int) -> Any:
+    def generate(llm: Any, ps: list[list[int]], tokens: int, on_step: Any = None) -> Any:
         n, ctx = len(ps), len(ps[0])
         first = bench.prefill_first_tokens(n, ctx, chunk)
         toks: list[list[int]] = [[] for _ in range(n)]
@@ -211,6 +211,8 @@ def _simulated_generate(bench: Any, chunk: int) -> Any:
             for i in got:
                 toks[i].append(step)
             log.append(ms, len(got), len(got), sum(f > step for f in first), sum(len(t) == tokens for t in toks))
+            if on_step is not None:
+                on_step(len(log.ms), log.pending[-1])
         return bench.StepRun(sum(log.ms) / 1e3, 0.0, log, toks)
 
     return generate
@@ -225,7 +227,8 @@ def test_decode_stage_plans_runs_guards_and_records(bench: Any, monkeypatch: pyt
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
         compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16]))))
     out = tmp_path / "v.json"
-    args = Namespace(chunk=16, decode_window=4, max_num_seqs=8, decode_max_prefill_s=0.0, vocab=100, out=out)
+    args = Namespace(chunk=16, decode_window=4, max_num_seqs=8, decode_max_prefill_s=0.0, vocab=100, out=out,
+                     decode_profile_steps=0)
     facts = {"kv_blocks": 25, "block_size": 16, "kv_tokens": 400, "max_model_len": 64}
     bench.decode(args, llm, facts, [32], "m/b", 10, {})
     rec = json.loads(out.read_text())["m/b/decode/32"]
@@ -258,3 +261,58 @@ def test_decode_stage_plans_runs_guards_and_records(bench: Any, monkeypatch: pyt
         bench.decode(args, llm, facts | {"max_model_len": 40}, [32], "m/b", 10, {})
     with pytest.raises(SystemExit, match="one 32-token request"):
         bench.decode(args, llm, facts | {"kv_blocks": 3}, [32], "m/b", 10, {})
+
+
+def test_profile_window_traces_full_batch_steps(bench: Any) -> None:
+    """The trace starts ``skip`` steps after the first step with no request waiting for its first token and covers
+    ``steps`` steps; a run that ends inside the trace stops it in finish()."""
+    calls: list[tuple[str, int]] = []
+    done = [0]
+    w = bench.ProfileWindow(3, lambda: calls.append(("start", done[0])), lambda: calls.append(("stop", done[0])),
+                            skip=2)
+    waiting = [4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]  # after steps 1..12; prefill over after step 4
+    for i, p in enumerate(waiting, 1):
+        done[0] = i
+        w(i, p)
+    assert calls == [("start", 6), ("stop", 9)]  # steps 7, 8, 9 (1-based) traced
+    assert w.traced == frozenset({6, 7, 8})  # 0-based, as summarize_steps' exclude
+    short = bench.ProfileWindow(5, lambda: calls.append(("start2", 0)), lambda: calls.append(("stop2", 0)), skip=0)
+    for i, p in enumerate([1, 0, 0], 1):
+        short(i, p)
+    assert calls[-1] == ("start2", 0) and short.stopped_after is None
+    short.finish()
+    assert calls[-1] == ("stop2", 0) and short.traced == frozenset(range(2, 7))
+    idle = bench.ProfileWindow(2, lambda: calls.append(("x", 0)), lambda: calls.append(("y", 0)))
+    for i in range(1, 5):
+        idle(i, 1)  # never out of prefill: nothing traced
+    idle.finish()
+    assert idle.traced == frozenset() and calls[-1] == ("stop2", 0)
+
+
+def test_summary_leaves_excluded_steps_out_of_the_windows(bench: Any) -> None:
+    log = _log(bench, [(100, 2, 2, 0, 0), (20, 2, 2, 0, 0), (90, 2, 2, 0, 0), (20, 2, 2, 0, 0)])
+    s = bench.summarize_steps(2, log, exclude=frozenset({2}))
+    assert s["wall_s"] == pytest.approx(0.23) and s["full_batch"]["steps"] == 2  # steps 2 and 4
+    assert s["full_batch"]["mean_step_ms"] == pytest.approx(20.0)
+
+
+def test_decode_stage_profiles_and_excludes(bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import json
+    from argparse import Namespace
+
+    monkeypatch.setattr(bench, "prompts", lambda n, length, vocab, seed: [[5] * length for _ in range(n)])
+    monkeypatch.setattr(bench, "generate_steps", _simulated_generate(bench, 16))
+    calls: list[str] = []
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16]))),
+        start_profile=lambda: calls.append("start"), stop_profile=lambda: calls.append("stop"))
+    out = tmp_path / "v.json"
+    args = Namespace(chunk=16, decode_window=12, max_num_seqs=8, decode_max_prefill_s=0.0, vocab=100, out=out,
+                     decode_profile_steps=3, profile_dir=tmp_path / "prof")
+    facts = {"kv_blocks": 40, "block_size": 16, "kv_tokens": 640, "max_model_len": 64}
+    bench.decode(args, llm, facts, [32], "m/b", 10, {})
+    rec = json.loads(out.read_text())["m/b/decode/32"]
+    assert calls == ["start", "stop"]
+    a, b = rec["profiled_steps"]
+    assert b - a == 2 and a == rec["prefill_steps"] + 1 + 8  # 8 steps after the last prefill step
+    assert rec["full_batch"]["steps"] == 12 - 3 and rec["full_batch"]["mean_step_ms"] == pytest.approx(10.0)
