@@ -27,7 +27,8 @@
 #       vllm perf 330 --stage capacity,tpot,profile --backend oscar --ctx 4k,128k --profile-dir /tmp/prof
 #       --profile-tokens 34: the trace holds the prefill and 33 decode steps;
 #       vllm dec-oscar 560 --stage capacity,tpot,decode --backend oscar --ctx 32k --max-num-seqs auto
-#       --kv-tokens-hint 5150656 --decode-max-prefill-s 330: decode throughput at capacity, docs/VLLM.md)
+#       --kv-tokens-hint 5150656 --decode-max-prefill-s 330: decode throughput at capacity, docs/VLLM.md; add
+#       --profile-dir /tmp/prof --decode-profile-steps 6 and then `trace NAME 6` for 6 full-batch steps' kernels)
 #   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 33)
 #   bash scripts/gpu_session.sh ablate [S]    (after setup: scripts/ablate.py on GGUF, prose base, eval-kl at 4K and
 #                                              32,704 tokens, one lever per row, no row starts after S (420) seconds)
