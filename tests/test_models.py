@@ -6,6 +6,7 @@ embedded SmolLM2-135M (converted once into the default oscar cache, shared with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -20,6 +21,7 @@ from oscar_cli import model as models
 from oscar_cli.errors import MissingDependencyError, ModelResolutionError, OscarError, UnsupportedModelError
 from oscar_cli.model import cache as model_cache
 from oscar_cli.model import load as model_load
+from oscar_cli.model import loaders as model_loaders
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -317,12 +319,57 @@ def test_model_directory_is_the_conversion_entry_for_a_gguf(tmp_path: Path, osca
     assert models.model_directory(str(tiny_model_dir)) == tiny_model_dir.resolve()
 
 
+@pytest.mark.unit
+def test_gguf_conversion_reads_the_file_once_and_writes_what_transformers_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' GGUF path parses the file three times and builds gguf-py's tensor-name map once per
+    module (the cold start's main cost); convert_gguf shares one plain-view reader and one map, and writes
+    the same files, byte for byte (weights, config, tokenizer), as transformers' own path."""
+    import gguf
+    from helpers.tiny import write_tiny_gguf
+
+    g = write_tiny_gguf(tmp_path / "tiny.gguf")
+    readers: list[str] = []
+    maps: list[tuple[object, int]] = []
+    init, name_map = gguf.GGUFReader.__init__, gguf.get_tensor_name_map
+
+    def counting_init(self: object, *args: object, **kwargs: object) -> None:
+        readers.append(type(self).__name__)
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def counting_map(arch: object, n_blocks: int) -> object:
+        maps.append((arch, n_blocks))
+        return name_map(arch, n_blocks)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting_init)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_map)
+    reader_cls = gguf.GGUFReader
+    model_loaders.convert_gguf(g, tmp_path / "once")
+    assert readers == ["PlainViewGGUFReader"] and len(maps) == 1
+    assert gguf.GGUFReader is reader_cls and gguf.get_tensor_name_map is counting_map  # restored
+    readers.clear()
+    maps.clear()
+    monkeypatch.setattr(model_loaders, "gguf_read_once", contextlib.nullcontext)
+    model_loaders.convert_gguf(g, tmp_path / "plain")
+    assert set(readers) == {"GGUFReader"} and len(maps) > 1  # what the sharing saves
+    once = {p.name: p.read_bytes() for p in (tmp_path / "once").iterdir()}
+    plain = {p.name: p.read_bytes() for p in (tmp_path / "plain").iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(once)
+    assert once.keys() == plain.keys() and all(once[k] == plain[k] for k in once)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "once")
+    assert tok("abc ab").input_ids == [tok.convert_tokens_to_ids("abc"), tok.convert_tokens_to_ids("\u0120"),
+                                       tok.convert_tokens_to_ids("ab")]
+
+
 # --- slow: the embedded model ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def embedded() -> models.LoadedModel:
-    """The embedded model from the default cache (the first run in a fresh place converts it, ~30 s)."""
+    """The embedded model from the default cache (the first run in a fresh place converts it, ~8 s)."""
     return models.load_model()
 
 

@@ -10,6 +10,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,6 +62,59 @@ def _gguf_progress() -> Iterator[None]:
             gguf_mod.tqdm = original
 
 
+@contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """Within the context, transformers' legacy GGUF path (every architecture its new reader does not cover,
+    llama among them) parses a GGUF once instead of three times, and builds gguf-py's tensor-name map once
+    instead of once per module.
+
+    ``AutoModelForCausalLM.from_pretrained`` reads the file for the config and again for the weights, and
+    ``AutoTokenizer.from_pretrained`` a third time for the config; each is a full ``gguf.GGUFReader`` walk
+    that slices every vocabulary and merge string out of a memmap (~3 s for the embedded model on a 2-core
+    CPU). ``get_gguf_hf_weights_map`` recurses into every module of the model and calls
+    ``gguf.get_tensor_name_map(arch, n_layers)`` at each (397 times for the embedded model, ~5 s). Both are
+    functions of their arguments only (a reader opened read-only is only read from; the map only looked up),
+    so handing back the first result changes nothing that is loaded: the converted files are byte-identical
+    (tests/test_models.py). transformers imports both names from ``gguf`` at call time, which is where they
+    are swapped for the duration (restored after).
+
+    The one reader left is also made cheaper: gguf-py slices the file as an ``np.memmap``, whose Python-level
+    ``__getitem__`` / ``__array_finalize__`` run for each of the ~10^6 slices of the metadata walk. The
+    reader made here keeps a plain ``ndarray`` view of the same read-only map (no copy, pages still read on
+    demand), so every slice is a plain array: 3.0 -> 1.2 s CPU for the embedded model, same bytes.
+    """
+    try:
+        gguf_mod: Any = importlib.import_module("gguf")
+    except ImportError:  # _require reports it
+        yield
+        return
+    import numpy as np
+
+    reader_cls, name_map = gguf_mod.GGUFReader, gguf_mod.get_tensor_name_map
+
+    def plain_data(self: Any, value: Any) -> None:  # GGUFReader.__init__ sets self.data = np.memmap(...)
+        self.plain_data = np.asarray(value)  # a base-class view of the same map: no copy, still read-only
+
+    plain_reader = type("PlainViewGGUFReader", (reader_cls,),
+                        {"data": property(lambda self: self.plain_data, plain_data)})
+    readers: dict[str, Any] = {}
+
+    def read_once(path: Any, mode: str = "r") -> Any:
+        if mode != "r":  # a writable map is not shared
+            return reader_cls(path, mode)
+        key = os.path.realpath(os.fspath(path))
+        if key not in readers:
+            readers[key] = plain_reader(path, mode)
+        return readers[key]
+
+    gguf_mod.GGUFReader = read_once
+    gguf_mod.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf_mod.GGUFReader, gguf_mod.get_tensor_name_map = reader_cls, name_map
+
+
 def _first_line(exc: BaseException, limit: int = 240) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -95,13 +149,14 @@ def load_directory(path: Path, device: torch.device, dtype: torch.dtype) -> tupl
 
 
 def _read_gguf(gguf: Path, dtype: torch.dtype) -> tuple[Any, Any]:
-    """transformers' GGUF path: dequantize every tensor into a dense model (the slow part, ~30 s for 135M)."""
+    """transformers' GGUF path: dequantize every tensor into a dense model (the slow part: ~5 s CPU for
+    135M with :func:`gguf_read_once`, ~22 s without)."""
     _require("gguf", "reading GGUF files")
     _require("accelerate", "reading GGUF files")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with _gguf_progress():
+        with _gguf_progress(), gguf_read_once():
             model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, NotImplementedError) as exc:

@@ -14,8 +14,8 @@ Accepted references (:data:`ACCEPTED_FORMS`):
   and not cached is an error that names the other forms (:mod:`oscar_cli.model.hub`).
 - a local model directory (``config.json`` + weights). A directory inside the HF cache
   (``models--ORG--NAME/snapshots/<sha>``) keeps its Hub identity.
-- a ``.gguf`` file. transformers dequantizes GGUF weights into an ordinary model (~30 s for the embedded
-  model), so the first load converts it once into a safetensors + tokenizer entry of oscar's cache
+- a ``.gguf`` file. transformers dequantizes GGUF weights into an ordinary model (~8 s of CPU for the
+  embedded model), so the first load converts it once into a safetensors + tokenizer entry of oscar's cache
   (:mod:`oscar_cli.model.cache`); later loads read that entry (seconds). A corrupt entry is rebuilt.
 
 Every load records a :class:`ModelIdentity`: ``resolved`` is ``ORG/NAME@<commit sha>`` for Hub models and

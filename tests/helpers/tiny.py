@@ -87,3 +87,62 @@ def tiny_loaded(seed: int = 0, max_positions: int = 4096, **config: Any) -> Load
     model = tiny_causal_lm(seed=seed, max_positions=max_positions, eos_token_id=4, pad_token_id=0, **config)
     ident = ModelIdentity(reference="tiny-llama", kind="dir", resolved="sha256:" + "1" * 64, path=Path("."))
     return LoadedModel(model, CharTokenizer(), ident, torch.device("cpu"), torch.float32)
+
+
+def write_tiny_gguf(path: Path, *, seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int = 16, intermediate: int = 128) -> Path:
+    """Write a tiny random Llama as a GGUF the way llama.cpp lays one out: Q4_1 matrices (the embedded model's
+    type), float32 norms, and a byte-level BPE tokenizer (the 256 byte symbols, two merges, ``<|endoftext|>``)."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = [*bytes_to_unicode().values(), "ab", "abc", "<|endoftext|>"]
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL]
+    hidden, eot = heads * head_dim, len(tokens) - 1
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["a b", "ab c"])
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(eot)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, rows: int, cols: int) -> None:  # torch shape (rows, cols), quantized along cols
+        data = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
+        w.add_tensor(name, gguf.quantize(data, gguf.GGMLQuantizationType.Q4_1),
+                     raw_dtype=gguf.GGMLQuantizationType.Q4_1)  # the shape follows from the blocks' bytes
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+
+    matrix("token_embd.weight", len(tokens), hidden)
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden)
+        matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", intermediate, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", intermediate, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, intermediate)
+    norm("output_norm.weight")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
