@@ -55,6 +55,20 @@ def test_built_once_then_reused() -> None:
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
 
 
+@pytest.mark.unit
+def test_a_new_entry_is_checked_without_hashing_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_entry hashes the files once and puts those hashes into the index, so the next load's check does
+    not read the weights again; a file changed after publishing is still hashed (its mtime moved)."""
+    entry, _ = model_cache.ensure_entry(SRC, Builder())
+    hashed: list[str] = []
+    real = model_cache.sha256_file
+    monkeypatch.setattr(model_cache, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    assert model_cache.check_entry(entry, SRC) is None and hashed == []
+    _flip_byte(entry / "model.safetensors")
+    reason = model_cache.check_entry(entry, SRC)
+    assert hashed == ["model.safetensors"] and reason is not None and "wrong sha256" in reason
+
+
 def _flip_byte(p: Path) -> None:
     data = bytearray(p.read_bytes())
     data[100] ^= 0xFF

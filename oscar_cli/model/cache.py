@@ -53,14 +53,9 @@ def file_sha256(path: Path, *, use_index: bool = True) -> str:
     path = path.resolve()
     st = path.stat()
     key = str(path)
-    index_path = cache_dir() / "hashes.json"
     index: dict[str, Any] = {}
     if use_index:
-        try:
-            loaded = json.loads(index_path.read_text())
-            index = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            index = {}
+        index = _read_index()
         hit = index.get(key)
         if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
             sha = hit.get("sha256")
@@ -72,13 +67,43 @@ def file_sha256(path: Path, *, use_index: bool = True) -> str:
     sha = sha256_file(path)
     logger.debug("sha256 %s (%d bytes) in %.2f s", path, st.st_size, time.perf_counter() - t0)
     if use_index:
-        index = {k: v for k, v in index.items() if os.path.exists(k)}  # forget deleted files
         index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
-        try:
-            atomic_write_json(index_path, index, sort_keys=True)
-        except OSError as exc:  # a read-only cache must not stop a load
-            logger.debug("could not update %s: %s", index_path, exc)
+        _write_index(index)
     return sha
+
+
+def _read_index() -> dict[str, Any]:
+    try:
+        loaded = json.loads((cache_dir() / "hashes.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _write_index(index: dict[str, Any]) -> None:
+    index_path = cache_dir() / "hashes.json"
+    index = {k: v for k, v in index.items() if os.path.exists(k)}  # forget deleted files
+    try:
+        atomic_write_json(index_path, index, sort_keys=True)
+    except OSError as exc:  # a read-only cache must not stop a load
+        logger.debug("could not update %s: %s", index_path, exc)
+
+
+def _remember_entry(entry: Path, files: dict[str, Any], mtimes: dict[str, int]) -> None:
+    """Put the sha256s just computed for a published entry's files into ``hashes.json``, so the next load's
+    :func:`check_entry` finds them there instead of hashing the files again (~0.35 s for the embedded model).
+    ``mtimes``: each file's mtime_ns from before it was hashed (the rename into place keeps it); a file whose
+    size or mtime differs now is left out (and hashed when checked)."""
+    index = _read_index()
+    for name, rec in files.items():
+        p = (entry / name).resolve()
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if st.st_size == rec["size"] and st.st_mtime_ns == mtimes.get(name):
+            index[str(p)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": rec["sha256"]}
+    _write_index(index)
 
 
 def tree_sha256(root: Path) -> str:
@@ -151,11 +176,8 @@ def build_entry(source_sha256: str, build: Callable[[Path], None], info: dict[st
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{source_sha256[:16]}-", suffix=".tmp"))
     try:
         build(tmp)
-        files = {
-            p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(tmp.iterdir())
-            if p.is_file() and p.name != META_NAME
-        }
+        stats = {p.name: p.stat() for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META_NAME}
+        files = {name: {"size": st.st_size, "sha256": sha256_file(tmp / name)} for name, st in stats.items()}
         if not files:
             raise RuntimeError("conversion wrote no files")
         meta = {"format": ENTRY_FORMAT, "source_sha256": source_sha256, "files": files, **(info or {})}
@@ -170,6 +192,8 @@ def build_entry(source_sha256: str, build: Callable[[Path], None], info: dict[st
         except OSError:  # lost a race: another process renamed its entry into place first
             if check_entry(final, source_sha256) is not None:
                 raise
+            return final
+        _remember_entry(final, files, {name: st.st_mtime_ns for name, st in stats.items()})
         return final
     finally:
         if tmp.exists():
