@@ -364,6 +364,26 @@ def test_gguf_conversion_reads_the_file_once_and_writes_what_transformers_writes
                                        tok.convert_tokens_to_ids("ab")]
 
 
+@pytest.mark.unit
+def test_gguf_read_once_nests_and_restores(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+    from helpers.tiny import write_tiny_gguf
+
+    g = write_tiny_gguf(tmp_path / "tiny.gguf")
+    reader_cls = gguf.GGUFReader
+    with model_loaders.gguf_read_once():
+        outer = gguf.GGUFReader(g)
+        with model_loaders.gguf_read_once():
+            assert gguf.GGUFReader(str(g)) is outer
+        assert gguf.GGUFReader(g) is outer and gguf.GGUFReader(g, "c") is not outer  # a writable map: its own
+    assert gguf.GGUFReader is reader_cls
+    plain = reader_cls(g)
+    assert type(outer.data) is np.ndarray and not outer.data.flags.writeable
+    assert [t.name for t in outer.tensors] == [t.name for t in plain.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(outer.tensors, plain.tensors, strict=True))
+
+
 # --- slow: the embedded model ---------------------------------------------------------------------------
 
 
