@@ -70,9 +70,9 @@ def gguf_read_once() -> Iterator[None]:
 
     ``AutoModelForCausalLM.from_pretrained`` reads the file for the config and again for the weights, and
     ``AutoTokenizer.from_pretrained`` a third time for the config; each is a full ``gguf.GGUFReader`` walk
-    that slices every vocabulary and merge string out of a memmap (~3 s for the embedded model on a 2-core
-    CPU). ``get_gguf_hf_weights_map`` recurses into every module of the model and calls
-    ``gguf.get_tensor_name_map(arch, n_layers)`` at each (397 times for the embedded model, ~5 s). Both are
+    that slices every vocabulary and merge string out of a memmap (~3 s CPU each for the embedded model;
+    transformers 5.17 reads it a fourth time for the tokenizer). ``get_gguf_hf_weights_map`` recurses into every module of the model and calls
+    ``gguf.get_tensor_name_map(arch, n_layers)`` at each (397 times for the embedded model, ~5 s CPU). Both are
     functions of their arguments only (a reader opened read-only is only read from; the map only looked up),
     so handing back the first result changes nothing that is loaded: the converted files are byte-identical
     (tests/test_models.py). transformers imports both names from ``gguf`` at call time, which is where they
