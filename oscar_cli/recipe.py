@@ -36,6 +36,7 @@ MAX_SEQ_LEN = 1 << 20
 MAX_WINDOW = 1 << 20
 Ratio = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
 InnerLevel = Annotated[StrictFloat, Field(gt=0.0, lt=0.5)]  # quant.levels: the inner level a (uniform 1/3)
+LogitCorrection = Literal["none", "scale"]  # quant.logit_correction (oscar_cli.quant.attention.logit_bias)
 Count = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 
 
@@ -115,6 +116,7 @@ class QuantConfig(Schema):
     recent: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_RECENT
     keep: KeepConfig = Field(default_factory=KeepConfig)
     levels: InnerLevel = UNIFORM_INNER  # non-uniform INT2 levels zero + scale·3·(0, a, 1-a, 1) (reference path)
+    logit_correction: LogitCorrection = "none"  # scale: -σ²/2 on INT2 keys' logits (reference path)
 
 
 class Recipe(Schema):
@@ -155,6 +157,7 @@ class Recipe(Schema):
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
         ``quant.keep`` is left out while it is off (fraction 0), ``quant.levels`` while uniform (1/3),
+        ``quant.logit_correction`` while it is ``none``,
         ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
         knob."""
@@ -163,6 +166,8 @@ class Recipe(Schema):
             del out["quant"]["keep"]
         if self.quant.levels == UNIFORM_INNER:
             del out["quant"]["levels"]
+        if self.quant.logit_correction == "none":
+            del out["quant"]["logit_correction"]
         if self.statistics.v_metric == "none":
             del out["statistics"]["v_metric"]
         if self.rotation.dc == "min":

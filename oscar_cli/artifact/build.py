@@ -68,6 +68,7 @@ def build_manifest(
             "recent": recipe.quant.recent,
             **({"keep": recipe.quant.keep.model_dump()} if recipe.quant.keep.fraction else {}),
             **({"levels": recipe.quant.levels} if recipe.quant.levels != UNIFORM_INNER else {}),
+            **({"logit_correction": recipe.quant.logit_correction} if recipe.quant.logit_correction != "none" else {}),
         },
         data=dict(data),
         seed=recipe.data.seed,

@@ -15,6 +15,9 @@ Per call (one decoder layer), with ``key``/``value`` as returned by :class:`osca
    :func:`oscar_cli.quant.runtime.use_method` folds ``R_V`` into ``v_proj`` and ``R_Vᵀ`` into ``o_proj``
    (exact per-head block fold in float32), and this step is skipped.
 
+With a logit correction (recipe ``quant.logit_correction: scale``; reference path) step 2 adds
+:func:`logit_bias` to the mask: each INT2 key's logit loses half its estimated error variance.
+
 The per-layer rotations live on the attention module as ``module._oscar_runtime`` (:class:`LayerRuntime`);
 a module without it (a model not inside ``use_method``) runs plain SDPA.
 On the Triton path a decode step of an INT2 layer returns only the new token from ``cache.update``; this
@@ -74,6 +77,47 @@ def rotate_heads(x: torch.Tensor, r: torch.Tensor, head_axis: int) -> torch.Tens
     return torch.einsum(eq, x32, r).to(x.dtype)
 
 
+def logit_bias(query: torch.Tensor, scale2: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Per-key additive logit bias of the ``scale`` correction: ``-σ²_ij / 2`` with
+    ``σ²_ij = scaling² · Σ_g ‖q_i,g‖² · s_j,g² / 12``.
+
+    A key quantized to INT2 with step ``s`` per group carries a rounding error of variance ``s²/12`` per element
+    (uniform, ignoring clipping), so its logit ``scaling·q·k̂`` has error variance ``σ²_ij`` for query ``i`` in the
+    rotated space, and ``E[exp(logit)]`` is ``exp(σ²/2)`` too large: subtracting ``σ²/2`` removes that inflation
+    (docs/RESULTS.md, "Logit-variance correction"). BF16 keys have ``s = 0`` and get no bias.
+
+    Args:
+        query: rotated queries ``[B, H_q, Tq, D]``.
+        scale2: squared key scales ``[B, H_kv, T, D/G]`` (0 on BF16 slots); ``H_q`` a multiple of ``H_kv``.
+        scaling: the softmax scale (``1/√D``).
+
+    Returns:
+        ``float32 [B, H_q, Tq, T]``.
+    """
+    b, hq, tq, d = query.shape
+    groups = scale2.shape[-1]
+    q2 = query.float().square().reshape(b, hq, tq, groups, d // groups).sum(-1)  # [B, H_q, Tq, groups]
+    s2 = scale2.float().repeat_interleave(hq // scale2.shape[1], dim=1)  # [B, H_q, T, groups]
+    return (-(scaling**2) / 24.0) * (q2 @ s2.transpose(-1, -2))
+
+
+def _with_bias(mask: torch.Tensor | None, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive float mask: ``bias`` where ``mask`` allows (bool), ``bias + mask`` (float), or causal with the
+    queries at the end of the keys when ``mask`` is None (what SDPA's ``is_causal`` would do after a cache)."""
+    bias = bias.to(dtype)
+    low = torch.finfo(dtype).min
+    if mask is None:
+        tq, tk = bias.shape[-2:]
+        if tq == 1:
+            return bias
+        allow = torch.arange(tk, device=bias.device)[None, :] <= torch.arange(tk - tq, tk, device=bias.device)[:, None]
+        return torch.where(allow, bias, low)
+    mask = mask[..., : bias.shape[-1]]
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias, low)
+    return bias + mask.to(dtype)
+
+
 def oscar_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -90,7 +134,7 @@ def oscar_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from oscar_cli.quant.int2_layer import current_kernel_layer
+    from oscar_cli.quant.int2_layer import current_kernel_layer, take_key_scale2
 
     rt: LayerRuntime | None = getattr(module, "_oscar_runtime", None)
     layer = current_kernel_layer()
@@ -101,6 +145,10 @@ def oscar_attention(
         return out, None
     if rt is not None and rt.q_rotation is not None:
         query = rotate_heads(query, rt.q_rotation, head_axis=1)
+    scale2 = take_key_scale2(key)
+    if scale2 is not None:
+        s = scaling if scaling is not None else float(getattr(module, "scaling", query.shape[-1] ** -0.5))
+        attention_mask = _with_bias(attention_mask, logit_bias(query, scale2, s), query.dtype)
     out, weights = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )

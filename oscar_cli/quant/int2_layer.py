@@ -19,6 +19,11 @@ rows are coded to the nearest of ``zero + scale·3·(0, a, 1 - a, 1)`` and dequa
 (``oscar_kernels.reference`` formula 8), alike for prefill writes and decode demotion; reference path only, the
 Triton path refuses such a method.
 
+With a logit correction (recipe ``quant.logit_correction: scale``) the reference path also hands attention each
+returned slot's squared key scales (zero for every BF16 slot: sink, recent, kept and new tokens), from which
+:func:`oscar_cli.quant.attention.logit_bias` subtracts the INT2 keys' estimated logit-error variance over 2, alike in
+prefill chunks (earlier chunks' INT2 history) and decode steps; reference path only, the Triton path refuses it.
+
 Nothing else persists: no dense copy of the history exists between calls.
 
 All tiers hold **rotated** K (``k·R_K``, post-RoPE, computed here at run time in float32 and cast to the
@@ -63,11 +68,23 @@ from oscar_kernels.layout import UNIFORM_INNER
 log = logging.getLogger(__name__)
 PIECE = 1024  # tokens quantized (prefill writes) or dequantized (what attention reads) at a time
 _current = threading.local()  # the Int2Layer whose decode step the next attention call runs through the kernel
+_bias = threading.local()  # the Int2Layer whose returned keys carry squared INT2 scales (logit correction)
 
 
 def current_kernel_layer() -> Int2Layer | None:
     """The layer that just stored a decode step for the Triton path (read by the attention function), or None."""
     return getattr(_current, "layer", None)
+
+
+def take_key_scale2(key: torch.Tensor) -> torch.Tensor | None:
+    """The squared key scales ``float32 [B, H_kv, T, D/G]`` of ``key`` (the tensor an ``Int2Layer.update`` with a
+    logit correction just returned; zero on BF16 slots), once; None for any other tensor."""
+    layer = getattr(_bias, "layer", None)
+    if layer is None or layer.bias_key is not key:
+        return None
+    _bias.layer = None
+    s2, layer.bias_key, layer.key_scale2 = layer.key_scale2, None, None
+    return s2
 
 
 class Int2Layer(AppendLayer):
@@ -116,6 +133,8 @@ class Int2Layer(AppendLayer):
         self.k_mean: torch.Tensor | None = None
         self.v_mean: torch.Tensor | None = None
         self.keep = KeepTier(method.keep_fraction, method.keep_score) if method.keep_fraction > 0 else None
+        self.bias_key: torch.Tensor | None = None  # the key tensor update returned with key_scale2 (logit correction)
+        self.key_scale2: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -154,6 +173,9 @@ class Int2Layer(AppendLayer):
         if self.method.levels != UNIFORM_INNER and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton kernels code and decode uniform INT2 levels only "
                              f"(quant.levels {self.method.levels:g})", hint="use --backend reference")
+        if self.method.logit_correction != "none" and (reason is None or self.backend == "triton"):
+            raise OscarError(f"backend {self.backend}: the Triton decode kernel adds no per-key logit bias "
+                             f"(quant.logit_correction {self.method.logit_correction})", hint="use --backend reference")
         if reason is not None and self.backend == "triton":
             raise OscarError(f"backend triton: {reason}", hint="use --backend reference (torch) or auto")
         path = "reference" if reason else "triton"
@@ -179,9 +201,13 @@ class Int2Layer(AppendLayer):
         self.kernel_step = self.path == "triton" and k.shape[-2] == 1
         _current.layer = self if self.kernel_step else None
         self.kernel_key = k if self.kernel_step else None  # attention runs the kernel only for this very tensor
+        _bias.layer = None
         if self.kernel_step:
             return k, v
-        return self.stored(prior, k, v)
+        out = self.stored(prior, k, v)
+        if self.key_scale2 is not None:
+            self.bias_key, _bias.layer = out[0], self
+        return out
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate and store new tokens without building attention's view; returns the rotated new ``(k, v)``."""
@@ -295,9 +321,13 @@ class Int2Layer(AppendLayer):
         width = max(0, min(self.hist_slots, upto - self.n_sink))
         r = max(0, upto - (length - self.n_recent))
         n = 0 if k_new is None else int(k_new.shape[-2])
+        self.key_scale2 = None
         if k_new is not None and v_new is not None and s + width + r == 0:
             return k_new, v_new  # nothing stored before (a first chunk): the new tokens as they are, no copy
         b, h, d = self.dims
+        correct = self.method.logit_correction != "none" and width > 0
+        groups = d // (self.method.group_size or d)
+        s2 = torch.zeros(b, h, s + width + r + n, groups, device=self.device) if correct else None
         outs = self.sink_k.new_empty(b, h, s + width + r + n, d), self.sink_v.new_empty(b, h, s + width + r + n, d)
         for out, sink, recent, new in zip(
             outs, (self.sink_k, self.sink_v), (self.recent_k, self.recent_v), (k_new, v_new), strict=True
@@ -311,8 +341,13 @@ class Int2Layer(AppendLayer):
             codes = self.pool.codes(self.hist_slots, e - a, start=a)
             for out, q, mean in zip(outs, codes, (self.k_mean, self.v_mean), strict=True):
                 out[..., s + a : s + e, :] = with_mean(dequantize_codes(*q, torch.float32, self.method.levels), mean)
+            if s2 is not None:  # pad columns hold scale 0
+                s2[..., s + a : s + e, :] = codes[0][1].float().square()
         if self.keep is not None:  # kept tokens: attention reads their BF16 rows (slot t is index t here)
             self.keep.substitute(*outs, limit=s + width)
+            if s2 is not None:
+                self.keep.substitute_rows(s2, torch.zeros(()), limit=s + width)
+        self.key_scale2 = s2
         return outs
 
     def kernel_attention(

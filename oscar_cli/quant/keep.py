@@ -107,6 +107,18 @@ class KeepTier:
         out_k[bi[ok], hi[ok], pos[ok]] = self.k[ok].to(out_k.dtype)
         out_v[bi[ok], hi[ok], pos[ok]] = self.v[ok].to(out_v.dtype)
 
+    def substitute_rows(self, out: torch.Tensor, value: torch.Tensor, limit: int) -> None:
+        """Set the kept rows (slot below ``limit``) of ``out [B, H_kv, T, X]`` to ``value`` (broadcast)."""
+        if not self.count or self.pos is None:
+            return
+        b, h, c = self.pos.shape
+        dev = self.pos.device
+        bi = torch.arange(b, device=dev).view(b, 1, 1).expand(b, h, c)
+        hi = torch.arange(h, device=dev).view(1, h, 1).expand(b, h, c)
+        pos = self.pos.long()
+        ok = pos < limit
+        out[bi[ok], hi[ok], pos[ok]] = value.to(device=out.device, dtype=out.dtype)
+
     def nbytes(self) -> int:
         """Bytes the tier holds (allocated exactly: the tensors are rebuilt at each demotion)."""
         return int(sum(t.nbytes for t in (self.k, self.v, self.pos, self.score) if t is not None))

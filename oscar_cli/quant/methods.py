@@ -58,6 +58,9 @@ class QuantMethod:
             :mod:`oscar_cli.quant.keep`; 0 = off).
         levels: the inner INT2 level ``a`` of ``int2`` layers (recipe ``quant.levels``): levels
             ``zero + scale·3·(0, a, 1 - a, 1)``; ``1/3`` = uniform (reference path only otherwise).
+        logit_correction: ``none`` or ``scale`` (recipe ``quant.logit_correction``): ``scale`` subtracts each INT2
+            key's estimated logit-error variance over 2 from its logits (:func:`oscar_cli.quant.attention.logit_bias`;
+            reference path only).
     """
 
     name: str
@@ -73,6 +76,7 @@ class QuantMethod:
     keep_fraction: float = 0.0
     keep_score: str = "qerr"
     levels: float = UNIFORM_INNER
+    logit_correction: str = "none"
 
     def layer(self, idx: int) -> LayerTransform:
         """The transforms of decoder layer ``idx`` (identity when the method has none)."""
@@ -91,8 +95,9 @@ class QuantMethod:
             return replace(self, layer_kinds=())
         if kind == "kivi":
             return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=(),
-                           keep_fraction=0.0, levels=UNIFORM_INNER)
-        return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0, levels=UNIFORM_INNER)
+                           keep_fraction=0.0, levels=UNIFORM_INNER, logit_correction="none")
+        return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0, levels=UNIFORM_INNER,
+                       logit_correction="none")
 
     @property
     def demotion_block(self) -> int:
@@ -224,7 +229,8 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     keep = quant.get("keep") or {}
     return replace(meth, layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
                    extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
-                   keep_score=str(keep.get("score", "qerr")), levels=float(quant.get("levels", UNIFORM_INNER)))
+                   keep_score=str(keep.get("score", "qerr")), levels=float(quant.get("levels", UNIFORM_INNER)),
+                   logit_correction=str(quant.get("logit_correction") or "none"))
 
 
 def artifact_schemes(calibration: dict[str, Any], n_layers: int, ref: str) -> list[str]:
