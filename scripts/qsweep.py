@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oscar_cli.eval.ruler import read_records, resume_key
+
 TASKS = (
     "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
     "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery",
@@ -87,36 +89,17 @@ def plan(samples: int = 25, long_samples: int | None = None, kl_windows: int = 8
     return steps
 
 
-def key(rec: dict[str, Any]) -> tuple[str, str, str, str, int, int]:
-    """eval-ruler's resume key of a record (``oscar_cli.eval.ruler._key``)."""
-    return (rec["method"], rec.get("method_source", ""), rec.get("rope", ""), rec["task"], int(rec["length"]),
-            int(rec["index"]))
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a samples file; a truncated last line (a killed call) is skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def merge_records(dst: Path, src: Path) -> tuple[int, int]:
     """Union ``src``'s records into ``dst`` by resume key (``dst``'s copy wins); returns (added, total).
 
     ``dst`` is rewritten without unreadable lines: a call killed mid-write leaves a truncated last line, and
     eval-ruler's next append would join its first record to it (and lose that record)."""
     have = read_records(dst)
-    seen = {key(r) for r in have}
+    seen = {resume_key(r) for r in have}
     new = []
     for r in read_records(src):
-        if key(r) not in seen:
-            seen.add(key(r))
+        if resume_key(r) not in seen:
+            seen.add(resume_key(r))
             new.append(r)
     if new or (src.is_file() and not dst.is_file()) or len(have) != _lines(dst):
         tmp = dst.with_suffix(".tmp")

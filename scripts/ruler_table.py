@@ -26,18 +26,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from oscar_cli.eval.ruler import read_records
+
 ORDER = ("bf16", "oscar", "kivi-2", "naive-int2", "quarot-int2")
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records of a samples file (a truncated last line is skipped)."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _ctx(n: int) -> str:

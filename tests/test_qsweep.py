@@ -47,14 +47,12 @@ def test_plan_order_and_sizes() -> None:
     assert all(s.kind == "kl" for s in steps[4:])
 
 
-def test_tasks_key_and_rope_match_eval_ruler() -> None:
+def test_tasks_and_rope_match_eval_ruler() -> None:
     from oscar_cli.eval.niah import TASK_NAMES
-    from oscar_cli.eval.ruler import RulerConfig, _key, rope_tag
+    from oscar_cli.eval.ruler import RulerConfig, rope_tag
 
     q = _q()
     assert q.TASKS == TASK_NAMES
-    r = _rec("oscar", "niah_single_1", 4096, 3, "yarn x4", SRC)
-    assert q.key(r) == _key(r)
     cfg = RulerConfig(lengths=[65536], tasks=[], methods=[], samples=1, rope_scaling="yarn", rope_factor=4.0)
     assert q.plan()[3].rope == rope_tag(cfg)
 
@@ -133,7 +131,7 @@ class FakeOscar:
         rope = f"yarn x{opt['--rope-factor']}" if "--rope-factor" in opt else ""
         budget = float(opt["--time-budget"])
         path = Path(opt["--out"]) / "samples.jsonl"
-        have = {q.key(r) for r in q.read_records(path)}
+        have = {q.resume_key(r) for r in q.read_records(path)}
         spent = 0.0
         with open(path, "a") as f:
             for L in lengths:
@@ -141,7 +139,7 @@ class FakeOscar:
                     for t in q.TASKS:
                         for i in range(n):
                             r = _rec(m, t, L, i, rope, self.source if m == "oscar" else "none")
-                            if q.key(r) in have:
+                            if q.resume_key(r) in have:
                                 continue
                             if spent > budget:
                                 return 0
@@ -170,7 +168,7 @@ def test_sweep_resumes_across_calls_and_stops_at_budget(tmp_path: Path) -> None:
     steps = q.plan(2)
     recs = q.read_records(carried / "samples.jsonl")
     assert all(q.done_count(recs, s, source) == s.total() for s in steps if s.kind == "ruler")
-    assert len({q.key(r) for r in recs}) == len(recs) == sum(s.total() for s in steps if s.kind == "ruler")
+    assert len({q.resume_key(r) for r in recs}) == len(recs) == sum(s.total() for s in steps if s.kind == "ruler")
     assert all((carried / f"kl-{L}.json").is_file() for L in (4096, 8192, 16384, 32704))
     # the first call stopped starting steps once less than min_start was left, and said so
     first = dict((name, outcome) for name, outcome, _ in outcomes[0])

@@ -112,7 +112,8 @@ def rope_tag(cfg: RulerConfig) -> str:
     return f"{cfg.rope_scaling} x{cfg.rope_factor:g}" if cfg.rope_scaling and cfg.rope_factor else ""
 
 
-def _key(rec: dict[str, Any]) -> tuple[str, str, str, str, int, int]:
+def resume_key(rec: dict[str, Any]) -> tuple[str, str, str, str, int, int]:
+    """A record's resume key: (method, method_source, rope, task, length, index)."""
     return (
         rec["method"],
         rec.get("method_source", ""),
@@ -405,7 +406,7 @@ def aggregate(
     bpe_meas: dict[tuple[str, int], list[float]] = defaultdict(list)
     ptoks: dict[int, list[int]] = defaultdict(list)
     for r in records:
-        if _key(r) in wanted:
+        if resume_key(r) in wanted:
             cell[(r["method"], r["task"], int(r["length"]))].append(float(r["score"]))
             bpe_meas[(r["method"], int(r["length"]))].append(float(r.get("bpe_measured_batch", float("nan"))))
             ptoks[int(r["length"])].append(int(r["prompt_tokens"]))
@@ -516,7 +517,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
-    done = {_key(r) for r in read_records(path)}
+    done = {resume_key(r) for r in read_records(path)}
     rope = rope_tag(cfg)
     wanted = [
         (length, m, t, i) for length in cfg.lengths for m in cfg.methods for t in cfg.tasks for i in range(cfg.samples)

@@ -93,31 +93,33 @@ class KeepTier:
         self.k, self.v = all_k.gather(2, rows), all_v.gather(2, rows)
         self.pos, self.score = all_pos.gather(2, idx), all_score.gather(2, idx)
 
+    def _below(self, limit: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The kept rows whose slot is below ``limit``: their mask over ``pos [B, H_kv, C]`` and their
+        ``(batch, head, slot)`` indices into a dense ``[B, H_kv, T, ...]`` view."""
+        assert self.pos is not None
+        b, h, c = self.pos.shape
+        dev = self.pos.device
+        bi = torch.arange(b, device=dev).view(b, 1, 1).expand(b, h, c)
+        hi = torch.arange(h, device=dev).view(1, h, 1).expand(b, h, c)
+        pos = self.pos.long()
+        ok = pos < limit
+        return ok, (bi[ok], hi[ok], pos[ok])
+
     def substitute(self, out_k: torch.Tensor, out_v: torch.Tensor, limit: int) -> None:
         """Write the kept rows into dense views ``[B, H_kv, T, D]`` whose index ``t`` is cache slot ``t``, for the
         rows whose slot is below ``limit``."""
         if not self.count or self.k is None or self.v is None or self.pos is None:
             return
-        b, h, c = self.pos.shape
-        dev = self.pos.device
-        bi = torch.arange(b, device=dev).view(b, 1, 1).expand(b, h, c)
-        hi = torch.arange(h, device=dev).view(1, h, 1).expand(b, h, c)
-        pos = self.pos.long()
-        ok = pos < limit
-        out_k[bi[ok], hi[ok], pos[ok]] = self.k[ok].to(out_k.dtype)
-        out_v[bi[ok], hi[ok], pos[ok]] = self.v[ok].to(out_v.dtype)
+        ok, at = self._below(limit)
+        out_k[at] = self.k[ok].to(out_k.dtype)
+        out_v[at] = self.v[ok].to(out_v.dtype)
 
     def substitute_rows(self, out: torch.Tensor, value: torch.Tensor, limit: int) -> None:
         """Set the kept rows (slot below ``limit``) of ``out [B, H_kv, T, X]`` to ``value`` (broadcast)."""
         if not self.count or self.pos is None:
             return
-        b, h, c = self.pos.shape
-        dev = self.pos.device
-        bi = torch.arange(b, device=dev).view(b, 1, 1).expand(b, h, c)
-        hi = torch.arange(h, device=dev).view(1, h, 1).expand(b, h, c)
-        pos = self.pos.long()
-        ok = pos < limit
-        out[bi[ok], hi[ok], pos[ok]] = value.to(device=out.device, dtype=out.dtype)
+        _, at = self._below(limit)
+        out[at] = value.to(device=out.device, dtype=out.dtype)
 
     def nbytes(self) -> int:
         """Bytes the tier holds (allocated exactly: the tensors are rebuilt at each demotion)."""
