@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from helpers.tiny import tiny_loaded
 from typer.testing import CliRunner
 
 import oscar_cli.model as models_mod
-from oscar_cli.errors import EvalError
+from oscar_cli.errors import EvalError, OscarError
 from oscar_cli.eval.kl import KLConfig, compare, cut_windows, run_kl
 from oscar_cli.main import app
+from oscar_cli.model.rope import rope_type
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +55,47 @@ def test_eval_kl_cli_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert set(doc["metrics"]) == {"bf16", "quarot-int2"}
     bad = CliRunner().invoke(app, ["eval-kl", "tiny", "--text", str(tmp_path / "missing.txt"), "--ctx", "256"])
     assert isinstance(bad.exception, EvalError) and "no such file" in bad.exception.message
+
+
+def _kl_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> tuple[object, object]:
+    loaded = tiny_loaded(max_positions=256)
+    monkeypatch.setattr(models_mod, "load_model", as_loader(loaded))
+    text = prose(tmp_path) / "essay.txt"
+    argv = ["--json", "eval-kl", "tiny", "--text", str(text), "--methods", "kivi-2", "--ctx", "300", "--tokens", "4",
+            "--windows", "2", *extra]  # fmt: skip
+    return CliRunner().invoke(app, argv), loaded
+
+
+def test_windows_beyond_the_positions_run_under_yarn_with_one_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    res, loaded = _kl_cli(tmp_path, monkeypatch)
+    assert res.exit_code == 0, res.output + str(res.exception)  # type: ignore[attr-defined]
+    doc = json.loads(res.stdout)  # type: ignore[attr-defined]
+    assert doc["config"]["rope_scaling"] == "yarn" and doc["config"]["rope_factor"] == 2.0
+    assert loaded.model.config.rope_parameters["rope_type"] == "yarn"  # type: ignore[attr-defined]
+    flat = re.sub(r"\s+", " ", res.stderr)  # type: ignore[attr-defined]  # the log wraps long lines
+    assert flat.count("YaRN factor") == 1, flat
+    assert "YaRN factor 2 (--ctx 300 + --tokens 4 is beyond the model's 256 positions)" in flat
+    assert "scaled to 512 positions (--no-rope-scaling refuses instead)" in flat
+    assert doc["metrics"]["bf16"]["300"]["kl"] == 0.0 and doc["metrics"]["kivi-2"]["300"]["kl"] > 0.0
+
+
+def test_windows_beyond_the_positions_are_refused_with_no_rope_scaling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    res, loaded = _kl_cli(tmp_path, monkeypatch, "--no-rope-scaling")
+    assert isinstance(res.exception, OscarError), res.output  # type: ignore[attr-defined]
+    assert "--ctx + --tokens 304 is beyond the model's context of 256 tokens (--no-rope-scaling)" in res.exception.message  # type: ignore[attr-defined]
+    assert rope_type(loaded.model.config) == "default"  # type: ignore[attr-defined]
+    both, _ = _kl_cli(tmp_path, monkeypatch, "--no-rope-scaling", "--rope-factor", "2")
+    assert both.exit_code == 2  # type: ignore[attr-defined]
+
+
+def test_yarn_asked_within_the_positions_and_a_factor_too_small(tmp_path: Path) -> None:
+    text = prose(tmp_path) / "essay.txt"
+    cfg = KLConfig(text=str(text), lengths=[200], methods=["kivi-2"], tokens=4, windows=1, rope_scaling="yarn",
+                   rope_factor=2.0)  # fmt: skip
+    res = run_kl(cfg, loaded=tiny_loaded(max_positions=256))
+    assert res.config["rope_scaling"] == "yarn" and res.config["rope_factor"] == 2.0
+    cfg = KLConfig(text=str(text), lengths=[600], methods=["kivi-2"], tokens=4, windows=1, rope_factor=2.0)
+    with pytest.raises(OscarError, match=r"--ctx \+ --tokens 604 is beyond 256 × 2 = 512 positions of YaRN"):
+        run_kl(cfg, loaded=tiny_loaded(max_positions=256))

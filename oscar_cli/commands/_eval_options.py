@@ -68,10 +68,14 @@ RopeScalingOpt = Annotated[
     str | None,
     typer.Option(
         "--rope-scaling",
-        help="yarn: RoPE scaled beyond the model's positions (eval-ruler applies it by itself when --ctx needs it).",
+        help="yarn: RoPE scaled beyond the model's positions (eval-ruler and eval-kl apply it by themselves when --ctx needs it).",
     ),
 ]
 RopeFactorOpt = Annotated[
     float | None,
     typer.Option("--rope-factor", help="YaRN factor F: positions × F (default: the smallest integer >= 2 that fits)."),
+]
+NoRopeScalingOpt = Annotated[
+    bool,
+    typer.Option("--no-rope-scaling", help="Refuse lengths beyond the model's positions instead of applying YaRN."),
 ]

@@ -14,6 +14,9 @@ from oscar_cli.commands._eval_options import (
     BackendOpt,
     Bf16WindowsOpt,
     ChunkSizeOpt,
+    NoRopeScalingOpt,
+    RopeFactorOpt,
+    RopeScalingOpt,
     ctx_list_callback,
     methods_or_default_callback,
 )
@@ -25,14 +28,16 @@ EXAMPLES = """
   oscar eval-kl smollm2-135m --text held-out.txt --artifact ART --ctx 2k --tokens 64 --windows 4
   oscar eval-kl smollm2-135m --text book.txt --methods naive-int2,quarot-int2,oscar --artifact ART --ctx 1k,4k
   oscar --json eval-kl smollm2-135m --text book.txt --methods kivi-2 --ctx 1k
+  oscar eval-kl smollm2-135m --text book.txt --artifact ART --ctx 12k,16k   # beyond 8K positions: YaRN factor 2
 """
 
 
 def render(res: dict[str, Any]) -> None:
     """One row per method and length: KL (nats), top-1 agreement, NLL/perplexity, BPE."""
     cfg = res["config"]
+    rope = f" (YaRN x{cfg['rope_factor']:g})" if cfg.get("rope_scaling") else ""
     t = Table(
-        title=f"next-token KL vs bf16 — {res['model']['reference']}, {cfg['windows']} windows × {cfg['tokens']} "
+        title=f"next-token KL vs bf16 — {res['model']['reference']}{rope}, {cfg['windows']} windows × {cfg['tokens']} "
         "teacher-forced decode positions after the context",
         title_justify="left",
     )
@@ -82,6 +87,9 @@ def eval_kl(
     chunk_size: ChunkSizeOpt = 4096,
     bf16_windows: Bf16WindowsOpt = None,
     backend: BackendOpt = "auto",
+    rope_scaling: RopeScalingOpt = None,
+    rope_factor: RopeFactorOpt = None,
+    no_rope_scaling: NoRopeScalingOpt = False,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
 ) -> None:
@@ -91,6 +99,8 @@ def eval_kl(
 
     if not text:
         raise typer.BadParameter("--text FILE is required (held-out prose)", param_hint="--text")
+    if no_rope_scaling and (rope_scaling or rope_factor):
+        raise typer.BadParameter("--no-rope-scaling contradicts --rope-scaling/--rope-factor", param_hint="--no-rope-scaling")
     cfg = KLConfig(
         text=text,
         lengths=parse_ctx_list(ctx),
@@ -104,6 +114,9 @@ def eval_kl(
         chunk_size=chunk_size,
         bf16_windows=parse_windows(bf16_windows),
         backend=backend,
+        rope_scaling=rope_scaling,
+        rope_factor=rope_factor,
+        auto_rope=not no_rope_scaling,
     )
     res = run_kl(cfg).to_json()
     _output.emit(res, render)

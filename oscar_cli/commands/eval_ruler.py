@@ -15,6 +15,7 @@ from oscar_cli.commands._eval_options import (
     BackendOpt,
     Bf16WindowsOpt,
     ChunkSizeOpt,
+    NoRopeScalingOpt,
     RopeFactorOpt,
     RopeScalingOpt,
     ctx_list_callback,
@@ -132,10 +133,7 @@ def eval_ruler(
                               "ruler-results/<model>, e.g. ruler-results/smollm2-135m.", show_default=False)] = "",
     rope_scaling: RopeScalingOpt = None,
     rope_factor: RopeFactorOpt = None,
-    no_rope_scaling: Annotated[
-        bool,
-        typer.Option("--no-rope-scaling", help="Refuse lengths beyond the model's positions instead of applying YaRN."),
-    ] = False,
+    no_rope_scaling: NoRopeScalingOpt = False,
     batch_size: Annotated[
         int | None,
         typer.Option("--batch-size", min=1, help="Prompts per batch, every batch when given. Default: 4 on CPU, "

@@ -11,6 +11,10 @@ distributions at the same positions it reports
 - ``nll``: the method's mean negative log-likelihood of the actual next tokens (``ppl = exp(nll)``).
 
 This smooth metric is what calibration work tunes against (RULER scores saturate).
+
+Windows beyond the model's positions (``L + M`` > native) run under YaRN, every method and the ``bf16``
+reference alike, with one note naming the factor (:func:`oscar_cli.model.rope.yarn_for_run`, as
+``oscar eval-ruler``); ``--no-rope-scaling`` refuses instead.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class KLConfig:
     chunk_size: int = 4096
     bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
     backend: str = "auto"  # auto | reference | triton (quant.runtime.attach: triton on CUDA where the kernels serve it)
+    rope_scaling: str | None = None  # None: YaRN when context + tokens is beyond the model's positions (auto_rope)
+    rope_factor: float | None = None  # filled in with the factor applied
+    auto_rope: bool = True  # False (--no-rope-scaling): refuse windows beyond the model's positions
 
 
 @dataclass
@@ -124,6 +131,7 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
     from oscar_cli._output import progress
     from oscar_cli.environment import environment
     from oscar_cli.eval.prepare import build_methods, check_backend, default_methods, read_text_file
+    from oscar_cli.model.rope import yarn_for_run
 
     if cfg.tokens < 1 or cfg.windows < 1:
         raise EvalError("--tokens and --windows must be at least 1")
@@ -139,9 +147,12 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
 
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     model, tok = loaded.model, loaded.tokenizer
-    native = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    if native and max(cfg.lengths) + cfg.tokens > native:
-        raise EvalError(f"context {max(cfg.lengths)} + {cfg.tokens} tokens is beyond the model's {native} positions")
+    longest = max(cfg.lengths) + cfg.tokens
+    factor, yarn_note = yarn_for_run(model, longest, cfg.rope_scaling, cfg.rope_factor, auto=cfg.auto_rope,
+                                     what="--ctx + --tokens", span=f"--ctx {max(cfg.lengths)} + --tokens {cfg.tokens}")
+    cfg.rope_scaling, cfg.rope_factor = ("yarn", factor) if factor is not None else (None, None)
+    if yarn_note:
+        logger.warning(yarn_note)
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
     names = ["bf16"] + [m for m in cfg.methods if m != "bf16"]
     for length in cfg.lengths:  # every length's windows are checked before any method runs

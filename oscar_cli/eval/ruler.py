@@ -480,7 +480,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     from oscar_cli._output import progress, progress_enabled
     from oscar_cli.eval.heatmap import plot_heatmap
     from oscar_cli.eval.prepare import build_methods, default_methods
-    from oscar_cli.model.rope import apply_yarn, native_positions, plan_yarn
+    from oscar_cli.model.rope import yarn_for_run
 
     notes: list[str] = []
     if not cfg.methods:
@@ -493,16 +493,10 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
 
         loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     model = loaded.model
-    native = native_positions(model.config)
-    factor = plan_yarn(native, max(cfg.lengths), cfg.rope_scaling, cfg.rope_factor, auto=cfg.auto_rope)
+    factor, yarn_note = yarn_for_run(model, max(cfg.lengths), cfg.rope_scaling, cfg.rope_factor, auto=cfg.auto_rope)
     if factor is not None:
-        apply_yarn(model, factor)
         cfg.rope_scaling, cfg.rope_factor = "yarn", factor
-        why = f"--ctx {max(cfg.lengths)} is beyond the model's {native} positions" if max(cfg.lengths) > native else "asked"
-        notes.append(
-            f"YaRN factor {factor:g} ({why}): every method and length runs with RoPE scaled to "
-            f"{int(native * factor)} positions (--no-rope-scaling refuses instead)"
-        )
+        notes += [yarn_note] if yarn_note else []
     else:
         cfg.rope_scaling = cfg.rope_factor = None
     methods, method_notes = build_methods(

@@ -113,3 +113,37 @@ def apply_yarn(model: Any, factor: float) -> None:
     base = getattr(model, "model", model)
     rotary = base.rotary_emb
     base.rotary_emb = type(rotary)(config=cfg).to(next(model.parameters()).device)  # recompute inv_freq (YaRN)
+
+
+def yarn_for_run(
+    model: Any,
+    longest: int,
+    rope_scaling: str | None,
+    factor: float | None,
+    *,
+    auto: bool = True,
+    what: str = "--ctx",
+    span: str | None = None,
+) -> tuple[float | None, str | None]:
+    """Plan YaRN for a run over ``longest`` tokens (:func:`plan_yarn`), apply it to ``model``, and word its note.
+
+    Args:
+        model: a loaded transformers causal LM (changed in place when YaRN applies).
+        longest: the longest sequence (tokens) the run needs.
+        rope_scaling, factor, auto, what: as :func:`plan_yarn`.
+        span: how the note names ``longest`` (default ``"{what} {longest}"``).
+
+    Returns:
+        ``(factor, note)``: the factor applied and the one note to show, or ``(None, None)`` for plain RoPE.
+    """
+    native = native_positions(model.config)
+    planned = plan_yarn(native, longest, rope_scaling, factor, auto=auto, what=what)
+    if planned is None:
+        return None, None
+    apply_yarn(model, planned)
+    span = span or f"{what} {longest}"
+    why = f"{span} is beyond the model's {native} positions" if longest > native else "asked"
+    return planned, (
+        f"YaRN factor {planned:g} ({why}): every method and length runs with RoPE scaled to "
+        f"{int(native * planned)} positions (--no-rope-scaling refuses instead)"
+    )
