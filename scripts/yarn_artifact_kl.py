@@ -12,7 +12,7 @@ reference. An artifact calibrated without RoPE scaling is accepted the way eval-
 the ``M`` scored positions; per length: their means over windows, and for the first two artifacts the paired
 difference of KL per window (``first - second``) with its standard error (sd of the differences / sqrt(n)).
 The JSON is rewritten after every window, so ``--time-budget`` (seconds; no new window starts after it) leaves
-a complete record of the windows that ran.
+a complete record of the windows that ran, and ``--resume`` continues it (same setup, e.g. fewer lengths).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def _summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
         out[n] = {k: round(statistics.fmean(r[n][k] for r in rows), 6) for k in ("kl", "top1", "nll")}
     if len(names) >= 2 and rows:
         d = [r[names[0]]["kl"] - r[names[1]]["kl"] for r in rows]
-        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        se = round(statistics.stdev(d) / math.sqrt(len(d)), 6) if len(d) > 1 else None  # None: one window
         wins = sum(x < 0 for x in d)
         out["paired_kl"] = {"diff": f"{names[0]} - {names[1]}", "mean": round(statistics.fmean(d), 6),
-                            "se": round(se, 6), f"{names[0]}_lower_in": wins}  # fmt: skip
+                            "se": se, f"{names[0]}_lower_in": wins}  # fmt: skip
     return out
 
 
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--time-budget", type=float, default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", action="store_true", help="keep the windows --out already holds for the same setup")
     a = ap.parse_args(argv)
 
     from oscar_cli._options import parse_ctx_list
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in notes:
         print(m, file=sys.stderr)
     ids = list(loaded.tokenizer(read_text_file(a.text), add_special_tokens=False)["input_ids"])
+    out = Path(a.out)
     record: dict[str, Any] = {
         "config": {**vars(a), "rope_factor": factor, "artifacts": arts},
         "model": {"reference": loaded.identity.reference, "resolved": loaded.identity.resolved,
@@ -88,13 +90,24 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
     }
     t0 = time.perf_counter()
-    out = Path(a.out)
     stopped = False
     batches = {L: cut_windows(ids, L, a.tokens, a.windows) for L in lengths}
     rows: dict[int, list[dict[str, Any]]] = {L: [] for L in lengths}
+    if a.resume and out.exists():
+        same = ("model", "text", "tokens", "windows", "rope_factor", "chunk_size", "artifacts")
+        before = json.loads(out.read_text())
+        if any(before["config"].get(k) != record["config"].get(k) for k in same):
+            raise SystemExit(f"--resume: {out} was written for another setup (one of {', '.join(same)} differs)")
+        for L in lengths:
+            rows[L] = before["per_window"].get(str(L), [])
+            if rows[L]:
+                record["summary"][str(L)] = _summary(rows[L], names)
+        record["resumed_seconds"] = before.get("seconds", 0) + before.get("resumed_seconds", 0)
     record["per_window"] = {str(L): rows[L] for L in lengths}
     for w in range(a.windows):  # window by window over the lengths: a time budget leaves every length measured
         for L in lengths:
+            if w < len(rows[L]):
+                continue
             if a.time_budget is not None and time.perf_counter() - t0 > a.time_budget:
                 stopped = True
                 break
