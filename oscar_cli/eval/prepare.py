@@ -146,7 +146,7 @@ def build_methods(
             methods[m] = build_method(m, config, artifact, windows)
         except ArtifactError:
             other = _rope_only_difference(artifact, config, resolved) if artifact and REGISTRY[m].needs_artifact else None
-            if other is None:
+            if other is None or artifact is None:
                 raise
             methods[m] = build_method(m, other, artifact, windows)
             notes.append(rope_mismatch_note(artifact, rope_type(other), rope_type(config)))
