@@ -55,7 +55,7 @@ def test_two_artifacts_scored_per_window_under_one_yarn_and_resumed(
     assert script.main(argv) == 0
     doc = json.loads(out.read_text())
     err = capsys.readouterr().err
-    assert "YaRN factor 2" in err and "native: artifact" in err and "measured as good" in err
+    assert "YaRN factor 2" in err and "native: artifact" in err and "measured no worse" in err
     assert "yarn: artifact" not in err  # calibrated under the same YaRN: no note
     rows = doc["per_window"]["300"]
     assert [r["window"] for r in rows] == [0, 1, 2] and all(r["native"]["kl"] > 0 and r["yarn"]["kl"] > 0 for r in rows)
