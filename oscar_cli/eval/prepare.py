@@ -110,7 +110,7 @@ def rope_mismatch_note(artifact: str, calibrated: str, running: str) -> str:
 
     The default (accept it) follows the measurement in :data:`YARN_ARTIFACT_MEASUREMENT`: on SmolLM2-135M at
     12K under YaRN x2 an artifact calibrated without RoPE scaling had a lower next-token KL against BF16 (under
-    the same YaRN) than one recalibrated under YaRN, in both windows measured, so running it is not refused;
+    the same YaRN) than one recalibrated under YaRN in every window measured, so running it is not refused;
     the note says so.
     """
     head = f"artifact {artifact} was calibrated with {calibrated} RoPE; using it under {running} RoPE (same weights"
