@@ -74,3 +74,15 @@ def oscar_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     d = tmp_path / "oscar-cache"
     monkeypatch.setenv(model_cache.CACHE_ENV, str(d))
     return d
+
+
+@pytest.fixture
+def one_torch_thread() -> Any:
+    """Tiny matmuls: on a busy 2-core machine a second OpenMP thread makes them many times slower (a module opts in
+    with ``pytestmark = [..., pytest.mark.usefixtures("one_torch_thread")]``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

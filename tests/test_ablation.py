@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from helpers.calib import TINY_RECIPE
 from helpers.evaldata import prose
 from helpers.scripts import load_script
@@ -18,19 +17,12 @@ from oscar_cli.eval.ablation import check_held_out, markdown_table
 from oscar_cli.eval.variants import default_variants, parse_variant, recipe_diff
 from oscar_cli.recipe import load_recipe
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 VARIANTS = {"rotation.grouping=head": {"rotation.grouping": ["layer", "head"]},
             "topk:clip.objective=topk": {"clip.objective": ["mean", "topk"]}}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """Tiny matmuls: on a busy 2-core machine a second OpenMP thread makes them many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _ablate() -> Any:

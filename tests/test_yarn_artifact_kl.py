@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 from helpers.calib import TINY_RECIPE
 from helpers.evaldata import prose
 from helpers.scripts import load_script
@@ -19,15 +17,9 @@ from oscar_cli.calibration.run import calibrate_model
 from oscar_cli.model.rope import apply_yarn
 from oscar_cli.recipe import load_recipe
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _artifact(tmp_path: Path, yarn: float | None) -> str:
