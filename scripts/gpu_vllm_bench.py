@@ -365,14 +365,13 @@ class ProfileWindow:
         """Stop a trace the run ended inside (fewer steps left than asked)."""
         if self.started_after is not None and self.stopped_after is None:
             self.stop()
-            self.stopped_after = -1
+            self.stopped_after = self.started_after + self.steps
 
     @property
     def traced(self) -> frozenset[int]:
         if self.started_after is None:
             return frozenset()
-        end = self.stopped_after if self.stopped_after not in (None, -1) else self.started_after + self.steps
-        return frozenset(range(self.started_after, end))
+        return frozenset(range(self.started_after, self.started_after + self.steps))
 
 
 def run_steps(eng: Any, inputs: Iterable[Any], params: Any, echo: bool = False,
