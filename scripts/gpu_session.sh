@@ -39,10 +39,11 @@
 #                                              for S seconds (150): every stderr line and the first records timed)
 #   bash scripts/gpu_session.sh qsweep [S]    (after setup; carry .stage/qsweep when it exists: #18 item 4 in
 #                                              priority order, scripts/qsweep.py, no step starts after S (400)
-#                                              seconds; returns res/qsweep/, which the next call carries back in)
+#                                              seconds; returns res/qsweep.tar, which the next call carries back in)
 # qsweep across calls and sessions, here between calls (the samples file and the artifact travel together: an
 # oscar row resumes only for the same artifact path and rotations):
-#   rm -rf .stage/qsweep && cp -r FILES_AT/res/qsweep .stage/qsweep      (FILES_AT: the call's files_at)
+#   rm -rf .stage/qsweep && mkdir .stage/qsweep && tar -C .stage/qsweep -xf FILES_AT/res/qsweep.tar
+# (FILES_AT: the call's files_at; one tar because a call returns at most 8 files, none 3 folders under $OUT)
 # A new session: the qpart calls and setup as above, then qsweep calls carrying .stage/qsweep (its art/ replaces
 # the artifact setup made). Tables from the samples file, here: python3 scripts/ruler_table.py .stage/qsweep
 # GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
@@ -146,17 +147,16 @@ qsweep)  # #18 item 4: the Qwen RULER/KL sweep in priority order, resumable (scr
     site || exit 1  # and this tree's oscar again: the call may come after a commit since setup
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     [ -f "$GGUF" ] && [ -f /tmp/q/austen_persuasion.txt ] || { echo "qsweep: run setup first (no $GGUF)"; exit 1; }
-    qres=${OUT:-/tmp/out}/res/qsweep  # straight into $OUT after every step: a call killed at its limit keeps them
+    qres=${OUT:-/tmp/out}/res  # qsweep.tar straight into $OUT after every step: a call killed at its limit keeps it
     mkdir -p "$qres"
     if [ -f .stage/qsweep/art/manifest.json ]; then  # the sweep's artifact: its rows resume only with it
         cmp -s .stage/qsweep/art/manifest.json "$ART/manifest.json" || { rm -rf "$ART" && cp -r .stage/qsweep/art "$ART"; }
         echo "artifact: the carried one ($(grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' "$ART/manifest.json"))"
     fi
     [ -f "$ART/manifest.json" ] || { echo "qsweep: no artifact at $ART"; exit 1; }
-    cp -r "$ART" "$qres/art"
     PYTHONPATH=/tmp/site python3 scripts/qsweep.py run --state /tmp/q/qsweep --carried .stage/qsweep \
         --res "$qres" --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}"
-    echo "rc=$?"; du -sh "$qres"
+    echo "rc=$?"; ls -la "$qres/qsweep.tar"
     ;;
 trace)  # summarise a torch profiler trace dir
     PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60

@@ -19,7 +19,9 @@ e. eval-kl at 4K, 8K, 16K and 32,704 (32K less the 64 scored tokens: the model h
 
 State (``--state``, on the device ``/tmp/q/qsweep``): ``samples.jsonl`` and ``kl-*.json``. ``--carried`` (the
 folder the lead carries in, ``.stage/qsweep``) is merged into it first: records are unioned by resume key, KL
-files copied when absent. After every step the state is copied to ``--res`` (which comes back in ``$OUT``).
+files copied when absent. After every step the state and the artifact are written to ``--res`` as one tar,
+``qsweep.tar`` (which comes back in ``$OUT``; here: ``mkdir -p .stage/qsweep && tar -C .stage/qsweep -xf
+FILES_AT/res/qsweep.tar``).
 
 ``python3 scripts/qsweep.py plan --state DIR`` prints the plan and what the samples file already holds (CPU).
 """
@@ -32,6 +34,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -49,6 +52,7 @@ LONG = (65536, 131072)
 KL_LENGTHS = (4096, 8192, 16384, 32704)
 YARN_FACTOR = 4
 SAMPLES_FILE = "samples.jsonl"
+TAR_NAME = "qsweep.tar"  # what a call returns: the state and the artifact in one file (copy_back)
 OSCAR_CALL = [sys.executable, "-c", "from oscar_cli.main import main; main()"]
 
 
@@ -251,16 +255,24 @@ class Sweep:
         return rc
 
     def copy_back(self) -> None:
-        """The state (samples file, KL results, logs, step summaries) into ``res``."""
+        """The state (samples file, KL results, logs, step summaries, the last step's heatmap) and the artifact, as
+        one tar ``res/qsweep.tar`` (written whole, then renamed): the device returns at most 8 files, none more
+        than two folders under ``$OUT``, so a folder of files and an artifact directory would not come back."""
         if self.res is None:
             return
         self.res.mkdir(parents=True, exist_ok=True)
-        for p in self.state.iterdir():
-            if p.is_file() and p.suffix in (".jsonl", ".json", ".log"):
-                shutil.copyfile(p, self.res / p.name)
-        heat = self.state / "heatmap.png"
-        if heat.is_file():
-            shutil.copyfile(heat, self.res / "last-step-heatmap.png")
+        tmp = self.res / (TAR_NAME + ".tmp")
+        with tarfile.open(tmp, "w") as tar:
+            for p in sorted(self.state.iterdir()):
+                if p.is_file() and p.suffix in (".jsonl", ".json", ".log"):
+                    tar.add(p, arcname=p.name)
+            heat = self.state / "heatmap.png"
+            if heat.is_file():
+                tar.add(heat, arcname="last-step-heatmap.png")
+            art = Path(self.artifact)
+            if (art / "manifest.json").is_file():
+                tar.add(art, arcname="art")
+        os.replace(tmp, self.res / TAR_NAME)
 
 
 def _subprocess_runner(argv: list[str], timeout: float, log: Path) -> int:

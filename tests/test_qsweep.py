@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,7 @@ def test_sweep_resumes_across_calls_and_stops_at_budget(tmp_path: Path) -> None:
     source = q.artifact_source(str(art))
     clock = [0.0]
     lines: list[str] = []
-    carried = tmp_path / "carried"  # what the lead carries in: last call's res/qsweep
+    carried = tmp_path / "carried"  # what the lead carries in: last call's res/qsweep.tar, unpacked
     outcomes = []
     for call in range(6):
         state, res = tmp_path / f"state{call}", tmp_path / f"res{call}"  # a fresh machine every call
@@ -164,7 +165,11 @@ def test_sweep_resumes_across_calls_and_stops_at_budget(tmp_path: Path) -> None:
         sweep = q.Sweep(q.plan(2), state, "G.gguf", str(art), "held.txt", budget=200.0, res=res,
                         runner=fake, clock=lambda: clock[0], log=lines.append)
         outcomes.append(sweep.run())
-        carried = res
+        assert [p.name for p in res.iterdir()] == ["qsweep.tar"]  # one file: a device call returns at most 8
+        carried = tmp_path / f"carried{call}"
+        with tarfile.open(res / "qsweep.tar") as tar:
+            tar.extractall(carried, filter="data")
+        assert (carried / "art" / "manifest.json").is_file()  # the artifact travels with the samples
     steps = q.plan(2)
     recs = q.read_records(carried / "samples.jsonl")
     assert all(q.done_count(recs, s, source) == s.total() for s in steps if s.kind == "ruler")
