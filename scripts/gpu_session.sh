@@ -44,8 +44,10 @@
 # oscar row resumes only for the same artifact path and rotations):
 #   rm -rf .stage/qsweep && mkdir .stage/qsweep && tar -C .stage/qsweep -xf FILES_AT/res/qsweep.tar
 # (FILES_AT: the call's files_at; one tar because a call returns at most 8 files, none 3 folders under $OUT)
-# A new session: the qpart calls and setup as above, then qsweep calls carrying .stage/qsweep (its art/ replaces
-# the artifact setup made). Tables from the samples file, here: python3 scripts/ruler_table.py .stage/qsweep
+# A new session: `mkdir -p .stage/qsweep && tar -C .stage/qsweep -xzf docs/results/qsweep-qwen2.5-coder-1.5b-h200.tar.gz`
+# (the committed state: samples and artifact), the qpart calls and setup as above, then qsweep calls carrying
+# .stage/qsweep (its art/ replaces the artifact setup made). Tables from the samples file, here:
+#   python3 scripts/ruler_table.py .stage/qsweep
 # GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
 # every call copies /tmp/res into $OUT/res (what comes back). docs/VLLM.md run 2 ran these steps (from an
 # uncommitted copy of this script).
