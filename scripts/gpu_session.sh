@@ -49,14 +49,22 @@
 # .stage/qsweep (its art/ replaces the artifact setup made). Tables from the samples file, here:
 #   python3 scripts/ruler_table.py .stage/qsweep
 # GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf, ART=/tmp/q/art. Results accumulate in /tmp/res;
-# every call copies /tmp/res into $OUT/res (what comes back). docs/VLLM.md run 2 ran these steps (from an
+# every call returns them (finish, below). docs/VLLM.md run 2 ran these steps (from an
 # uncommitted copy of this script).
 set -uo pipefail
 GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 ART=/tmp/q/art
 mkdir -p /tmp/res /tmp/q
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OSCAR_CACHE_DIR=/tmp/q/cache TOKENIZERS_PARALLELISM=false
-finish() { local o=${OUT:-/tmp/out}; mkdir -p "$o/res" && cp -r /tmp/res/. "$o/res/" 2>/dev/null; ls -la /tmp/res | tail -20; }
+# What comes back: a call returns at most 8 files, none more than two folders under $OUT, and leaves out the rest
+# without failing. So every call returns all of /tmp/res as one archive, res.tgz (`tar -xzf FILES_AT/res.tgz`
+# here), plus up to 6 of the files this call wrote there, as files, to read at once (qsweep's qsweep.tar is the 8th).
+touch /tmp/.gpu-session-call
+finish() {
+    local o=${OUT:-/tmp/out}; mkdir -p "$o/res" && tar -C /tmp -czf "$o/res.tgz" res
+    find /tmp/res -maxdepth 1 -type f -newer /tmp/.gpu-session-call | head -6 | xargs -r cp -t "$o/res/"
+    ls -la /tmp/res | tail -20
+}
 trap finish EXIT
 oscar() { (cd /tmp && PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" "$@"); }
 t0=$(date +%s)
