@@ -101,10 +101,14 @@ class ClipConfig(Schema):
 class KeepConfig(Schema):
     """A per-token BF16 keep budget chosen at write time (:mod:`oscar_cli.quant.keep`): of the tokens demoted
     to INT2, the ``fraction`` with the largest ``score`` (``qerr``: relative INT2 error of the rotated key plus
-    that of the value; ``knorm``: key norm) are also kept in BF16 and attention reads those. 0 = off."""
+    that of the value; ``knorm``: key norm) are also kept in BF16 and attention reads those; ``side``: keys,
+    values or both. 0 = off."""
 
     fraction: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
     score: Literal["qerr", "knorm"] = "qerr"
+    # which rows the tier keeps: both (K and V), or one side only (a diagnostic: with fraction 1 it serves that
+    # side in BF16 and the other in INT2, which attributes an accuracy loss to keys or values)
+    side: Literal["both", "keys", "values"] = "both"
 
 
 class QuantConfig(Schema):
@@ -156,7 +160,7 @@ class Recipe(Schema):
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
-        ``quant.keep`` is left out while it is off (fraction 0), ``quant.levels`` while uniform (1/3),
+        ``quant.keep`` is left out while it is off (fraction 0) and its ``side`` while ``both``, ``quant.levels`` while uniform (1/3),
         ``quant.logit_correction`` while it is ``none``,
         ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
@@ -164,6 +168,8 @@ class Recipe(Schema):
         out = self.full_dict()
         if self.quant.keep.fraction == 0.0:
             del out["quant"]["keep"]
+        elif self.quant.keep.side == "both":
+            del out["quant"]["keep"]["side"]
         if self.quant.levels == UNIFORM_INNER:
             del out["quant"]["levels"]
         if self.quant.logit_correction == "none":

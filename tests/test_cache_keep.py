@@ -47,17 +47,20 @@ def _recording_feed(layer: Int2Layer, k: torch.Tensor, v: torch.Tensor, pads: li
     return run_layer(layer, k, v, pads, chunks, decode), kept
 
 
-@pytest.mark.parametrize("score", ["qerr", "knorm"])
+@pytest.mark.parametrize(("score", "side"), [("qerr", "both"), ("knorm", "both"), ("qerr", "keys"),
+                                             ("qerr", "values")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kept_tokens_are_read_in_bf16_and_their_number_follows_the_budget(case: tuple, score: str) -> None:
+def test_kept_tokens_are_read_in_bf16_and_their_number_follows_the_budget(case: tuple, score: str,
+                                                                          side: str) -> None:
     """Every update returns the no-keep cache's view except at the kept slots, which hold the token's exact
-    (rotated) activation-dtype rows; per sequence and head the tier holds ⌊f·n⌋ history slots, n the history so
-    far, over prefill chunks and decode demotions (budget 3 %: several blocks of 8 pass between two new rows)."""
+    (rotated) activation-dtype rows (of the kept side only: a one-sided tier leaves the other side's INT2 rows);
+    per sequence and head the tier holds ⌊f·n⌋ history slots, n the history so far, over prefill chunks and
+    decode demotions (budget 3 %: several blocks of 8 pass between two new rows)."""
     _, lengths, sink, recent, chunk, h, n_rot = case
     d, b, total, decode, frac = 16, len(lengths), max(lengths), 70, 0.03
     t = random_transform(total + h, n_rot, clip=0.9, d=d)
     base = oscar_method([t], sink=sink, recent=recent)
-    meth = replace(base, keep_fraction=frac, keep_score=score)
+    meth = replace(base, keep_fraction=frac, keep_score=score, keep_side=side)
     g = torch.Generator().manual_seed(total)
     k = torch.randn(b, h, total + decode, d, generator=g).bfloat16()
     v = torch.randn(b, h, total + decode, d, generator=g).bfloat16()
@@ -77,19 +80,21 @@ def test_kept_tokens_are_read_in_bf16_and_their_number_follows_the_budget(case: 
         n = gk.shape[2]
         sel = torch.zeros(b, h, n, dtype=torch.bool)
         sel.scatter_(2, pos.clamp(max=n - 1), pos < n)
-        want_k = torch.where(sel[..., None], raw[0][..., :n, :], wk)
-        want_v = torch.where(sel[..., None], raw[1][..., :n, :], wv)
+        want_k = torch.where(sel[..., None], raw[0][..., :n, :], wk) if side != "values" else wk
+        want_v = torch.where(sel[..., None], raw[1][..., :n, :], wv) if side != "keys" else wv
         m = valid[:, None, :n, None].expand_as(gk)
         assert torch.equal(gk[m], want_k[m]) and torch.equal(gv[m], want_v[m]), f"update {i}"
     assert grew >= 2
 
 
-@pytest.mark.parametrize("score", ["qerr", "knorm"])
-def test_one_chunk_keeps_the_highest_scores(score: str) -> None:
-    """Within one demoted block the kept rows are the block's top ⌊f·m⌋ by score, per KV head."""
+@pytest.mark.parametrize(("score", "side"), [("qerr", "both"), ("knorm", "both"), ("qerr", "keys"),
+                                             ("qerr", "values")])
+def test_one_chunk_keeps_the_highest_scores(score: str, side: str) -> None:
+    """Within one demoted block the kept rows are the block's top ⌊f·m⌋ by score, per KV head (``qerr`` of a
+    one-sided tier: that side's error alone)."""
     d, h, n, frac = 16, 2, 400, 0.05
     t = random_transform(3, 2, clip=0.9, d=d)
-    meth = replace(oscar_method([t], sink=0, recent=0), keep_fraction=frac, keep_score=score)
+    meth = replace(oscar_method([t], sink=0, recent=0), keep_fraction=frac, keep_score=score, keep_side=side)
     layer = Int2Layer(meth, t, rotate_values=True)
     g = torch.Generator().manual_seed(5)
     k, v = torch.randn(2, 1, h, n, d, generator=g)
@@ -99,7 +104,12 @@ def test_one_chunk_keeps_the_highest_scores(score: str) -> None:
     def hat(x: torch.Tensor, mean: torch.Tensor, clip: float) -> torch.Tensor:
         return dequantize_rows(quantize_rows(x, None, mean, clip)) + mean.unsqueeze(-2)
 
-    scores = token_scores(score, kr, vr, hat(kr, t.k_mean, t.k_clip), hat(vr, t.v_mean, t.v_clip))
+    scores = token_scores(score, kr, vr, hat(kr, t.k_mean, t.k_clip), hat(vr, t.v_mean, t.v_clip), side=side)
+    if side != "both":  # one side's error alone, and the tier holds that side's rows only
+        other = token_scores(score, kr, vr, hat(kr, t.k_mean, t.k_clip), hat(vr, t.v_mean, t.v_clip))
+        assert not torch.equal(scores, other)
+        assert layer.keep is not None and (layer.keep.k is None) == (side == "values")
+        assert (layer.keep.v is None) == (side == "keys")
     assert layer.keep is not None and layer.keep.pos is not None
     want = scores.topk(keep_count(frac, n), dim=-1).indices.sort(-1).values
     assert torch.equal(layer.keep.pos.long().sort(-1).values, want)
@@ -128,6 +138,13 @@ def test_bits_per_element_and_allocated_bytes_grow_by_the_formula() -> None:
 
     recipe = Recipe().replace({"quant": {"keep": {"fraction": frac}}})
     assert scheme_bpe(recipe, d)(["oscar"]) == replace(base, keep_fraction=frac).bits_per_element(BPE_CONTEXT, d)
+    for side in ("keys", "values"):  # one side: D values per kept row in memory and in the formula
+        one = replace(meth, keep_side=side)
+        assert one.bits_per_element(length, d) - base.bits_per_element(length, d) == pytest.approx(
+            kept * (d * 16 + 64) / (2 * d * length), rel=1e-12)
+        layer = Int2Layer(one, LayerTransform())
+        layer.update(k, v)
+        assert layer.allocated_bytes() - plain.allocated_bytes() == b * h * kept * (d * 2 + 4 + 4)
     with_keep.batch_select_indices(torch.tensor([1, 1, 0]))
     assert with_keep.keep is not None and with_keep.keep.pos is not None and with_keep.keep.pos.shape == (3, h, kept)
 
@@ -151,6 +168,11 @@ def test_recipe_knob_is_validated_and_left_out_while_off() -> None:
             recipe_from_dict({"quant": {"keep": {"fraction": bad}}})
     with pytest.raises(RecipeError, match="quant.keep.score"):
         recipe_from_dict({"quant": {"keep": {"score": "random"}}})
+    one = Recipe().replace({"quant": {"keep": {"fraction": 1.0, "side": "values"}}})  # written when not both
+    assert one.to_dict()["quant"]["keep"] == {"fraction": 1.0, "score": "qerr", "side": "values"}
+    assert recipe_from_dict(one.to_dict()) == one
+    with pytest.raises(RecipeError, match="quant.keep.side"):
+        recipe_from_dict({"quant": {"keep": {"fraction": 0.5, "side": "queries"}}})
 
 
 def test_artifact_carries_the_keep_budget(tmp_path: Path) -> None:
@@ -167,7 +189,10 @@ def test_artifact_carries_the_keep_budget(tmp_path: Path) -> None:
     m = replace(plain, quant={**plain.quant, "keep": {"fraction": 0.02, "score": "knorm"}})
     art = write_artifact(tmp_path / "art", m, _layers(0), recipe_yaml="name: tiny\n")
     meth = oscar_from_artifact(str(art), tiny_config())
-    assert (meth.keep_fraction, meth.keep_score) == (0.02, "knorm")
+    assert (meth.keep_fraction, meth.keep_score, meth.keep_side) == (0.02, "knorm", "both")
+    one = replace(plain, quant={**plain.quant, "keep": {"fraction": 1.0, "score": "qerr", "side": "keys"}})
+    art1 = write_artifact(tmp_path / "art1", one, _layers(0), recipe_yaml="name: tiny\n")
+    assert oscar_from_artifact(str(art1), tiny_config()).keep_side == "keys"
     from oscar_cli.artifact.card import bpe_table
 
     d = m.head_dim

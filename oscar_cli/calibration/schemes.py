@@ -248,7 +248,7 @@ def scheme_bpe(recipe: Any, head_dim: int) -> Callable[[list[str]], float]:
     q = recipe.quant
     base = QuantMethod(name="oscar", kind="int2", sink=q.sink, recent=q.recent, group_size=q.group_size,
                        meta_dtype=META_DTYPES[q.meta_dtype], keep_fraction=q.keep.fraction, keep_score=q.keep.score,
-                       levels=q.levels)
+                       keep_side=q.keep.side, levels=q.levels)
 
     def bpe(schemes: list[str]) -> float:
         kinds = tuple(LAYER_SCHEMES[s] for s in schemes)

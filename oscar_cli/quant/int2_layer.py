@@ -132,7 +132,8 @@ class Int2Layer(AppendLayer):
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
         self.k_mean: torch.Tensor | None = None
         self.v_mean: torch.Tensor | None = None
-        self.keep = KeepTier(method.keep_fraction, method.keep_score) if method.keep_fraction > 0 else None
+        self.keep = (KeepTier(method.keep_fraction, method.keep_score, method.keep_side)
+                     if method.keep_fraction > 0 else None)
         self.bias_key: torch.Tensor | None = None  # the key tensor update returned with key_scale2 (logit correction)
         self.key_scale2: torch.Tensor | None = None
 
@@ -296,7 +297,7 @@ class Int2Layer(AppendLayer):
             if self.keep is not None:
                 hats = [with_mean(dequantize_rows(q, inner=meth.levels), mean)
                         for q, mean in ((qk, self.k_mean), (qv, self.v_mean))]
-                score = token_scores(self.keep.kind, piece_k, piece_v, *hats)
+                score = token_scores(self.keep.kind, piece_k, piece_v, hats[0], hats[1], side=self.keep.side)
                 pad = (slots[:, a:e] < 0).view(b, 1, e - a)
                 scores.append(score.masked_fill(pad, float("-inf")))
         if self.keep is not None:  # the kept tier: a fixed fraction of the history slots (module keep.py)
@@ -345,7 +346,7 @@ class Int2Layer(AppendLayer):
                 s2[..., s + a : s + e, :] = codes[0][1].float().square()
         if self.keep is not None:  # kept tokens: attention reads their BF16 rows (slot t is index t here)
             self.keep.substitute(*outs, limit=s + width)
-            if s2 is not None:
+            if s2 is not None and self.keep.keeps_keys:  # BF16 keys: no logit correction
                 self.keep.substitute_rows(s2, torch.zeros(()), limit=s + width)
         self.key_scale2 = s2
         return outs

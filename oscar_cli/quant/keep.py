@@ -30,6 +30,7 @@ import math
 import torch
 
 KEEP_SCORES = ("qerr", "knorm")
+KEEP_SIDES = ("both", "keys", "values")
 TAG_BITS = 64  # int32 position + float32 score per kept (token, KV head)
 
 
@@ -38,18 +39,21 @@ def keep_count(fraction: float, n: int) -> int:
     return int(math.floor(fraction * n + 1e-9)) if fraction > 0 and n > 0 else 0
 
 
-def keep_bits(context_len: int, head_dim: int, fraction: float, sink: int, recent: int, act_bits: int = 16) -> float:
+def keep_bits(context_len: int, head_dim: int, fraction: float, sink: int, recent: int, act_bits: int = 16,
+              side: str = "both") -> float:
     """Bits per K/V element the tier adds at ``context_len`` tokens (history ``L - S0 - W``, batch 1):
-    ``⌊f·n⌋·(2·D·act_bits + 64) / (2·D·L)``."""
+    ``⌊f·n⌋·(s·D·act_bits + 64) / (2·D·L)``, ``s`` = 2 for ``side`` both, 1 for keys or values alone."""
     kept = keep_count(fraction, max(0, context_len - sink - recent))
-    return kept * (2 * head_dim * act_bits + TAG_BITS) / (2 * head_dim * context_len)
+    rows = 2 if side == "both" else 1
+    return kept * (rows * head_dim * act_bits + TAG_BITS) / (2 * head_dim * context_len)
 
 
 def token_scores(
-    kind: str, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor | None, v_hat: torch.Tensor | None
+    kind: str, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor | None, v_hat: torch.Tensor | None,
+    side: str = "both",
 ) -> torch.Tensor:
     """Scores ``float32 [B, H_kv, m]`` of rotated rows ``k``, ``v`` ``[B, H_kv, m, D]`` (``k_hat``/``v_hat``: the
-    same rows as INT2 stores them, needed by ``qerr`` only)."""
+    same rows as INT2 stores them, needed by ``qerr`` only; ``side`` keys / values: that side's error alone)."""
     if kind == "knorm":
         return k.float().norm(dim=-1)
     if kind != "qerr" or k_hat is None or v_hat is None:
@@ -59,6 +63,10 @@ def token_scores(
         x = x.float()
         return (x - x_hat).norm(dim=-1) / x.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
 
+    if side == "keys":
+        return rel(k, k_hat)
+    if side == "values":
+        return rel(v, v_hat)
     return rel(k, k_hat) + rel(v, v_hat)
 
 
@@ -66,11 +74,21 @@ class KeepTier:
     """The kept rows of one layer: ``k``, ``v`` ``[B, H_kv, C, D]`` (activation dtype, rotated), ``pos`` int32
     ``[B, H_kv, C]`` (cache slot of each row), ``score`` float32 ``[B, H_kv, C]``; ``C`` the same for every head."""
 
-    def __init__(self, fraction: float, score: str) -> None:
+    def __init__(self, fraction: float, score: str, side: str = "both") -> None:
         if score not in KEEP_SCORES:
             raise ValueError(f"keep score: expected one of {KEEP_SCORES}, got {score!r}")
-        self.fraction, self.kind = fraction, score
+        if side not in KEEP_SIDES:
+            raise ValueError(f"keep side: expected one of {KEEP_SIDES}, got {side!r}")
+        self.fraction, self.kind, self.side = fraction, score, side
         self.k = self.v = self.pos = self.score = None  # type: torch.Tensor | None
+
+    @property
+    def keeps_keys(self) -> bool:
+        return self.side in ("both", "keys")
+
+    @property
+    def keeps_values(self) -> bool:
+        return self.side in ("both", "values")
 
     @property
     def count(self) -> int:
@@ -82,15 +100,18 @@ class KeepTier:
         ``[B, H_kv, m, D]`` at cache slots ``pos [m]`` with ``score [B, H_kv, m]`` (per sequence and KV head)."""
         b, h, m, d = k.shape
         new_pos = pos.to(device=k.device, dtype=torch.int32).view(1, 1, m).expand(b, h, m)
-        parts = [(k, v, new_pos, score.float())]
-        if self.k is not None and self.v is not None and self.pos is not None and self.score is not None:
-            parts.insert(0, (self.k, self.v, self.pos, self.score))
-        all_k, all_v, all_pos, all_score = (torch.cat(list(x), 2) for x in zip(*parts, strict=True))
+
+        def joined(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+            return new if old is None else torch.cat([old, new], 2)
+
+        all_pos, all_score = joined(self.pos, new_pos), joined(self.score, score.float())
         if count > all_pos.shape[-1]:
             raise AssertionError(f"keep tier: {count} rows asked from {all_pos.shape[-1]} candidates")
         idx = all_score.topk(count, dim=-1).indices  # [B, H, count]
         rows = idx.unsqueeze(-1).expand(-1, -1, -1, d)
-        self.k, self.v = all_k.gather(2, rows), all_v.gather(2, rows)
+        # a one-sided tier holds that side's rows only (its memory is what keep_bits prices)
+        self.k = joined(self.k, k).gather(2, rows) if self.keeps_keys else None
+        self.v = joined(self.v, v).gather(2, rows) if self.keeps_values else None
         self.pos, self.score = all_pos.gather(2, idx), all_score.gather(2, idx)
 
     def _below(self, limit: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -108,11 +129,13 @@ class KeepTier:
     def substitute(self, out_k: torch.Tensor, out_v: torch.Tensor, limit: int) -> None:
         """Write the kept rows into dense views ``[B, H_kv, T, D]`` whose index ``t`` is cache slot ``t``, for the
         rows whose slot is below ``limit``."""
-        if not self.count or self.k is None or self.v is None or self.pos is None:
+        if not self.count or self.pos is None:
             return
         ok, at = self._below(limit)
-        out_k[at] = self.k[ok].to(out_k.dtype)
-        out_v[at] = self.v[ok].to(out_v.dtype)
+        if self.k is not None:
+            out_k[at] = self.k[ok].to(out_k.dtype)
+        if self.v is not None:
+            out_v[at] = self.v[ok].to(out_v.dtype)
 
     def substitute_rows(self, out: torch.Tensor, value: torch.Tensor, limit: int) -> None:
         """Set the kept rows (slot below ``limit``) of ``out [B, H_kv, T, X]`` to ``value`` (broadcast)."""

@@ -54,8 +54,8 @@ class QuantMethod:
         layer_kinds: per-layer storage overriding ``kind`` (empty = ``kind`` everywhere): an artifact may keep
             a layer in BF16 (``dense``) or serve it KIVI-style (``kivi``) where OSCAR's INT2 failed on it;
             see :meth:`for_layer`.
-        keep_fraction, keep_score: the per-token BF16 keep budget of ``int2`` layers (recipe ``quant.keep``,
-            :mod:`oscar_cli.quant.keep`; 0 = off).
+        keep_fraction, keep_score, keep_side: the per-token BF16 keep budget of ``int2`` layers (recipe
+            ``quant.keep``, :mod:`oscar_cli.quant.keep`; 0 = off; side ``both``, ``keys`` or ``values``).
         levels: the inner INT2 level ``a`` of ``int2`` layers (recipe ``quant.levels``): levels
             ``zero + scale·3·(0, a, 1 - a, 1)``; ``1/3`` = uniform (reference path only otherwise).
         logit_correction: ``none`` or ``scale`` (recipe ``quant.logit_correction``): ``scale`` subtracts each INT2
@@ -75,6 +75,7 @@ class QuantMethod:
     layer_kinds: tuple[MethodKind, ...] = ()
     keep_fraction: float = 0.0
     keep_score: str = "qerr"
+    keep_side: str = "both"
     levels: float = UNIFORM_INNER
     logit_correction: str = "none"
 
@@ -124,7 +125,8 @@ class QuantMethod:
             return 16.0
         if self.kind == "int2":
             return (bits_per_element(context_len, head_dim, self.group_size, b, self.sink, self.recent)
-                    + keep_bits(context_len, head_dim, self.keep_fraction, self.sink, self.recent))
+                    + keep_bits(context_len, head_dim, self.keep_fraction, self.sink, self.recent,
+                                side=self.keep_side))
         g = self.group_size or min(head_dim, KIVI_GROUP)
         k_res = context_len % KIVI_GROUP
         k_bits = (context_len - k_res) * (2 + 2 * b / KIVI_GROUP) + k_res * 16
@@ -229,7 +231,7 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     keep = quant.get("keep") or {}
     return replace(meth, layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
                    extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
-                   keep_score=str(keep.get("score", "qerr")), levels=float(quant.get("levels", UNIFORM_INNER)),
+                   keep_score=str(keep.get("score", "qerr")), keep_side=str(keep.get("side", "both")), levels=float(quant.get("levels", UNIFORM_INNER)),
                    logit_correction=str(quant.get("logit_correction") or "none"))
 
 
