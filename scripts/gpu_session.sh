@@ -58,11 +58,12 @@ mkdir -p /tmp/res /tmp/q
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OSCAR_CACHE_DIR=/tmp/q/cache TOKENIZERS_PARALLELISM=false
 # What comes back: a call returns at most 8 files, none more than two folders under $OUT, and leaves out the rest
 # without failing. So every call returns all of /tmp/res as one archive, res.tgz (`tar -xzf FILES_AT/res.tgz`
-# here), plus up to 6 of the files this call wrote there, as files, to read at once (qsweep's qsweep.tar is the 8th).
+# here), plus up to 5 of the files this call wrote there, as files, to read at once (qsweep's qsweep.tar and, from a
+# call killed while writing it, qsweep.tar.tmp are the others).
 touch /tmp/.gpu-session-call
 finish() {
     local o=${OUT:-/tmp/out}; mkdir -p "$o/res" && tar -C /tmp -czf "$o/res.tgz" res
-    find /tmp/res -maxdepth 1 -type f -newer /tmp/.gpu-session-call | head -6 | xargs -r cp -t "$o/res/"
+    find /tmp/res -maxdepth 1 -type f -newer /tmp/.gpu-session-call | head -5 | xargs -r cp -t "$o/res/"
     ls -la /tmp/res | tail -20
 }
 trap finish EXIT
