@@ -78,6 +78,17 @@ site() {  # oscar (this tree) and the wheels the image lacks -> /tmp/site, once
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl || return 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || return 1
 }
+qablate() {  # qablate DIR COMMITTED NAME S ARGS...: scripts/ablate.py on the Qwen GGUF (eval-kl 3 windows at 4K and
+    # 32,704, reference path) into /tmp/q/DIR; a fresh machine resumes from docs/results/COMMITTED.json (its
+    # finished rows, same model path, recipe and text, are skipped); the table, log and json -> /tmp/res/NAME.*
+    local dir=/tmp/q/$1 seed=docs/results/$2.json name=$3 lim=$4; shift 4
+    [ -f "$dir/ablation.json" ] || { mkdir -p "$dir" && { [ ! -f "$seed" ] || cp "$seed" "$dir/ablation.json"; }; }
+    PYTHONPATH=/tmp/site python3 scripts/ablate.py "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib \
+        --text /tmp/q/austen_persuasion.txt --ctx 4k,32704 --windows 3 --backend reference --device cuda \
+        --budget "$lim" --out "$dir" "$@" > "/tmp/res/$name.md" 2> "/tmp/res/$name.log"
+    echo "rc=$?"; cp "$dir/ablation.json" "/tmp/res/$name.json" 2>/dev/null
+    tail -12 "/tmp/res/$name.log"; cat "/tmp/res/$name.md"
+}
 case "${1:-}" in
 qpart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/stage && cp .stage/qwen/c$2/* /tmp/stage/ && du -sh /tmp/stage ;;
 vpart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/vstage && cp .stage/vllm/c$2/* /tmp/vstage/ && du -sh /tmp/vstage ;;
@@ -118,31 +129,18 @@ vllm)  # vllm NAME LIMIT_S ARGS... : one gpu_vllm_bench.py run (engine) with a t
     echo "$name rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^(oscar|\{|  )|Error|error" /tmp/res/vllm-$name.log | grep -v Warning | tail -25
     ;;
 ablate)  # #21 / #18 item 2: levers on the real head_dim-128 model, same prompts and seeds (docs/RESULTS.md)
-    # a fresh machine resumes from the committed state: its finished rows (same model path, recipe, text) are skipped
-    [ -f /tmp/q/abl/ablation.json ] || { mkdir -p /tmp/q/abl && cp docs/results/ablation-qwen2.5-coder-1.5b-h200.json /tmp/q/abl/ablation.json; }
-    PYTHONPATH=/tmp/site python3 scripts/ablate.py "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib \
-        --text /tmp/q/austen_persuasion.txt --ctx 4k,32704 --windows 3 --backend reference --device cuda \
-        --budget "${2:-420}" --out /tmp/q/abl \
+    qablate abl ablation-qwen2.5-coder-1.5b-h200 ablation-qwen "${2:-420}" \
         --variant sink/recent=32/288 --variant keep-0.25pct:quant.keep.fraction=0.0025 \
         --variant seq16k:data.seq_len=16384 --variant self-data:data.source=self \
-        --variant topk:clip.objective=topk --variant heads:rotation.grouping=head \
-        > /tmp/res/ablation-qwen.md 2> /tmp/res/ablation-qwen.log
-    echo "rc=$?"; cp /tmp/q/abl/ablation.json /tmp/res/ablation-qwen.json 2>/dev/null
-    tail -12 /tmp/res/ablation-qwen.log; cat /tmp/res/ablation-qwen.md
+        --variant topk:clip.objective=topk --variant heads:rotation.grouping=head
     ;;
 kablate)  # kablate S [VARIANT...]: #21's key levers on this model, eval-kl as `ablate` plus RULER multi-key at 16K
-    # (niah_multikey_2/3, 25 samples each, reference path); resumes from the committed ablation-qwen-keys file
-    [ -f /tmp/q/kabl/ablation.json ] || { mkdir -p /tmp/q/kabl && { cp docs/results/ablation-qwen2.5-coder-1.5b-h200-keys.json /tmp/q/kabl/ablation.json 2>/dev/null || true; }; }
     lim=${2:-420}; shift 2 2>/dev/null || shift $#
     vs=(); for v in "$@"; do vs+=(--variant "$v"); done
     [ ${#vs[@]} -gt 0 ] || vs=(--variant "keys-bf16:quant.keep.fraction/quant.keep.side=1.0/keys" \
         --variant "values-bf16:quant.keep.fraction/quant.keep.side=1.0/values" --variant seq16k:data.seq_len=16384)
-    PYTHONPATH=/tmp/site python3 scripts/ablate.py "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib \
-        --text /tmp/q/austen_persuasion.txt --ctx 4k,32704 --windows 3 --backend reference --device cuda \
-        --ruler-ctx 16k --ruler-tasks niah_multikey_2,niah_multikey_3 --ruler-samples 25 --references '' \
-        --budget "$lim" --out /tmp/q/kabl "${vs[@]}" > /tmp/res/ablation-qwen-keys.md 2> /tmp/res/ablation-qwen-keys.log
-    echo "rc=$?"; cp /tmp/q/kabl/ablation.json /tmp/res/ablation-qwen-keys.json 2>/dev/null
-    tail -12 /tmp/res/ablation-qwen-keys.log; cat /tmp/res/ablation-qwen-keys.md
+    qablate kabl ablation-qwen2.5-coder-1.5b-h200-keys ablation-qwen-keys "$lim" \
+        --ruler-ctx 16k --ruler-tasks niah_multikey_2,niah_multikey_3 --ruler-samples 25 --references '' "${vs[@]}"
     ;;
 gputests)  # the kernels' gpu-marked tests (CUDA, no interpreter)
     site || exit 1
