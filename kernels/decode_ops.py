@@ -117,6 +117,13 @@ def _tier(name: str, t: torch.Tensor, b: int, h_kv: int, d: int, act: torch.dtyp
         raise bad_tensor(name, t, "a last dim with stride 1")
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The kernel reads K and V of a tier with K's strides: shapes must match and strides agree on every dim that
+    is indexed beyond 0 (a size-1 dim's stride is never used, and ``.contiguous()`` keeps whatever it was)."""
+    return a.shape == b.shape and all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True)
+                                      if n > 1)
+
+
 class DecodePlan:
     """A validated decode launch: check once, :meth:`run` many times (CUDA-graph capturable).
 
@@ -169,8 +176,10 @@ class DecodePlan:
         hl = _lengths("hist_len", hist_len, b, cap, dev)
         for nm, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
             _tier(nm, t, b, h_kv, d, q.dtype, dev)
-        if sink_k.stride() != sink_v.stride() or recent_k.stride() != recent_v.stride():
-            raise ValueError("sink_k/sink_v and recent_k/recent_v must share strides")
+        for a, b_, pair in ((sink_k, sink_v, "sink_k/sink_v"), (recent_k, recent_v, "recent_k/recent_v")):
+            if not _same_layout(a, b_):
+                raise ValueError(f"{pair} must share shape and strides (over dims of size > 1), got "
+                                 f"{tuple(a.shape)}/{tuple(b_.shape)} with strides {a.stride()}/{b_.stride()}")
         sl = _lengths("sink_len", sink_len, b, int(sink_k.shape[2]), dev)
         rl = _lengths("recent_len", recent_len, b, int(recent_k.shape[2]), dev)
         rk, rk_stride = rotation_arg("rotation_k", rotation_k, h_kv, d, dev)

@@ -369,6 +369,20 @@ def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest
     assert (ref_pad - fast_pad).abs().max().item() < 2e-3 * max(1.0, ref_pad.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["naive-int2", "quarot-int2"])
+def test_triton_decode_without_recent_window_matches_reference(name: str) -> None:
+    """W = 0: the new token is the recent tier, K after RoPE (a fresh tensor) and V a view of the projection, so
+    their size-1 token dims have different strides; the kernel must take them (it failed eval-kl on the H200)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case")
+    model = tiny_causal_lm(dtype=torch.float16, head_dim=64, layers=1, hidden_size=128)
+    meth = build_method(name, model.config)
+    assert meth.recent == 0
+    ref = _decode_logits(model, meth, "reference", "cpu", 2)
+    fast = _decode_logits(model, meth, "triton", "cpu", 2)
+    assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_triton_decode_path_matches_reference_on_cuda() -> None:

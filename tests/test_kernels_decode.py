@@ -264,6 +264,23 @@ def test_decode_bad_inputs_name_the_tensor() -> None:
         run_op(dict(c, k_cache=k80, v_cache=k80, block_table=torch.zeros(1, 3, dtype=torch.int32)))
 
 
+@pytest.mark.unit
+def test_decode_tier_strides_only_matter_where_indexed() -> None:
+    """A one-token tier's K and V may differ in the stride of their size-1 dim (never used); a real difference in
+    shape or in a used stride is refused with both layouts named."""
+    c = make_case(4, 2, 4, 2, 64, [20, 9], [2, 1], [1, 1], 16, torch.float16, "cpu", meta=torch.float16)
+    rv = c["recent_v"]
+    rv = rv.as_strided(rv.shape, (rv.stride(0), rv.stride(1), 2 * 64 * 64, 1))  # as a view of [B, 1, H, D] has it
+    assert rv.stride() != c["recent_v"].stride() and torch.equal(rv, c["recent_v"])
+    c2 = dict(c, recent_v=rv)
+    assert_budget(run_op(c2, num_splits=2, config=TINY), c2)
+    sv = c["sink_v"].new_empty(2, 2, 2, 64).transpose(1, 2).copy_(c["sink_v"])  # 2 tokens: the token stride is used
+    with pytest.raises(ValueError, match=r"sink_k/sink_v must share shape and strides .*\(2, 2, 2, 64\)"):
+        run_op(dict(c, sink_v=sv), num_splits=2, config=TINY)
+    with pytest.raises(ValueError, match=r"recent_k/recent_v must share shape"):
+        run_op(dict(c, recent_v=torch.cat([c["recent_v"]] * 2, 2)), num_splits=2, config=TINY)
+
+
 # ---- GPU grid --------------------------------------------------------------------------------------
 
 GPU_HEADS = [(32, 8), (28, 4), (8, 8)]
