@@ -34,6 +34,7 @@ METHODS = ("oscar", "hadamard", "identity")
 MAX_TOKENS = 1 << 31
 MAX_SEQ_LEN = 1 << 20
 MAX_WINDOW = 1 << 20
+MAX_KEY_SUBSPACE = 16  # quant.key_subspace: beyond it the BF16 coefficients cost more than INT4 keys would
 Ratio = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
 InnerLevel = Annotated[StrictFloat, Field(gt=0.0, lt=0.5)]  # quant.levels: the inner level a (uniform 1/3)
 LogitCorrection = Literal["none", "scale"]  # quant.logit_correction (oscar_cli.quant.attention.logit_bias)
@@ -121,6 +122,9 @@ class QuantConfig(Schema):
     keep: KeepConfig = Field(default_factory=KeepConfig)
     levels: InnerLevel = UNIFORM_INNER  # non-uniform INT2 levels zero + scale·3·(0, a, 1-a, 1) (reference path)
     logit_correction: LogitCorrection = "none"  # scale: -σ²/2 on INT2 keys' logits (reference path)
+    # keys' coordinates along the top-m directions of the key target (query covariance) kept in BF16, the rest
+    # INT2 (oscar_cli.quant.key_subspace; reference path); 0 = off
+    key_subspace: Annotated[int, Field(ge=0, le=MAX_KEY_SUBSPACE)] = 0
 
 
 class Recipe(Schema):
@@ -161,7 +165,7 @@ class Recipe(Schema):
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
         ``quant.keep`` is left out while it is off (fraction 0) and its ``side`` while ``both``, ``quant.levels`` while uniform (1/3),
-        ``quant.logit_correction`` while it is ``none``,
+        ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0,
         ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
         knob."""
@@ -174,6 +178,8 @@ class Recipe(Schema):
             del out["quant"]["levels"]
         if self.quant.logit_correction == "none":
             del out["quant"]["logit_correction"]
+        if self.quant.key_subspace == 0:
+            del out["quant"]["key_subspace"]
         if self.statistics.v_metric == "none":
             del out["statistics"]["v_metric"]
         if self.rotation.dc == "min":
@@ -248,6 +254,9 @@ def check_layout(quant: QuantConfig, head_dim: int) -> None:
             f"recipe: quant.group_size {quant.group_size} does not divide the model's head_dim {head_dim}",
             hint=f"use a divisor of {head_dim} that is a multiple of 4, or null (= head_dim)",
         )
+    if quant.key_subspace >= head_dim:
+        raise RecipeError(f"recipe: quant.key_subspace {quant.key_subspace} must be below the model's head_dim "
+                          f"{head_dim}", hint="a few directions (2-4) carry most of the query energy; 0 = off")
 
 
 MAX_FLOW_DEPTH = 64

@@ -40,6 +40,8 @@ class LayerTransform:
         k_eigenvalues, v_eigenvalues: ``[N, D]`` ascending eigenvalues of the calibration targets
             (informational; None for data-free transforms).
         k_clip, v_clip: clip ratios (``<= 0``: no clipping).
+        k_subspace: ``[N, D, m]`` orthonormal directions of the rotated key space whose coordinates the cache
+            keeps in BF16 (recipe ``quant.key_subspace``, :mod:`oscar_cli.quant.key_subspace`); None = off.
     """
 
     k_rotation: torch.Tensor | None = None
@@ -50,6 +52,7 @@ class LayerTransform:
     v_eigenvalues: torch.Tensor | None = None
     k_clip: float = 0.0
     v_clip: float = 0.0
+    k_subspace: torch.Tensor | None = None
 
     def rotation_per_head(self, which: str, num_kv_heads: int) -> torch.Tensor | None:
         """``[H_kv, D, D]`` rotations for ``which`` ∈ {"k", "v"} (a per-layer rotation is expanded; None: identity)."""

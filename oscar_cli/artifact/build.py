@@ -69,6 +69,7 @@ def build_manifest(
             **({"keep": recipe.quant.keep.model_dump()} if recipe.quant.keep.fraction else {}),
             **({"levels": recipe.quant.levels} if recipe.quant.levels != UNIFORM_INNER else {}),
             **({"logit_correction": recipe.quant.logit_correction} if recipe.quant.logit_correction != "none" else {}),
+            **({"key_subspace": recipe.quant.key_subspace} if recipe.quant.key_subspace else {}),
         },
         data=dict(data),
         seed=recipe.data.seed,

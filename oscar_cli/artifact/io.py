@@ -5,7 +5,9 @@ Layout of an artifact directory (format v1, docs/DESIGN.md):
 - ``rotations.safetensors``: per layer ``i`` — ``layers.{i}.k_rotation`` / ``v_rotation`` float32 ``[N, D, D]``
   (``N = 1`` per layer or ``H_kv`` per head; applied as ``x @ R``), ``layers.{i}.k_mean`` / ``v_mean`` float32
   ``[H_kv, D]`` (rotated space, per KV head; ``[1, D]`` = shared also accepted; zeros when centering is off), ``layers.{i}.k_eigenvalues`` /
-  ``v_eigenvalues`` float32 ``[N, D]`` (ascending), ``layers.{i}.k_clip`` / ``v_clip`` float32 ``[1]``.
+  ``v_eigenvalues`` float32 ``[N, D]`` (ascending), ``layers.{i}.k_clip`` / ``v_clip`` float32 ``[1]``; with
+  ``quant.key_subspace: m`` in the manifest also ``layers.{i}.k_subspace`` float32 ``[N, D, m]`` (orthonormal
+  columns in the rotated space, :mod:`oscar_cli.quant.key_subspace`).
 - ``manifest.json`` (:class:`~oscar_cli.artifact.manifest.Manifest`), ``recipe.yaml``, ``README.md``.
 
 Example::
@@ -40,6 +42,7 @@ from oscar_cli.artifact.manifest import (
 )
 from oscar_cli.artifact.recovery import recover
 from oscar_cli.errors import ArtifactError, OscarError, RecipeError
+from oscar_cli.quant.key_subspace import check_basis
 from oscar_cli.recipe import read_recipe_yaml, recipe_from_dict
 from oscar_cli.transform import TRANSFORM_FIELDS, LayerTransform
 
@@ -106,6 +109,8 @@ def layer_tensors(layers: list[LayerTransform] | tuple[LayerTransform, ...]) -> 
                 raise ArtifactError(f"layer {i} has no {name}: an artifact stores every field of every layer")
             t = torch.tensor([value], dtype=torch.float32, device="cpu") if isinstance(value, float) else value
             out[f"layers.{i}.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
+        if layer.k_subspace is not None:  # quant.key_subspace: every layer has one, or none does
+            out[f"layers.{i}.k_subspace"] = layer.k_subspace.detach().to("cpu", torch.float32).contiguous()
     return out
 
 
@@ -200,19 +205,27 @@ def _parse_manifest(path: Path, raw: bytes) -> Manifest:
     return m
 
 
+def key_subspace(m: Manifest) -> int:
+    """The manifest's ``quant.key_subspace`` ``m`` (0: off; then no layer stores ``k_subspace``)."""
+    return int(m.quant.get("key_subspace") or 0)
+
+
 def _expected_shapes(m: Manifest) -> dict[str, list[tuple[int, ...]]]:
     """Allowed shapes per tensor. Means may be per KV head ``[H_kv, D]`` (what oscar writes) or shared ``[1, D]``."""
     n, h, d = m.rotations_per_layer, m.num_kv_heads, m.head_dim
     means: list[tuple[int, ...]] = [(h, d), (1, d)] if h != 1 else [(1, d)]
     per: dict[str, list[tuple[int, ...]]] = {"k_rotation": [(n, d, d)], "v_rotation": [(n, d, d)], "k_mean": means, "v_mean": means,
            "k_eigenvalues": [(n, d)], "v_eigenvalues": [(n, d)], "k_clip": [(1,)], "v_clip": [(1,)]}
+    sub = key_subspace(m)
+    if sub:
+        per["k_subspace"] = [(n, d, sub)]
     return {f"layers.{i}.{k}": s for i in range(m.num_layers) for k, s in per.items()}
 
 
 def _max_tensor_bytes(m: Manifest) -> int:
     """The largest ``rotations.safetensors`` the manifest's sizes allow (float32 data plus a header)."""
     n, h, d = m.rotations_per_layer, m.num_kv_heads, m.head_dim
-    per_layer = 2 * n * d * d + 2 * max(h, 1) * d + 2 * n * d + 2
+    per_layer = 2 * n * d * d + 2 * max(h, 1) * d + 2 * n * d + 2 + n * d * key_subspace(m)
     return 8 + MAX_SAFETENSORS_HEADER + 4 * per_layer * m.num_layers
 
 
@@ -348,10 +361,17 @@ def load_artifact(
         for which in ("k_clip", "v_clip"):
             if not 0.0 <= float(t[which][0]) <= 1.0:
                 raise ArtifactError(f"artifact {path}: layers.{i}.{which} = {float(t[which][0]):g} is not in [0, 1]")
+        sub = None
+        if key_subspace(m):
+            sub = tensors[f"layers.{i}.k_subspace"]
+            why = None if torch.isfinite(sub).all() else f"layers.{i}.k_subspace holds NaN or inf values"
+            why = why or check_basis(sub, key_subspace(m), m.head_dim, f"layers.{i}.k_subspace")
+            if why:
+                raise ArtifactError(f"artifact {path}: {why}")
         layers.append(LayerTransform(
             k_rotation=t["k_rotation"], v_rotation=t["v_rotation"], k_mean=t["k_mean"],
             v_mean=t["v_mean"], k_eigenvalues=t["k_eigenvalues"], v_eigenvalues=t["v_eigenvalues"],
-            k_clip=round(float(t["k_clip"][0]), 6), v_clip=round(float(t["v_clip"][0]), 6),
+            k_clip=round(float(t["k_clip"][0]), 6), v_clip=round(float(t["v_clip"][0]), 6), k_subspace=sub,
         ))
     art = Artifact(path=path, manifest=m, layers=tuple(layers), recipe=folder.recipe)
     if expect_architecture is not None:

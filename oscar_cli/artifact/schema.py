@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from oscar_cli._schema import Schema, StrictFloat
-from oscar_cli.recipe import MAX_WINDOW, InnerLevel, KeepConfig, LogitCorrection, Recipe
+from oscar_cli.recipe import MAX_KEY_SUBSPACE, MAX_WINDOW, InnerLevel, KeepConfig, LogitCorrection, Recipe
 
 MANIFEST_NAME = "manifest.json"
 TENSORS_NAME = "rotations.safetensors"
@@ -73,6 +73,7 @@ class Quant(Schema):
     keep: KeepConfig | None = None  # absent: no BF16 keep budget
     levels: InnerLevel | None = None  # absent: uniform INT2 levels (inner 1/3)
     logit_correction: LogitCorrection | None = None  # absent: none
+    key_subspace: Annotated[int, Field(ge=1, le=MAX_KEY_SUBSPACE)] | None = None  # absent: off (layers.{i}.k_subspace)
 
 
 class ManifestSchema(Schema):

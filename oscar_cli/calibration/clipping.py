@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from oscar_cli.quant.key_subspace import fake_subspace
 from oscar_kernels.layout import UNIFORM_INNER
 
 META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -72,6 +73,8 @@ class LayerClipProblem:
         objective: ``mean`` (the relative output error) or ``topk`` (the error on each query's ``topk_keys``
             most attended INT2 keys; module docstring). :meth:`key_error` / :meth:`value_error` score with it,
             :meth:`mean_value_error` always with ``mean``.
+        k_subspace: ``[N, D, m]`` (recipe ``quant.key_subspace``): the INT2 keys keep their coordinates along it
+            in BF16 and quantize the rest (:func:`oscar_cli.quant.key_subspace.fake_subspace`); None = off.
     """
 
     def __init__(
@@ -79,7 +82,7 @@ class LayerClipProblem:
         k_rotation: torch.Tensor | None, v_rotation: torch.Tensor | None,
         k_mean: torch.Tensor | None, v_mean: torch.Tensor | None, scaling: float, sink: int, recent: int,
         group_size: int | None, meta_dtype: str, objective: str = "mean", topk_keys: int = 8,
-        inner: float = UNIFORM_INNER,
+        inner: float = UNIFORM_INNER, k_subspace: torch.Tensor | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -99,6 +102,7 @@ class LayerClipProblem:
         self.mu_v = mv.expand(h_kv, d)[None, :, None]  # [1, H_kv, 1, D]
         self.scaling = scaling
         self.group_size, self.meta, self.inner = group_size, META_DTYPES[meta_dtype], inner
+        self.k_subspace = k_subspace  # [N, D, m]: keys' coordinates along it stay BF16 (quant.key_subspace)
         self.int2 = int2_pair_mask(t, tq, sink, recent, dev).repeat(g, 1)  # [g·Tq, T]
         causal = torch.arange(t, device=dev)[None, :] <= torch.arange(t - tq, t, device=dev)[:, None]
         self.neg = torch.zeros(tq, t, device=dev).masked_fill(~causal, float("-inf")).repeat(g, 1)
@@ -139,8 +143,12 @@ class LayerClipProblem:
         out_hat = (probs * self.top) @ values
         return float((out_hat - self.top_out).square().sum()) / max(self.top_norm, 1e-30)
 
+    def _fake_keys(self, ratio: float) -> torch.Tensor:
+        """The INT2 keys as the cache serves them: with a key subspace its coordinates BF16, the residual INT2."""
+        return fake_subspace(self.k, self.k_subspace, lambda x: self._fake(x, ratio), torch.bfloat16)
+
     def _probs_with_keys(self, ratio: float) -> torch.Tensor:
-        lq = self._logits(self._fake(self.k, ratio))
+        lq = self._logits(self._fake_keys(ratio))
         return torch.softmax(torch.where(self.int2, lq, self.logits), -1)
 
     def key_error(self, ratio: float) -> float:

@@ -48,6 +48,7 @@ from oscar_cli.calibration.schemes import (
 from oscar_cli.calibration.wo_metric import model_output_metrics, wo_target
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
+from oscar_cli.quant.key_subspace import subspace_basis
 from oscar_cli.recipe import Recipe, check_layout
 from oscar_cli.transform import LayerTransform
 
@@ -208,6 +209,8 @@ def _solve(
         kt = t.k_target if per_head else t.k_target.mean(0, keepdim=True)
         vt = v_heads if per_head else v_heads.mean(0, keepdim=True)
         rk, lk = build_rotations(kt, recipe.method, recipe.rotation.composition, recipe.rotation.dc)
+        m = recipe.quant.key_subspace
+        sub = subspace_basis(kt, rk, m) if m else None
         rv, lv = build_rotations(vt, recipe.method, recipe.rotation.composition, recipe.rotation.dc)
         h = t.k_mean.shape[0]
         km = torch.einsum("hd,hde->he", t.k_mean, rk.double().expand(h, -1, -1)).float()
@@ -220,6 +223,7 @@ def _solve(
                 v_mean=vm if recipe.rotation.center_values else torch.zeros_like(vm),
                 k_eigenvalues=lk,
                 v_eigenvalues=lv,
+                k_subspace=sub,
             )
         )
         report("solve", i + 1, len(stats))
@@ -250,6 +254,7 @@ def _clip(
                 c.objective,
                 c.topk_keys,
                 q.levels,
+                s.k_subspace,
             )
             for qq, k, v in store.layers[i]
         ]

@@ -38,6 +38,7 @@ import torch
 
 from oscar_cli.calibration.clipping import META_DTYPES, LayerClipProblem, evaluate_clip, fake_quantize, int2_pair_mask
 from oscar_cli.errors import CalibrationError
+from oscar_cli.quant.key_subspace import rebase
 from oscar_cli.transform import LAYER_SCHEMES, LayerTransform
 from oscar_kernels.layout import UNIFORM_INNER
 
@@ -235,9 +236,12 @@ def served_transform(scheme: str, calibrated: LayerTransform, head_dim: int) -> 
     def rot(r: torch.Tensor | None) -> torch.Tensor:
         return (torch.eye(head_dim) if r is None else r[0]).expand(n, head_dim, head_dim).clone()
 
-    return LayerTransform(k_rotation=rot(base.k_rotation), v_rotation=rot(base.v_rotation),
+    k_rot = rot(base.k_rotation)
+    sub = None if calibrated.k_subspace is None else rebase(calibrated.k_subspace, calibrated.k_rotation, k_rot)
+    return LayerTransform(k_rotation=k_rot, v_rotation=rot(base.v_rotation),
                           k_mean=torch.zeros(h, head_dim), v_mean=torch.zeros(h, head_dim),
-                          k_eigenvalues=calibrated.k_eigenvalues, v_eigenvalues=calibrated.v_eigenvalues)
+                          k_eigenvalues=calibrated.k_eigenvalues, v_eigenvalues=calibrated.v_eigenvalues,
+                          k_subspace=sub)
 
 
 def scheme_bpe(recipe: Any, head_dim: int) -> Callable[[list[str]], float]:
@@ -248,7 +252,7 @@ def scheme_bpe(recipe: Any, head_dim: int) -> Callable[[list[str]], float]:
     q = recipe.quant
     base = QuantMethod(name="oscar", kind="int2", sink=q.sink, recent=q.recent, group_size=q.group_size,
                        meta_dtype=META_DTYPES[q.meta_dtype], keep_fraction=q.keep.fraction, keep_score=q.keep.score,
-                       keep_side=q.keep.side, levels=q.levels)
+                       keep_side=q.keep.side, levels=q.levels, key_subspace=q.key_subspace)
 
     def bpe(schemes: list[str]) -> float:
         kinds = tuple(LAYER_SCHEMES[s] for s in schemes)

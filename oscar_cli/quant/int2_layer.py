@@ -24,6 +24,11 @@ returned slot's squared key scales (zero for every BF16 slot: sink, recent, kept
 :func:`oscar_cli.quant.attention.logit_bias` subtracts the INT2 keys' estimated logit-error variance over 2, alike in
 prefill chunks (earlier chunks' INT2 history) and decode steps; reference path only, the Triton path refuses it.
 
+With a key subspace (recipe ``quant.key_subspace: m``, :mod:`oscar_cli.quant.key_subspace`) each INT2 key row
+stores only its residual off the layer's ``m`` subspace directions, and the ``m`` coefficients along them are kept
+per history slot in bfloat16; what attention reads has exactly those coordinates (reference path only, the
+Triton path refuses such a method).
+
 Nothing else persists: no dense copy of the history exists between calls.
 
 All tiers hold **rotated** K (``k·R_K``, post-RoPE, computed here at run time in float32 and cast to the
@@ -61,6 +66,7 @@ from oscar_cli.errors import OscarError
 from oscar_cli.quant.append import AppendLayer
 from oscar_cli.quant.keep import KeepTier, keep_count, token_scores
 from oscar_cli.quant.kernel_path import BACKENDS, centred, flat_mean, front, kernel_unsupported, rotation_matrix
+from oscar_cli.quant.key_subspace import coefficients, restore
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
 from oscar_kernels.layout import UNIFORM_INNER
@@ -136,6 +142,10 @@ class Int2Layer(AppendLayer):
                      if method.keep_fraction > 0 else None)
         self.bias_key: torch.Tensor | None = None  # the key tensor update returned with key_scale2 (logit correction)
         self.key_scale2: torch.Tensor | None = None
+        # the BF16 key subspace (quant.key_subspace): basis [N, D, m] and per history slot the coefficients
+        # [B, H_kv, cap, m] in bfloat16, slot t of the history at index t (pad slots hold zeros)
+        self.subspace = transform.k_subspace if method.key_subspace and transform.k_subspace is not None else None
+        self.k_sub: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -151,6 +161,7 @@ class Int2Layer(AppendLayer):
         self.k_rot = None if self.k_rot is None else self.k_rot.to(dev)
         self.v_rot = None if self.v_rot is None else self.v_rot.to(dev)
         self.k_mean = None if self.transform.k_mean is None else self.transform.k_mean.to(dev)
+        self.subspace = None if self.subspace is None else self.subspace.to(dev, torch.float32)
         self.v_mean = None if self.transform.v_mean is None else self.transform.v_mean.to(dev)
         s_cap = max(1, self.sink_slots)
         r_cap = self.method.recent + self.method.demotion_block
@@ -174,6 +185,9 @@ class Int2Layer(AppendLayer):
         if self.method.levels != UNIFORM_INNER and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton kernels code and decode uniform INT2 levels only "
                              f"(quant.levels {self.method.levels:g})", hint="use --backend reference")
+        if self.subspace is not None and (reason is None or self.backend == "triton"):
+            raise OscarError(f"backend {self.backend}: the Triton kernels do not read the BF16 key subspace "
+                             f"(quant.key_subspace {self.method.key_subspace})", hint="use --backend reference")
         if self.method.logit_correction != "none" and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton decode kernel adds no per-key logit bias "
                              f"(quant.logit_correction {self.method.logit_correction})", hint="use --backend reference")
@@ -275,6 +289,7 @@ class Int2Layer(AppendLayer):
         added = (first + m - torch.maximum(row_start, torch.tensor(first))).clamp(min=0, max=m)
         self.pool.extend([int(a) for a in added])
         slots = self.pool.slots(start, m).view(b, m)
+        hist0 = self.hist_slots
         self.hist_slots += m
         t, meth = self.transform, self.method
         from oscar_kernels.reference import dequantize_rows, quantize_rows
@@ -291,18 +306,47 @@ class Int2Layer(AppendLayer):
                 means = (flat_mean(self.k_mean), flat_mean(self.v_mean))
                 self.pool.write_kernel(flat(piece_k), flat(piece_v), to, means, (t.k_clip, t.v_clip))
                 continue
+            coeffs = None
+            if self.subspace is not None:  # the coordinates along the subspace in BF16, the residual to INT2
+                coeffs = self._store_coefficients(piece_k, hist0 + a)
+                piece_k = piece_k.float() - torch.einsum("bhtm,hdm->bhtd", coeffs.float(), self._basis(h))
             qk = quantize_rows(piece_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
             qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype, meth.levels)
             self.pool.write(_rows(qk, flat), _rows(qv, flat), to)
             if self.keep is not None:
                 hats = [with_mean(dequantize_rows(q, inner=meth.levels), mean)
                         for q, mean in ((qk, self.k_mean), (qv, self.v_mean))]
+                if coeffs is not None:  # keys as served: the subspace coordinates restored
+                    hats[0] = with_mean(restore(dequantize_rows(qk, inner=meth.levels), coeffs, self._basis(h)),
+                                        self.k_mean)
+                    piece_k = rows_k[..., a:e, :]
                 score = token_scores(self.keep.kind, piece_k, piece_v, hats[0], hats[1], side=self.keep.side)
                 pad = (slots[:, a:e] < 0).view(b, 1, e - a)
                 scores.append(score.masked_fill(pad, float("-inf")))
         if self.keep is not None:  # the kept tier: a fixed fraction of the history slots (module keep.py)
             pos = torch.arange(first, first + m)
             self.keep.merge(rows_k, rows_v, pos, torch.cat(scores, -1), keep_count(self.keep.fraction, self.hist_slots))
+
+    def _basis(self, h: int) -> torch.Tensor:
+        assert self.subspace is not None
+        return self.subspace.expand(h, -1, -1) if self.subspace.shape[0] == 1 else self.subspace
+
+    def _store_coefficients(self, rows_k: torch.Tensor, at: int) -> torch.Tensor:
+        """Coefficients of rotated keys ``[B, H, n, D]`` (centred here) along the subspace, stored at history
+        index ``at``; returns them (bfloat16, as stored)."""
+        assert self.subspace is not None
+        b, h, n, _ = rows_k.shape
+        y = rows_k.float() if self.k_mean is None else with_mean(rows_k.float(), -self.k_mean)
+        c = coefficients(y, self.subspace).to(torch.bfloat16)
+        m = c.shape[-1]
+        if self.k_sub is None or self.k_sub.shape[2] < at + n:  # grow by doubling (amortized appends)
+            cap = max(at + n, 2 * (0 if self.k_sub is None else self.k_sub.shape[2]), 64)
+            grown = torch.zeros(b, h, cap, m, dtype=torch.bfloat16, device=rows_k.device)
+            if self.k_sub is not None:
+                grown[:, :, : self.k_sub.shape[2]] = self.k_sub
+            self.k_sub = grown
+        self.k_sub[:, :, at : at + n] = c
+        return c
 
     # ---------------------------------------------------------------- what attention reads
     def stored(
@@ -341,7 +385,10 @@ class Int2Layer(AppendLayer):
             e = min(width, a + PIECE)
             codes = self.pool.codes(self.hist_slots, e - a, start=a)
             for out, q, mean in zip(outs, codes, (self.k_mean, self.v_mean), strict=True):
-                out[..., s + a : s + e, :] = with_mean(dequantize_codes(*q, torch.float32, self.method.levels), mean)
+                rows = dequantize_codes(*q, torch.float32, self.method.levels)
+                if out is outs[0] and self.subspace is not None and self.k_sub is not None:
+                    rows = restore(rows, self.k_sub[:, :, a:e], self._basis(h))
+                out[..., s + a : s + e, :] = with_mean(rows, mean)
             if s2 is not None:  # pad columns hold scale 0
                 s2[..., s + a : s + e, :] = codes[0][1].float().square()
         if self.keep is not None:  # kept tokens: attention reads their BF16 rows (slot t is index t here)
@@ -432,13 +479,14 @@ class Int2Layer(AppendLayer):
         per_hist = d // 4 + 2 * groups * md
         dense = (self.n_sink + self.n_recent) * b * d * act
         kept = 0 if self.keep is None else self.keep.nbytes()
-        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist) + kept)
+        sub = 0 if self.subspace is None else h * sum(self.pool.lengths) * int(self.subspace.shape[-1]) * 2
+        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist) + kept + sub)
 
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the layer holds: sink and recent buffers (capacity), the page pool, block table."""
         if not self.is_initialized or self.pool is None:
             return 0
-        bufs = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
+        bufs = (self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.k_sub)
         kept = 0 if self.keep is None else self.keep.nbytes()
         return int(sum(t.nbytes for t in bufs if t is not None) + self.pool.allocated_bytes() + kept)
 
@@ -450,6 +498,8 @@ class Int2Layer(AppendLayer):
         sel = torch.tensor(idx, device=self.device)
         for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
             setattr(self, name, getattr(self, name)[sel].contiguous())
+        if self.k_sub is not None:
+            self.k_sub = self.k_sub[sel].contiguous()
         self.pool = self.pool.select(idx)
         if self.keep is not None:
             self.keep.select(sel)

@@ -61,6 +61,9 @@ class QuantMethod:
         logit_correction: ``none`` or ``scale`` (recipe ``quant.logit_correction``): ``scale`` subtracts each INT2
             key's estimated logit-error variance over 2 from its logits (:func:`oscar_cli.quant.attention.logit_bias`;
             reference path only).
+        key_subspace: ``m`` (recipe ``quant.key_subspace``): ``int2`` layers keep each key's coordinates along the
+            layer's ``k_subspace`` directions in BF16 (:mod:`oscar_cli.quant.key_subspace`; reference path only);
+            0 = off.
     """
 
     name: str
@@ -78,6 +81,7 @@ class QuantMethod:
     keep_side: str = "both"
     levels: float = UNIFORM_INNER
     logit_correction: str = "none"
+    key_subspace: int = 0
 
     def layer(self, idx: int) -> LayerTransform:
         """The transforms of decoder layer ``idx`` (identity when the method has none)."""
@@ -96,9 +100,9 @@ class QuantMethod:
             return replace(self, layer_kinds=())
         if kind == "kivi":
             return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=(),
-                           keep_fraction=0.0, levels=UNIFORM_INNER, logit_correction="none")
+                           keep_fraction=0.0, levels=UNIFORM_INNER, logit_correction="none", key_subspace=0)
         return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0, levels=UNIFORM_INNER,
-                       logit_correction="none")
+                       logit_correction="none", key_subspace=0)
 
     @property
     def demotion_block(self) -> int:
@@ -111,9 +115,11 @@ class QuantMethod:
         ``int2``: docs/METHOD.md §9 ``BPE(L)``; ``kivi``: keys ``(L - L mod 128)`` tokens at
         ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at ``2 + 2·b/G`` plus 128 BF16,
         averaged over K and V; ``dense``: 16. With ``layer_kinds``: the mean over layers (each layer stores as
-        many elements). A keep budget adds :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers.
+        many elements). A keep budget adds :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers, a key
+        subspace :func:`oscar_cli.quant.key_subspace.subspace_bits`.
         """
         from oscar_cli.quant.keep import keep_bits
+        from oscar_cli.quant.key_subspace import subspace_bits
         from oscar_kernels.reference import bits_per_element
 
         if self.layer_kinds:
@@ -126,7 +132,8 @@ class QuantMethod:
         if self.kind == "int2":
             return (bits_per_element(context_len, head_dim, self.group_size, b, self.sink, self.recent)
                     + keep_bits(context_len, head_dim, self.keep_fraction, self.sink, self.recent,
-                                side=self.keep_side))
+                                side=self.keep_side)
+                    + subspace_bits(context_len, head_dim, self.key_subspace, self.sink, self.recent))
         g = self.group_size or min(head_dim, KIVI_GROUP)
         k_res = context_len % KIVI_GROUP
         k_bits = (context_len - k_res) * (2 + 2 * b / KIVI_GROUP) + k_res * 16
@@ -232,7 +239,8 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     return replace(meth, layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
                    extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
                    keep_score=str(keep.get("score", "qerr")), keep_side=str(keep.get("side", "both")), levels=float(quant.get("levels", UNIFORM_INNER)),
-                   logit_correction=str(quant.get("logit_correction") or "none"))
+                   logit_correction=str(quant.get("logit_correction") or "none"),
+                   key_subspace=int(quant.get("key_subspace") or 0))
 
 
 def artifact_schemes(calibration: dict[str, Any], n_layers: int, ref: str) -> list[str]:
