@@ -349,6 +349,7 @@ def load_artifact(
     except Exception as exc:  # safetensors' own error types for data that does not match its header
         raise ArtifactError(f"artifact {path}: {TENSORS_NAME} cannot be read ({str(exc)[:120]})") from None
     layers = []
+    n_sub = key_subspace(m)
     for i in range(m.num_layers):
         t = {name: tensors[f"layers.{i}.{name}"] for name in TENSOR_FIELDS}
         if not all(torch.isfinite(v).all() for v in t.values()):
@@ -362,10 +363,10 @@ def load_artifact(
             if not 0.0 <= float(t[which][0]) <= 1.0:
                 raise ArtifactError(f"artifact {path}: layers.{i}.{which} = {float(t[which][0]):g} is not in [0, 1]")
         sub = None
-        if key_subspace(m):
+        if n_sub:
             sub = tensors[f"layers.{i}.k_subspace"]
             why = None if torch.isfinite(sub).all() else f"layers.{i}.k_subspace holds NaN or inf values"
-            why = why or check_basis(sub, key_subspace(m), m.head_dim, f"layers.{i}.k_subspace")
+            why = why or check_basis(sub, n_sub, m.head_dim, f"layers.{i}.k_subspace")
             if why:
                 raise ArtifactError(f"artifact {path}: {why}")
         layers.append(LayerTransform(

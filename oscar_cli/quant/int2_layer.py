@@ -66,7 +66,7 @@ from oscar_cli.errors import OscarError
 from oscar_cli.quant.append import AppendLayer
 from oscar_cli.quant.keep import KeepTier, keep_count, token_scores
 from oscar_cli.quant.kernel_path import BACKENDS, centred, flat_mean, front, kernel_unsupported, rotation_matrix
-from oscar_cli.quant.key_subspace import coefficients, restore
+from oscar_cli.quant.key_subspace import coefficients, residual, restore
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
 from oscar_kernels.layout import UNIFORM_INNER
@@ -306,30 +306,24 @@ class Int2Layer(AppendLayer):
                 means = (flat_mean(self.k_mean), flat_mean(self.v_mean))
                 self.pool.write_kernel(flat(piece_k), flat(piece_v), to, means, (t.k_clip, t.v_clip))
                 continue
-            coeffs = None
+            coeffs, k_in = None, piece_k
             if self.subspace is not None:  # the coordinates along the subspace in BF16, the residual to INT2
                 coeffs = self._store_coefficients(piece_k, hist0 + a)
-                piece_k = piece_k.float() - torch.einsum("bhtm,hdm->bhtd", coeffs.float(), self._basis(h))
-            qk = quantize_rows(piece_k, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
+                k_in = residual(piece_k, coeffs, self.subspace)
+            qk = quantize_rows(k_in, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
             qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype, meth.levels)
             self.pool.write(_rows(qk, flat), _rows(qv, flat), to)
             if self.keep is not None:
-                hats = [with_mean(dequantize_rows(q, inner=meth.levels), mean)
-                        for q, mean in ((qk, self.k_mean), (qv, self.v_mean))]
-                if coeffs is not None:  # keys as served: the subspace coordinates restored
-                    hats[0] = with_mean(restore(dequantize_rows(qk, inner=meth.levels), coeffs, self._basis(h)),
-                                        self.k_mean)
-                    piece_k = rows_k[..., a:e, :]
+                k_hat = dequantize_rows(qk, inner=meth.levels)
+                if coeffs is not None and self.subspace is not None:  # keys as served: subspace coordinates restored
+                    k_hat = restore(k_hat, coeffs, self.subspace)
+                hats = [with_mean(k_hat, self.k_mean), with_mean(dequantize_rows(qv, inner=meth.levels), self.v_mean)]
                 score = token_scores(self.keep.kind, piece_k, piece_v, hats[0], hats[1], side=self.keep.side)
                 pad = (slots[:, a:e] < 0).view(b, 1, e - a)
                 scores.append(score.masked_fill(pad, float("-inf")))
         if self.keep is not None:  # the kept tier: a fixed fraction of the history slots (module keep.py)
             pos = torch.arange(first, first + m)
             self.keep.merge(rows_k, rows_v, pos, torch.cat(scores, -1), keep_count(self.keep.fraction, self.hist_slots))
-
-    def _basis(self, h: int) -> torch.Tensor:
-        assert self.subspace is not None
-        return self.subspace.expand(h, -1, -1) if self.subspace.shape[0] == 1 else self.subspace
 
     def _store_coefficients(self, rows_k: torch.Tensor, at: int) -> torch.Tensor:
         """Coefficients of rotated keys ``[B, H, n, D]`` (centred here) along the subspace, stored at history
@@ -387,7 +381,7 @@ class Int2Layer(AppendLayer):
             for out, q, mean in zip(outs, codes, (self.k_mean, self.v_mean), strict=True):
                 rows = dequantize_codes(*q, torch.float32, self.method.levels)
                 if out is outs[0] and self.subspace is not None and self.k_sub is not None:
-                    rows = restore(rows, self.k_sub[:, :, a:e], self._basis(h))
+                    rows = restore(rows, self.k_sub[:, :, a:e], self.subspace)
                 out[..., s + a : s + e, :] = with_mean(rows, mean)
             if s2 is not None:  # pad columns hold scale 0
                 s2[..., s + a : s + e, :] = codes[0][1].float().square()

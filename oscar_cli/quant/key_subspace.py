@@ -11,7 +11,7 @@ the residual row is smaller too.
 In the rotated space the cache stores (``y = (k - μ_K)·…`` centred rows, ``[..., D]``) with ``V`` the layer's
 orthonormal basis ``[N, D, m]`` (``N`` 1 or ``H_kv``; artifact tensor ``layers.{i}.k_subspace``):
 
-- write: ``c = y·V`` (kept in the activation dtype), the INT2 row is ``y - c·Vᵀ`` (clipped and quantized as usual);
+- write: ``c = y·V`` (kept in bfloat16), the INT2 row is ``y - c·Vᵀ`` (clipped and quantized as usual);
 - read: ``ŷ = r̂ + (c - r̂·V)·Vᵀ`` for the dequantized residual ``r̂``: the coordinates along ``V`` are exactly
   ``c`` (the residual's own INT2 error along ``V`` is replaced too), the rest is ``r̂``'s.
 
@@ -24,11 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-from oscar_cli.recipe import MAX_KEY_SUBSPACE
-
-__all__ = ["MAX_KEY_SUBSPACE", "check_basis", "coefficients", "fake_subspace", "rebase", "residual", "restore",
-           "subspace_basis", "subspace_bits"]
 
 
 def subspace_basis(target: torch.Tensor, rotation: torch.Tensor, m: int) -> torch.Tensor:
@@ -63,7 +58,8 @@ def coefficients(y: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 
 
 def residual(y: torch.Tensor, c: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """``y - c·Vᵀ`` in float32: what the INT2 row stores."""
+    """``y - c·Vᵀ`` in float32: what the INT2 row stores (``y`` may be the uncentred rows: the quantizer subtracts
+    the centring mean afterwards)."""
     return y.float() - torch.einsum("bhtm,hdm->bhtd", c.float(), _per_head(basis, y))
 
 
