@@ -125,6 +125,9 @@ class QuantConfig(Schema):
     # keys' coordinates along the top-m directions of the key target (query covariance) kept in BF16, the rest
     # INT2 (oscar_cli.quant.key_subspace; reference path); 0 = off
     key_subspace: Annotated[int, Field(ge=0, le=MAX_KEY_SUBSPACE)] = 0
+    # INT2 keys centred by one constant mean, or by RoPE_p(m_pre) at each key's position (oscar_cli.quant.key_mean;
+    # reference path)
+    key_mean: Literal["constant", "rope"] = "constant"
 
 
 class Recipe(Schema):
@@ -165,7 +168,7 @@ class Recipe(Schema):
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
         ``quant.keep`` is left out while it is off (fraction 0) and its ``side`` while ``both``, ``quant.levels`` while uniform (1/3),
-        ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0,
+        ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0, ``quant.key_mean`` while ``constant``,
         ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
         knob."""
@@ -180,6 +183,8 @@ class Recipe(Schema):
             del out["quant"]["logit_correction"]
         if self.quant.key_subspace == 0:
             del out["quant"]["key_subspace"]
+        if self.quant.key_mean == "constant":
+            del out["quant"]["key_mean"]
         if self.statistics.v_metric == "none":
             del out["statistics"]["v_metric"]
         if self.rotation.dc == "min":

@@ -42,6 +42,9 @@ class LayerTransform:
         k_clip, v_clip: clip ratios (``<= 0``: no clipping).
         k_subspace: ``[N, D, m]`` orthonormal directions of the rotated key space whose coordinates the cache
             keeps in BF16 (recipe ``quant.key_subspace``, :mod:`oscar_cli.quant.key_subspace`); None = off.
+        k_mean_pre: ``[H_kv, D]`` pre-RoPE key mean, unrotated (recipe ``quant.key_mean: rope``,
+            :mod:`oscar_cli.quant.key_mean`): INT2 keys at position ``p`` are centred by ``RoPE_p(k_mean_pre)·R_K``
+            instead of ``k_mean``; None = off.
     """
 
     k_rotation: torch.Tensor | None = None
@@ -53,6 +56,7 @@ class LayerTransform:
     k_clip: float = 0.0
     v_clip: float = 0.0
     k_subspace: torch.Tensor | None = None
+    k_mean_pre: torch.Tensor | None = None
 
     def rotation_per_head(self, which: str, num_kv_heads: int) -> torch.Tensor | None:
         """``[H_kv, D, D]`` rotations for ``which`` ∈ {"k", "v"} (a per-layer rotation is expanded; None: identity)."""

@@ -3,14 +3,13 @@ residual in INT2, through calibration, the artifact and the cache (oscar_cli.qua
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.calib import RESOLVED, random_orthogonal, random_transform, tiny_recipe
+from helpers.calib import RESOLVED, random_orthogonal, random_transform, rewrite_tensors, tiny_recipe
 from helpers.layers import feed
 from helpers.tiny import tiny_causal_lm
 
@@ -201,23 +200,6 @@ def test_calibrate_writes_a_basis_per_layer_and_the_artifact_serves_it(tmp_path:
     assert all(layer.k_subspace is None for layer in open_artifact(plain.artifact_path).layers)
 
 
-def _rewrite_tensors(folder: Path, edit) -> None:  # type: ignore[no-untyped-def]
-    """Edit ``rotations.safetensors`` and re-sign the manifest as oscar would (digest and file hash)."""
-    import hashlib
-
-    from safetensors.torch import load_file, save_file
-
-    from oscar_cli.artifact.manifest import content_digest
-
-    tensors = load_file(str(folder / "rotations.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(folder / "rotations.safetensors"))
-    man = json.loads((folder / "manifest.json").read_text())
-    man["files"]["rotations.safetensors"] = hashlib.sha256((folder / "rotations.safetensors").read_bytes()).hexdigest()
-    man["digest"] = content_digest(man)
-    (folder / "manifest.json").write_text(json.dumps(man))
-
-
 def test_artifact_with_a_broken_or_missing_basis_is_refused(tmp_path: Path) -> None:
     _, res = _calibrated(tmp_path, 2, "sub")
     folder = res.artifact_path
@@ -225,9 +207,9 @@ def test_artifact_with_a_broken_or_missing_basis_is_refused(tmp_path: Path) -> N
     def skew(t: dict) -> None:
         t["layers.0.k_subspace"] = t["layers.0.k_subspace"] * 2
 
-    _rewrite_tensors(folder, skew)
+    rewrite_tensors(folder, skew)
     with pytest.raises(ArtifactError, match=r"layers.0.k_subspace: columns are not orthonormal"):
         open_artifact(folder)
-    _rewrite_tensors(folder, lambda t: t.pop("layers.1.k_subspace"))
+    rewrite_tensors(folder, lambda t: t.pop("layers.1.k_subspace"))
     with pytest.raises(ArtifactError, match=r"lacks layers.1.k_subspace"):
         open_artifact(folder)

@@ -70,6 +70,7 @@ def build_manifest(
             **({"levels": recipe.quant.levels} if recipe.quant.levels != UNIFORM_INNER else {}),
             **({"logit_correction": recipe.quant.logit_correction} if recipe.quant.logit_correction != "none" else {}),
             **({"key_subspace": recipe.quant.key_subspace} if recipe.quant.key_subspace else {}),
+            **({"key_mean": recipe.quant.key_mean} if recipe.quant.key_mean != "constant" else {}),
         },
         data=dict(data),
         seed=recipe.data.seed,

@@ -7,7 +7,8 @@ Layout of an artifact directory (format v1, docs/DESIGN.md):
   ``[H_kv, D]`` (rotated space, per KV head; ``[1, D]`` = shared also accepted; zeros when centering is off), ``layers.{i}.k_eigenvalues`` /
   ``v_eigenvalues`` float32 ``[N, D]`` (ascending), ``layers.{i}.k_clip`` / ``v_clip`` float32 ``[1]``; with
   ``quant.key_subspace: m`` in the manifest also ``layers.{i}.k_subspace`` float32 ``[N, D, m]`` (orthonormal
-  columns in the rotated space, :mod:`oscar_cli.quant.key_subspace`).
+  columns in the rotated space, :mod:`oscar_cli.quant.key_subspace`); with ``quant.key_mean: rope`` also
+  ``layers.{i}.k_mean_pre`` float32 ``[H_kv, D]`` (pre-RoPE key mean, unrotated, :mod:`oscar_cli.quant.key_mean`).
 - ``manifest.json`` (:class:`~oscar_cli.artifact.manifest.Manifest`), ``recipe.yaml``, ``README.md``.
 
 Example::
@@ -111,6 +112,8 @@ def layer_tensors(layers: list[LayerTransform] | tuple[LayerTransform, ...]) -> 
             out[f"layers.{i}.{name}"] = t.detach().to("cpu", torch.float32).contiguous()
         if layer.k_subspace is not None:  # quant.key_subspace: every layer has one, or none does
             out[f"layers.{i}.k_subspace"] = layer.k_subspace.detach().to("cpu", torch.float32).contiguous()
+        if layer.k_mean_pre is not None:  # quant.key_mean rope: every layer has one, or none does
+            out[f"layers.{i}.k_mean_pre"] = layer.k_mean_pre.detach().to("cpu", torch.float32).contiguous()
     return out
 
 
@@ -210,6 +213,12 @@ def key_subspace(m: Manifest) -> int:
     return int(m.quant.get("key_subspace") or 0)
 
 
+def rope_key_mean(m: Manifest) -> bool:
+    """Whether the manifest centres INT2 keys by position (``quant.key_mean: rope``; then every layer stores
+    ``k_mean_pre``)."""
+    return m.quant.get("key_mean") == "rope"
+
+
 def _expected_shapes(m: Manifest) -> dict[str, list[tuple[int, ...]]]:
     """Allowed shapes per tensor. Means may be per KV head ``[H_kv, D]`` (what oscar writes) or shared ``[1, D]``."""
     n, h, d = m.rotations_per_layer, m.num_kv_heads, m.head_dim
@@ -219,13 +228,15 @@ def _expected_shapes(m: Manifest) -> dict[str, list[tuple[int, ...]]]:
     sub = key_subspace(m)
     if sub:
         per["k_subspace"] = [(n, d, sub)]
+    if rope_key_mean(m):
+        per["k_mean_pre"] = [(h, d)]
     return {f"layers.{i}.{k}": s for i in range(m.num_layers) for k, s in per.items()}
 
 
 def _max_tensor_bytes(m: Manifest) -> int:
     """The largest ``rotations.safetensors`` the manifest's sizes allow (float32 data plus a header)."""
     n, h, d = m.rotations_per_layer, m.num_kv_heads, m.head_dim
-    per_layer = 2 * n * d * d + 2 * max(h, 1) * d + 2 * n * d + 2 + n * d * key_subspace(m)
+    per_layer = 2 * n * d * d + (3 if rope_key_mean(m) else 2) * max(h, 1) * d + 2 * n * d + 2 + n * d * key_subspace(m)
     return 8 + MAX_SAFETENSORS_HEADER + 4 * per_layer * m.num_layers
 
 
@@ -369,10 +380,14 @@ def load_artifact(
             why = why or check_basis(sub, n_sub, m.head_dim, f"layers.{i}.k_subspace")
             if why:
                 raise ArtifactError(f"artifact {path}: {why}")
+        pre = tensors[f"layers.{i}.k_mean_pre"] if rope_key_mean(m) else None
+        if pre is not None and not torch.isfinite(pre).all():
+            raise ArtifactError(f"artifact {path}: layers.{i}.k_mean_pre holds NaN or inf values")
         layers.append(LayerTransform(
             k_rotation=t["k_rotation"], v_rotation=t["v_rotation"], k_mean=t["k_mean"],
             v_mean=t["v_mean"], k_eigenvalues=t["k_eigenvalues"], v_eigenvalues=t["v_eigenvalues"],
             k_clip=round(float(t["k_clip"][0]), 6), v_clip=round(float(t["v_clip"][0]), 6), k_subspace=sub,
+            k_mean_pre=pre,
         ))
     art = Artifact(path=path, manifest=m, layers=tuple(layers), recipe=folder.recipe)
     if expect_architecture is not None:

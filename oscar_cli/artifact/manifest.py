@@ -72,7 +72,8 @@ class Manifest:
         quant: INT2 layout the clips were chosen for: group_size, meta_dtype, sink, recent (and ``keep``,
             the BF16 keep budget, when the recipe has one; ``levels``, the inner INT2 level, when not uniform;
             ``logit_correction`` when not ``none``; ``key_subspace`` ``m`` when on: then every layer stores
-            ``layers.{i}.k_subspace`` ``[N, D, m]``).
+            ``layers.{i}.k_subspace`` ``[N, D, m]``; ``key_mean: rope`` when keys are centred by position: then
+            every layer stores ``layers.{i}.k_mean_pre`` ``[H_kv, D]``).
         data: calibration data identity: source, sha256 (of the token ids), tokens, sequences, ...
         seed: RNG seed.
         files: file name → sha256 hex of every hashed file (``rotations.safetensors``, ``recipe.yaml``).

@@ -74,6 +74,7 @@ class Quant(Schema):
     levels: InnerLevel | None = None  # absent: uniform INT2 levels (inner 1/3)
     logit_correction: LogitCorrection | None = None  # absent: none
     key_subspace: Annotated[int, Field(ge=1, le=MAX_KEY_SUBSPACE)] | None = None  # absent: off (layers.{i}.k_subspace)
+    key_mean: Literal["rope"] | None = None  # absent: constant key mean; rope: layers.{i}.k_mean_pre (quant.key_mean)
 
 
 class ManifestSchema(Schema):

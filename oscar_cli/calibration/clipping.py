@@ -69,7 +69,8 @@ class LayerClipProblem:
     Args:
         q: ``[B, H_q, Tq, D]`` queries at the last ``Tq`` positions; k, v: ``[B, H_kv, T, D]``.
         k_rotation, v_rotation: ``[N, D, D]`` (``N`` = 1 or ``H_kv``; None = identity); k_mean, v_mean:
-            ``[H_kv, D]`` or ``[1, D]`` in the rotated space (None = no centring).
+            ``[H_kv, D]`` or ``[1, D]`` in the rotated space (None = no centring); ``k_mean`` may also be per
+            position, ``[B or 1, H_kv, T, D]`` (recipe ``quant.key_mean: rope``).
         objective: ``mean`` (the relative output error) or ``topk`` (the error on each query's ``topk_keys``
             most attended INT2 keys; module docstring). :meth:`key_error` / :meth:`value_error` score with it,
             :meth:`mean_value_error` always with ``mean``.
@@ -97,7 +98,9 @@ class LayerClipProblem:
         mv = torch.zeros(1, d, device=dev) if v_mean is None else v_mean.to(dev, torch.float32)
         qg = q.float().reshape(b, h_kv, g * tq, d)  # query head j -> KV head j // g; rows (j % g, position)
         self.q = torch.einsum("bhtd,hde->bhte", qg, rk)
-        self.k = torch.einsum("bhtd,hde->bhte", k.float(), rk) - mk[:, None]
+        # a per-position mean does not cancel in the softmax as a constant one does: the logits add it back
+        self.k_shift = mk if mk.dim() == 4 else None
+        self.k = torch.einsum("bhtd,hde->bhte", k.float(), rk) - (mk if mk.dim() == 4 else mk[:, None])
         self.v = torch.einsum("bhtd,hde->bhte", v.float(), rv) - mv[:, None]
         self.mu_v = mv.expand(h_kv, d)[None, :, None]  # [1, H_kv, 1, D]
         self.scaling = scaling
@@ -131,6 +134,10 @@ class LayerClipProblem:
         return bool(self.int2.any())
 
     def _logits(self, k: torch.Tensor) -> torch.Tensor:
+        """Logits of centred keys ``k``: a constant mean shifts each query's logits alike (softmax-invariant), a
+        per-position mean is added back."""
+        if self.k_shift is not None:
+            k = k + self.k_shift
         return (self.q @ k.transpose(-1, -2)) * self.scaling + self.neg
 
     def _fake(self, x: torch.Tensor, ratio: float) -> torch.Tensor:

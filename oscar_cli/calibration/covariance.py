@@ -14,7 +14,8 @@ One :class:`LayerStatistics` per decoder layer accumulates, from post-RoPE ``q [
   (the diagonal of ``SᵀS``: how much squared attention mass key ``t`` receives), optionally zero for the BF16
   sink positions ``t < sink``; ``C_V,h = Σ w v vᵀ / Σ w``.
 - ``sv``: the paper's literal ``(SV)ᵀ(SV)`` = second moment of the attention output per group.
-- ``k_sum``, ``v_sum``: for the centering means.
+- ``k_sum``, ``v_sum``: for the centering means; ``k_pre_sum`` (recipe ``quant.key_mean: rope``): the pre-RoPE
+  keys' sum, handed in by the caller (:func:`oscar_cli.quant.key_mean.pre_rope_mean`).
 
 Memory is independent of the number of tokens (the reservoir is capped). Everything is float64 except the
 ``T×T`` softmax, computed in float32 one (sequence, KV head) at a time.
@@ -37,6 +38,7 @@ class LayerTargets:
         k_target: ``[H_kv, D, D]`` per-head key metric (qqt: ``A_h``; ktk: ``K_hᵀK_h/n``).
         v_target: ``[H_kv, D, D]`` per-head value metric.
         k_mean: ``[H_kv, D]`` raw (unrotated) key mean; v_mean likewise.
+        k_mean_pre: ``[H_kv, D]`` pre-RoPE key mean (None: not accumulated).
         v_weight_mean: ``[H_kv]`` mean of the normalised value weights (1 by construction; a sanity check).
         tokens: statistics tokens seen.
     """
@@ -47,6 +49,7 @@ class LayerTargets:
     v_mean: torch.Tensor
     v_weight_mean: torch.Tensor
     tokens: int
+    k_mean_pre: torch.Tensor | None = None
 
 
 def grouped_queries(q: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -122,6 +125,14 @@ class LayerStatistics:
         self.res_k: torch.Tensor | None = None  # [cap, H_kv, D], the incoming dtype
         self.res_v: torch.Tensor | None = None
         self.res_filled = 0
+        self.k_pre_sum: torch.Tensor | None = None
+        self.k_pre_n = 0
+
+    def add_pre_rope(self, total: torch.Tensor, count: int) -> None:
+        """Add ``count`` tokens' pre-RoPE key sum ``[H_kv, D]`` (for ``k_mean_pre``)."""
+        t = total.to(self.device, F64)
+        self.k_pre_sum = t if self.k_pre_sum is None else self.k_pre_sum + t
+        self.k_pre_n += count
 
     def update(
         self,
@@ -203,7 +214,8 @@ class LayerStatistics:
             assert self.wvv is not None and self.wsum is not None
             v_t = self.wvv / self.wsum.clamp_min(1e-12)[:, None, None]
         sym = lambda m: ((m + m.transpose(-1, -2)) / 2).cpu()  # noqa: E731
-        return LayerTargets(sym(k_t), sym(v_t), (self.k_sum / n).cpu(), (self.v_sum / n).cpu(), wmean.cpu(), n)
+        pre = None if self.k_pre_sum is None else (self.k_pre_sum / max(self.k_pre_n, 1)).cpu()
+        return LayerTargets(sym(k_t), sym(v_t), (self.k_sum / n).cpu(), (self.v_sum / n).cpu(), wmean.cpu(), n, pre)
 
 
 def reservoir_plan(

@@ -48,6 +48,7 @@ from oscar_cli.calibration.schemes import (
 from oscar_cli.calibration.wo_metric import model_output_metrics, wo_target
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
+from oscar_cli.quant.key_mean import RopeTable, position_means, pre_rope_mean
 from oscar_cli.quant.key_subspace import subspace_basis
 from oscar_cli.recipe import Recipe, check_layout
 from oscar_cli.transform import LayerTransform
@@ -158,6 +159,7 @@ def _capture(
     n_stats: int,
     device: torch.device,
     report: Progress,
+    table: RopeTable | None = None,
 ) -> tuple[list[LayerStatistics], HoldoutStore]:
     n_layers, h_kv, d = geo.num_layers, geo.num_key_value_heads, geo.head_dim
     s, q = recipe.statistics, recipe.quant
@@ -173,6 +175,9 @@ def _capture(
         layer: int, qq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scaling: float
     ) -> None:
         stats[layer].update(qq, k, v, out, scaling, plan[0])
+        if table is not None:  # quant.key_mean rope: unpadded sequences at positions 0..T-1
+            cos, sin = _positions(table, int(k.shape[2]), k.device)
+            stats[layer].add_pre_rope(pre_rope_mean(k, cos, sin), int(k.shape[0] * k.shape[2]))
 
     seqs = data.sequences
     bs, seen = recipe.data.batch_size, 0
@@ -192,6 +197,11 @@ def _capture(
             run_forward(model, seqs[i : i + 1].to(device))
             report("capture", i + 1, total)
     return stats, store
+
+
+def _positions(table: RopeTable, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[1, t, D]`` of positions ``0..t-1`` (calibration's sequences are unpadded)."""
+    return table(torch.arange(t, device=device)[None])
 
 
 def _solve(
@@ -224,6 +234,8 @@ def _solve(
                 k_eigenvalues=lk,
                 v_eigenvalues=lv,
                 k_subspace=sub,
+                k_mean_pre=None if t.k_mean_pre is None else (
+                    t.k_mean_pre.float() if recipe.rotation.center_keys else torch.zeros_like(t.k_mean_pre.float())),
             )
         )
         report("solve", i + 1, len(stats))
@@ -231,10 +243,21 @@ def _solve(
 
 
 def _clip(
-    solved: list[LayerTransform], store: HoldoutStore, recipe: Recipe, report: Progress
+    solved: list[LayerTransform], store: HoldoutStore, recipe: Recipe, report: Progress,
+    table: RopeTable | None = None,
 ) -> tuple[list[ClipChoice], list[LayerScheme]]:
-    """Per layer: the clip choice and, where it was scored, the errors of the fallback schemes (:mod:`schemes`)."""
+    """Per layer: the clip choice and, where it was scored, the errors of the fallback schemes (:mod:`schemes`).
+
+    ``table``: the model's RoPE (recipe ``quant.key_mean: rope``): held-out keys are centred by
+    ``RoPE_p(k_mean_pre)·R_K`` at their positions, as the cache centres them."""
     c, q = recipe.clip, recipe.quant
+
+    def key_mean(s: LayerTransform, k: torch.Tensor) -> torch.Tensor | None:
+        if table is None or s.k_mean_pre is None:
+            return s.k_mean
+        cos, sin = _positions(table, int(k.shape[2]), k.device)
+        return position_means(s.k_mean_pre, s.k_rotation, cos, sin)
+
     choices, scored = [], []
     for i, s in enumerate(solved):
         problems = [
@@ -244,7 +267,7 @@ def _clip(
                 v,
                 s.k_rotation,
                 s.v_rotation,
-                s.k_mean,
+                key_mean(s, k),
                 s.v_mean,
                 store.scaling,
                 q.sink,
@@ -322,7 +345,8 @@ def calibrate_model(
     report("data", recipe.data.tokens, recipe.data.tokens)
     timings["data"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    stats, store = _capture(model, geo, data, recipe, n_stats, device, report)
+    table = RopeTable(model) if recipe.quant.key_mean == "rope" else None
+    stats, store = _capture(model, geo, data, recipe, n_stats, device, report, table)
     _sync(device)
     timings["capture"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -334,7 +358,7 @@ def calibrate_model(
         del stats
         timings["solve"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        choices, scored = _clip(solved, store, recipe, report)
+        choices, scored = _clip(solved, store, recipe, report, table)
     _sync(device)
     timings["clip"] = time.perf_counter() - t0
 

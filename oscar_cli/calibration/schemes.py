@@ -241,7 +241,8 @@ def served_transform(scheme: str, calibrated: LayerTransform, head_dim: int) -> 
     return LayerTransform(k_rotation=k_rot, v_rotation=rot(base.v_rotation),
                           k_mean=torch.zeros(h, head_dim), v_mean=torch.zeros(h, head_dim),
                           k_eigenvalues=calibrated.k_eigenvalues, v_eigenvalues=calibrated.v_eigenvalues,
-                          k_subspace=sub)
+                          k_subspace=sub,
+                          k_mean_pre=None if calibrated.k_mean_pre is None else torch.zeros_like(calibrated.k_mean_pre))
 
 
 def scheme_bpe(recipe: Any, head_dim: int) -> Callable[[list[str]], float]:

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 from oscar_cli.errors import OscarError
 from oscar_cli.quant.dense import DenseLayer
 from oscar_cli.quant.int2_layer import Int2Layer
+from oscar_cli.quant.key_mean import RopeTable
 from oscar_cli.quant.methods import QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE
 
@@ -37,6 +38,7 @@ class Int2Cache(Cache):
         backend: ``reference``, ``triton`` or ``auto`` (see :class:`Int2Layer`).
         page_size: tokens per INT2 history page.
         max_positions: the model's position limit (an update beyond it raises, naming the limit).
+        rope_table: the model's RoPE, for INT2 layers that centre keys by position (``quant.key_mean: rope``).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class Int2Cache(Cache):
         *,
         page_size: int = DEFAULT_PAGE,
         max_positions: int | None = None,
+        rope_table: RopeTable | None = None,
     ) -> None:
         from oscar_cli.quant.kivi import KiviLayer
 
@@ -59,7 +62,8 @@ class Int2Cache(Cache):
             elif m.kind == "dense":
                 layers.append(DenseLayer(m))
             else:
-                layers.append(Int2Layer(m, method.layer(i), rotate_values, backend, layer_idx=i, page_size=page_size))
+                layers.append(Int2Layer(m, method.layer(i), rotate_values, backend, layer_idx=i, page_size=page_size,
+                                        rope_table=rope_table))
         super().__init__(layers=layers)
         self.method = method
         self.max_positions = max_positions

@@ -29,6 +29,11 @@ stores only its residual off the layer's ``m`` subspace directions, and the ``m`
 per history slot in bfloat16; what attention reads has exactly those coordinates (reference path only, the
 Triton path refuses such a method).
 
+With a position-dependent key mean (recipe ``quant.key_mean: rope``, :mod:`oscar_cli.quant.key_mean`) each INT2
+key in slot ``t`` of row ``b`` is centred by ``RoPE_p(m_pre)·R_K`` at its position ``p = t - pad_b`` instead of the
+constant ``k_mean``, computed with the model's rotary embedding (the cache's ``RopeTable``) when the row is
+written and again when it is read; nothing is stored per token (reference path only, the Triton path refuses).
+
 Nothing else persists: no dense copy of the history exists between calls.
 
 All tiers hold **rotated** K (``k·R_K``, post-RoPE, computed here at run time in float32 and cast to the
@@ -66,6 +71,7 @@ from oscar_cli.errors import OscarError
 from oscar_cli.quant.append import AppendLayer
 from oscar_cli.quant.keep import KeepTier, keep_count, token_scores
 from oscar_cli.quant.kernel_path import BACKENDS, centred, flat_mean, front, kernel_unsupported, rotation_matrix
+from oscar_cli.quant.key_mean import RopeTable
 from oscar_cli.quant.key_subspace import coefficients, residual, restore
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
@@ -104,6 +110,8 @@ class Int2Layer(AppendLayer):
             (triton on CUDA where the kernels apply, else reference).
         layer_idx: the decoder layer index (the attention function checks it).
         page_size: tokens per history page.
+        rope_table: the model's RoPE (:class:`~oscar_cli.quant.key_mean.RopeTable`), needed by a method with
+            ``key_mean == "rope"``.
     """
 
     def __init__(
@@ -115,6 +123,7 @@ class Int2Layer(AppendLayer):
         *,
         layer_idx: int = 0,
         page_size: int = DEFAULT_PAGE,
+        rope_table: RopeTable | None = None,
     ) -> None:
         super().__init__(method)
         if backend not in BACKENDS:
@@ -146,6 +155,12 @@ class Int2Layer(AppendLayer):
         # [B, H_kv, cap, m] in bfloat16, slot t of the history at index t (pad slots hold zeros)
         self.subspace = transform.k_subspace if method.key_subspace and transform.k_subspace is not None else None
         self.k_sub: torch.Tensor | None = None
+        # the position-dependent key mean (quant.key_mean rope): pre-RoPE means [H_kv, D] and the model's RoPE
+        self.rope_table = rope_table
+        self.mean_pre = transform.k_mean_pre if method.key_mean == "rope" else None
+        if method.key_mean == "rope" and self.mean_pre is None:
+            raise OscarError(f"layer {layer_idx}: quant.key_mean rope needs the layer's k_mean_pre (pre-RoPE key mean)",
+                             hint="recalibrate with quant.key_mean: rope")
 
     # ---------------------------------------------------------------- transformers API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -162,6 +177,11 @@ class Int2Layer(AppendLayer):
         self.v_rot = None if self.v_rot is None else self.v_rot.to(dev)
         self.k_mean = None if self.transform.k_mean is None else self.transform.k_mean.to(dev)
         self.subspace = None if self.subspace is None else self.subspace.to(dev, torch.float32)
+        if self.mean_pre is not None:
+            if self.rope_table is None:
+                raise OscarError("quant.key_mean rope: the cache has no RoPE table to centre keys by position",
+                                 hint="make the cache with session.new_cache() of a method attached to the model")
+            self.mean_pre = self.mean_pre.to(dev, torch.float32)
         self.v_mean = None if self.transform.v_mean is None else self.transform.v_mean.to(dev)
         s_cap = max(1, self.sink_slots)
         r_cap = self.method.recent + self.method.demotion_block
@@ -188,6 +208,9 @@ class Int2Layer(AppendLayer):
         if self.subspace is not None and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton kernels do not read the BF16 key subspace "
                              f"(quant.key_subspace {self.method.key_subspace})", hint="use --backend reference")
+        if self.mean_pre is not None and (reason is None or self.backend == "triton"):
+            raise OscarError(f"backend {self.backend}: the Triton kernels centre INT2 keys by one constant mean "
+                             "(quant.key_mean rope)", hint="use --backend reference")
         if self.method.logit_correction != "none" and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton decode kernel adds no per-key logit bias "
                              f"(quant.logit_correction {self.method.logit_correction})", hint="use --backend reference")
@@ -306,18 +329,18 @@ class Int2Layer(AppendLayer):
                 means = (flat_mean(self.k_mean), flat_mean(self.v_mean))
                 self.pool.write_kernel(flat(piece_k), flat(piece_v), to, means, (t.k_clip, t.v_clip))
                 continue
-            coeffs, k_in = None, piece_k
+            coeffs, k_in, k_mean = None, piece_k, self.key_means(first + a, e - a)
             if self.subspace is not None:  # the coordinates along the subspace in BF16, the residual to INT2
-                coeffs = self._store_coefficients(piece_k, hist0 + a)
+                coeffs = self._store_coefficients(piece_k, hist0 + a, k_mean)
                 k_in = residual(piece_k, coeffs, self.subspace)
-            qk = quantize_rows(k_in, None, self.k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
+            qk = quantize_rows(k_in, None, k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
             qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype, meth.levels)
             self.pool.write(_rows(qk, flat), _rows(qv, flat), to)
             if self.keep is not None:
                 k_hat = dequantize_rows(qk, inner=meth.levels)
                 if coeffs is not None and self.subspace is not None:  # keys as served: subspace coordinates restored
                     k_hat = restore(k_hat, coeffs, self.subspace)
-                hats = [with_mean(k_hat, self.k_mean), with_mean(dequantize_rows(qv, inner=meth.levels), self.v_mean)]
+                hats = [with_mean(k_hat, k_mean), with_mean(dequantize_rows(qv, inner=meth.levels), self.v_mean)]
                 score = token_scores(self.keep.kind, piece_k, piece_v, hats[0], hats[1], side=self.keep.side)
                 pad = (slots[:, a:e] < 0).view(b, 1, e - a)
                 scores.append(score.masked_fill(pad, float("-inf")))
@@ -325,12 +348,26 @@ class Int2Layer(AppendLayer):
             pos = torch.arange(first, first + m)
             self.keep.merge(rows_k, rows_v, pos, torch.cat(scores, -1), keep_count(self.keep.fraction, self.hist_slots))
 
-    def _store_coefficients(self, rows_k: torch.Tensor, at: int) -> torch.Tensor:
-        """Coefficients of rotated keys ``[B, H, n, D]`` (centred here) along the subspace, stored at history
-        index ``at``; returns them (bfloat16, as stored)."""
+    def key_means(self, first: int, n: int) -> torch.Tensor | None:
+        """The mean INT2 keys of slots ``[first, first + n)`` are centred by: the constant ``k_mean`` (``[N, D]``),
+        or with ``quant.key_mean: rope`` ``RoPE_p(m_pre)·R_K`` at each row's positions ``p = slot - pad``
+        (``float32 [B, H_kv, n, D]``; pad slots take position 0, their rows are never read)."""
+        if self.mean_pre is None:
+            return self.k_mean
+        from oscar_cli.quant.key_mean import position_means
+
+        assert self.rope_table is not None
+        pads = torch.tensor(self.pads, dtype=torch.long, device=self.device)
+        pos = (torch.arange(first, first + n, device=self.device)[None, :] - pads[:, None]).clamp(min=0)
+        cos, sin = self.rope_table(pos)
+        return position_means(self.mean_pre, self.transform.k_rotation, cos, sin)
+
+    def _store_coefficients(self, rows_k: torch.Tensor, at: int, mean: torch.Tensor | None) -> torch.Tensor:
+        """Coefficients of rotated keys ``[B, H, n, D]`` (centred here by ``mean``) along the subspace, stored at
+        history index ``at``; returns them (bfloat16, as stored)."""
         assert self.subspace is not None
         b, h, n, _ = rows_k.shape
-        y = rows_k.float() if self.k_mean is None else with_mean(rows_k.float(), -self.k_mean)
+        y = rows_k.float() if mean is None else with_mean(rows_k.float(), -mean)
         c = coefficients(y, self.subspace).to(torch.bfloat16)
         m = c.shape[-1]
         if self.k_sub is None or self.k_sub.shape[2] < at + n:  # grow by doubling (amortized appends)
@@ -378,7 +415,8 @@ class Int2Layer(AppendLayer):
         for a in range(0, width, PIECE):  # the history: pages gathered, unpacked and dequantized a piece at a time
             e = min(width, a + PIECE)
             codes = self.pool.codes(self.hist_slots, e - a, start=a)
-            for out, q, mean in zip(outs, codes, (self.k_mean, self.v_mean), strict=True):
+            k_mean = self.key_means(self.sink_slots + a, e - a)
+            for out, q, mean in zip(outs, codes, (k_mean, self.v_mean), strict=True):
                 rows = dequantize_codes(*q, torch.float32, self.method.levels)
                 if out is outs[0] and self.subspace is not None and self.k_sub is not None:
                     rows = restore(rows, self.k_sub[:, :, a:e], self.subspace)
@@ -505,12 +543,13 @@ class Int2Layer(AppendLayer):
     def reset(self) -> None:
         self.__init__(  # type: ignore[misc]
             self.method, self.transform, self.rotate_values, self.backend, layer_idx=self.layer_idx,
-            page_size=self.page_size,
+            page_size=self.page_size, rope_table=self.rope_table,
         )
 
 
 def with_mean(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
-    """Centred float32 rows ``[B, H_kv, n, D]`` plus the centring mean (``[N, D]``, ``N`` 1 or ``H_kv``)."""
+    """Centred float32 rows ``[B, H_kv, n, D]`` plus the centring mean (``[N, D]``, ``N`` 1 or ``H_kv``, or per
+    position ``[B, H_kv, n, D]``)."""
     if mean is None:
         return x
     return x + (mean.float().unsqueeze(-2) if mean.dim() == 2 else mean.float())

@@ -64,6 +64,8 @@ class QuantMethod:
         key_subspace: ``m`` (recipe ``quant.key_subspace``): ``int2`` layers keep each key's coordinates along the
             layer's ``k_subspace`` directions in BF16 (:mod:`oscar_cli.quant.key_subspace`; reference path only);
             0 = off.
+        key_mean: ``constant`` or ``rope`` (recipe ``quant.key_mean``): ``rope`` centres ``int2`` layers' INT2 keys
+            at position ``p`` by ``RoPE_p(k_mean_pre)·R_K`` (:mod:`oscar_cli.quant.key_mean`; reference path only).
     """
 
     name: str
@@ -82,6 +84,7 @@ class QuantMethod:
     levels: float = UNIFORM_INNER
     logit_correction: str = "none"
     key_subspace: int = 0
+    key_mean: str = "constant"
 
     def layer(self, idx: int) -> LayerTransform:
         """The transforms of decoder layer ``idx`` (identity when the method has none)."""
@@ -100,9 +103,10 @@ class QuantMethod:
             return replace(self, layer_kinds=())
         if kind == "kivi":
             return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=(),
-                           keep_fraction=0.0, levels=UNIFORM_INNER, logit_correction="none", key_subspace=0)
+                           keep_fraction=0.0, levels=UNIFORM_INNER, logit_correction="none", key_subspace=0,
+                           key_mean="constant")
         return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0, levels=UNIFORM_INNER,
-                       logit_correction="none", key_subspace=0)
+                       logit_correction="none", key_subspace=0, key_mean="constant")
 
     @property
     def demotion_block(self) -> int:
@@ -240,7 +244,8 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
                    extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
                    keep_score=str(keep.get("score", "qerr")), keep_side=str(keep.get("side", "both")), levels=float(quant.get("levels", UNIFORM_INNER)),
                    logit_correction=str(quant.get("logit_correction") or "none"),
-                   key_subspace=int(quant.get("key_subspace") or 0))
+                   key_subspace=int(quant.get("key_subspace") or 0),
+                   key_mean=str(quant.get("key_mean") or "constant"))
 
 
 def artifact_schemes(calibration: dict[str, Any], n_layers: int, ref: str) -> list[str]:

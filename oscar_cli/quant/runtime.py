@@ -35,6 +35,7 @@ from oscar_cli.errors import OscarError
 from oscar_cli.quant.attention import LayerRuntime, per_head, register_attention
 from oscar_cli.quant.cache import Int2Cache
 from oscar_cli.quant.kernel_path import BACKENDS
+from oscar_cli.quant.key_mean import RopeTable
 from oscar_cli.quant.methods import QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE
 
@@ -62,6 +63,7 @@ class MethodSession:
             backend=self.backend,
             page_size=self.page_size,
             max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 0) or None,
+            rope_table=RopeTable(self.model) if self.method.key_mean == "rope" else None,
         )
         return self.active
 
@@ -184,7 +186,7 @@ def _on_layer_devices(method: QuantMethod, attns: list[Any], fold_values: bool) 
     ``R_V`` is used only while folding and stays where it is."""
     if not method.layers:
         return method
-    fields = ("k_rotation", "k_mean", "v_mean") + (() if fold_values else ("v_rotation",))
+    fields = ("k_rotation", "k_mean", "v_mean", "k_mean_pre") + (() if fold_values else ("v_rotation",))
     layers = list(method.layers)
     for i, attn in enumerate(attns[: len(layers)]):
         t, dev = layers[i], attn.o_proj.weight.device

@@ -68,7 +68,8 @@ def _load(vllm_config: Any, ref: str, num_kv_heads: int, head_dim: int, block_si
     settings = layout.Int2Settings(sink=meth.sink, recent=meth.recent, meta_dtype=meth.meta_dtype)
     layout.check_geometry(head_dim=head_dim, block_size=block_size, settings=settings, group_size=meth.group_size,
                           keep_fraction=meth.keep_fraction, levels=meth.levels,
-                          logit_correction=meth.logit_correction, key_subspace=meth.key_subspace)
+                          logit_correction=meth.logit_correction, key_subspace=meth.key_subspace,
+                          key_mean=meth.key_mean)
     tensors = layout.layer_tensors(meth, int(cfg.num_hidden_layers), num_kv_heads, head_dim)
     tiers = Int2KVSpec(num_kv_heads, head_dim, block_size, META_BYTES, meth.sink, meth.recent).sequence_tier_bytes
     _log.info("oscar: INT2 KV cache from %s (S0=%d, W=%d); BF16 sink + recent tiers for %d sequences (--max-num-seqs): "

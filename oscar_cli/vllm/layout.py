@@ -113,7 +113,8 @@ def layer_tensors(method: object, num_layers: int, num_kv_heads: int, head_dim: 
 def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, group_size: int | None,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
                    alibi: bool = False, kv_sharing: bool = False, keep_fraction: float = 0.0,
-                   levels: float = UNIFORM_INNER, logit_correction: str = "none", key_subspace: int = 0) -> None:
+                   levels: float = UNIFORM_INNER, logit_correction: str = "none", key_subspace: int = 0,
+                   key_mean: str = "constant") -> None:
     """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16."""
     reasons = []
     if keep_fraction:
@@ -128,6 +129,9 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if key_subspace:
         reasons.append(f"a BF16 key subspace (quant.key_subspace {key_subspace}: the kernels do not read it; serve it "
                        "through transformers with --backend reference)")
+    if key_mean != "constant":
+        reasons.append(f"a position-dependent key mean (quant.key_mean {key_mean}: the kernels centre keys by one "
+                       "constant mean; serve it through transformers with --backend reference)")
     if head_dim not in KERNEL_HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} (the INT2 decode kernel supports {KERNEL_HEAD_DIMS})")
     if block_size not in BLOCK_SIZES:

@@ -2,11 +2,13 @@
 
 ``TINY_RECIPE``: recipe overrides that calibrate a tiny model in about a second (1,536 random tokens, sequences
 of 256, sink 8, recent 32); ``tiny_recipe(**over)`` loads it (``over``: further sections to replace).
-``RESOLVED``: a placeholder model identity for ``calibrate_model``.
+``RESOLVED``: a placeholder model identity for ``calibrate_model``. ``rewrite_tensors(folder, edit)``: edit an
+artifact's tensors and re-sign its manifest (for tests of tampered artifacts).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -58,3 +60,20 @@ def serve_model_to_cli(monkeypatch: Any, model: Any, reference: str, folder: Pat
     recipe = folder / "tiny.yaml"
     recipe.write_text(load_recipe(overrides=TINY_RECIPE).to_yaml())
     return recipe
+
+
+def rewrite_tensors(folder: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    """Edit ``rotations.safetensors`` and re-sign the manifest as oscar would (digest and file hash)."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    from oscar_cli.artifact.manifest import content_digest
+
+    tensors = load_file(str(folder / "rotations.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "rotations.safetensors"))
+    man = json.loads((folder / "manifest.json").read_text())
+    man["files"]["rotations.safetensors"] = hashlib.sha256((folder / "rotations.safetensors").read_bytes()).hexdigest()
+    man["digest"] = content_digest(man)
+    (folder / "manifest.json").write_text(json.dumps(man))

@@ -1,0 +1,100 @@
+"""The position-dependent key mean: INT2 keys centred by ``RoPE_p(m_pre)`` instead of one constant mean.
+
+Why: a layer whose keys have a large mean before RoPE (Qwen2.5's ``k_proj`` bias) has, after RoPE, a mean that
+turns with the position ``p``: ``E[k_p] = RoPE_p(m_pre)``. The constant centring mean (``layers.{i}.k_mean``)
+is the average of ``RoPE_p(m_pre)`` over the calibration positions, so beyond them the centred keys keep a
+growing component, each token's INT2 range grows with it, and so does its error (measured:
+``scripts/key_mean_drift.py``, docs/RESULTS.md "Why 32K"). Centring each key by the mean at its own position
+removes that component at every position, also beyond the calibration's sequence length.
+
+Recipe ``quant.key_mean: rope`` (default ``constant``). Calibration estimates per KV head the pre-RoPE key mean
+``m_pre = mean_p RoPE_p⁻¹(k_p)`` from the post-RoPE keys it captures (:func:`unrope`; this also undoes YaRN's
+attention scaling), stored unrotated as ``layers.{i}.k_mean_pre`` ``[H_kv, D]``; the clip search and the cache
+centre the rotated key at position ``p`` by ``RoPE_p(m_pre)·R_K`` (:func:`position_means`), computed with the
+model's own rotary embedding at run time (:class:`RopeTable`: the same cos/sin, YaRN included). No storage per
+token: the BPE is unchanged.
+
+Positions: the cache places row ``b``'s slot ``t`` at RoPE position ``t - pad_b`` (left padding), the positions
+``oscar_cli.quant.generation`` and ``model.generate`` give. RoPE is the ``rotate_half`` form of Llama, Qwen2,
+Qwen3 and Mistral. Reference path only: the Triton decode kernel centres every INT2 key by the constant mean
+(a position-dependent mean adds one logit term per key), so it and vLLM refuse such a method.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+KeyMean = Literal["constant", "rope"]
+KEY_MEANS: tuple[str, ...] = ("constant", "rope")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(-x2, x1)`` for ``x = (x1, x2)`` split at ``D/2`` (the RoPE pairing of Llama / Qwen)."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x·cos + rotate_half(x)·sin`` (what the model applies to its keys), broadcasting over leading dims."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unrope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rope`: ``(k·cos - rotate_half(k)·sin) / (cos² + sin²)`` (float32).
+
+    ``cos² + sin²`` is per channel the square of the rotary embedding's attention scaling (1 for plain RoPE,
+    YaRN's ``mscale²``), so a mean estimated under YaRN is the same pre-RoPE mean as one estimated without."""
+    k, cos, sin = k.float(), cos.float(), sin.float()
+    return (k * cos - rotate_half(k) * sin) / (cos.square() + sin.square())
+
+
+def pre_rope_mean(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Sum over batch and positions of the pre-RoPE keys, ``float64 [H_kv, D]``, for post-RoPE
+    ``k [B, H_kv, T, D]`` at positions whose ``cos, sin`` are ``[B or 1, T, D]``."""
+    return unrope(k, cos[:, None], sin[:, None]).double().sum(dim=(0, 2))
+
+
+def position_means(
+    m_pre: torch.Tensor, rotation: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``RoPE_p(m_pre)·R_K`` per position: ``float32 [B, H_kv, n, D]``.
+
+    Args:
+        m_pre: ``[H_kv, D]`` pre-RoPE key means (unrotated).
+        rotation: ``[N, D, D]`` key rotation (``N`` 1 or ``H_kv``; None = identity), applied as ``x @ R``.
+        cos, sin: ``[B, n, D]`` of the positions (:class:`RopeTable`).
+    """
+    m = m_pre.to(cos.device, torch.float32)[None, :, None, :]
+    mu = rope(m, cos.float()[:, None], sin.float()[:, None])  # [B, H, n, D]
+    if rotation is None:
+        return mu
+    r = rotation.to(cos.device, torch.float32)
+    r = r.expand(mu.shape[1], -1, -1) if r.shape[0] == 1 else r
+    return torch.einsum("bhnd,hde->bhne", mu, r)
+
+
+class RopeTable:
+    """cos/sin of the model's own rotary embedding for given positions, looked up at each call (so a RoPE
+    switched later, e.g. YaRN by :func:`oscar_cli.model.rope.apply_yarn`, is the one used).
+
+    ``table(positions)`` with ``positions`` int64 ``[B, n]`` → ``(cos, sin)`` float32 ``[B, n, D]``.
+    """
+
+    def __init__(self, model: Any) -> None:
+        from oscar_cli.calibration.capture import decoder_body
+
+        self.body = decoder_body(model)
+        if getattr(self.body, "rotary_emb", None) is None:
+            from oscar_cli.errors import OscarError
+
+            raise OscarError(f"{type(model).__name__} has no rotary embedding at model.model.rotary_emb: "
+                             "quant.key_mean rope needs the model's RoPE",
+                             hint="use quant.key_mean: constant for this model")
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self.body.rotary_emb
+        like = torch.zeros((), dtype=torch.float32, device=positions.device)
+        cos, sin = rotary(like, positions.to(positions.device, torch.long))
+        return cos.float(), sin.float()
