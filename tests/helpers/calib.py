@@ -3,7 +3,8 @@
 ``TINY_RECIPE``: recipe overrides that calibrate a tiny model in about a second (1,536 random tokens, sequences
 of 256, sink 8, recent 32); ``tiny_recipe(**over)`` loads it (``over``: further sections to replace).
 ``RESOLVED``: a placeholder model identity for ``calibrate_model``. ``rewrite_tensors(folder, edit)``: edit an
-artifact's tensors and re-sign its manifest (for tests of tampered artifacts).
+artifact's tensors and re-sign its manifest; ``check_tampered_tensor``: layer 0's copy broken, then layer 1's
+removed, each refused on load.
 """
 
 from __future__ import annotations
@@ -77,3 +78,22 @@ def rewrite_tensors(folder: Path, edit) -> None:  # type: ignore[no-untyped-def]
     man["files"]["rotations.safetensors"] = hashlib.sha256((folder / "rotations.safetensors").read_bytes()).hexdigest()
     man["digest"] = content_digest(man)
     (folder / "manifest.json").write_text(json.dumps(man))
+
+
+def check_tampered_tensor(folder: Path, name: str, broken: Any, message: str) -> None:
+    """An artifact whose ``layers.0.<name>`` is replaced by ``broken(tensor)`` is refused with ``message`` (a
+    regex), and one whose ``layers.1.<name>`` is missing with "lacks layers.1.<name>" (both re-signed)."""
+    import pytest
+
+    from oscar_cli.artifact import open_artifact
+    from oscar_cli.errors import ArtifactError
+
+    def edit(t: dict) -> None:
+        t[f"layers.0.{name}"] = broken(t[f"layers.0.{name}"])
+
+    rewrite_tensors(folder, edit)
+    with pytest.raises(ArtifactError, match=message):
+        open_artifact(folder)
+    rewrite_tensors(folder, lambda t: t.pop(f"layers.1.{name}"))
+    with pytest.raises(ArtifactError, match=rf"lacks layers.1.{name}"):
+        open_artifact(folder)
