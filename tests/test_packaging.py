@@ -88,4 +88,5 @@ def test_installed_import_names(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     ref_file, kernels_origin = json.loads(proc.stdout)
     assert Path(ref_file).parts[-2:] in (("kernels", "reference.py"), ("oscar_kernels", "reference.py"))  # editable
-    assert kernels_origin is None or not Path(kernels_origin).resolve().is_relative_to(ROOT), kernels_origin
+    # Hugging Face's kernels (a dependency of transformers >= 5.25) may be installed in a .venv inside the checkout
+    assert kernels_origin is None or not Path(kernels_origin).resolve().is_relative_to(ROOT / "kernels"), kernels_origin
