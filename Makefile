@@ -21,16 +21,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" bash scripts/demo.sh
 
-# PYTHONSAFEPATH: the repository root must not be on sys.path while testing. transformers >= 5.25 imports the PyPI
-# package `kernels` (its dependency), and this repository's `kernels/` folder (installed as `oscar_kernels`) would
-# shadow it from the root: every `import transformers` then fails with "cannot import name 'CUDAProperties'".
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m mypy oscar_cli kernels
-	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -m "not gpu" -q
+	$(BIN)/python -m mypy oscar_cli oscar_kernels
+	$(BIN)/python -m pytest -m "not gpu" -q
 
 gpu-test: $(STAMP)
-	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -m gpu -q
+	$(BIN)/python -m pytest -m gpu -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -3,7 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export PYTHONSAFEPATH=1  # `python -c` below runs from the repository root: its kernels/ must not shadow the PyPI kernels (Makefile)
 stage() { printf '\n\033[1m== %s ==\033[0m\n' "$*" >&2; }
 
 stage "1/4 info: resolve + load the embedded model, its identity and the INT2 bits-per-element table"

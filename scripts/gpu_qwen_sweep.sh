@@ -77,7 +77,7 @@ stage)
     if ls .gpu-qwen/whl/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-qwen/whl/*.whl
     fi
-    # installed, not linked: the wheel maps kernels/ to oscar_kernels and recipes/ to oscar_cli.recipes
+    # installed, not linked: the wheel maps recipes/ to oscar_cli.recipes
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site .
     echo "$GGUF_SHA  $GGUF" | sha256sum -c -
     rm -rf "$STAGE/prose" && cp -r .gpu-qwen/prose "$STAGE/prose" && cp .gpu-qwen/heldout.txt "$STAGE/heldout.txt"

@@ -40,7 +40,7 @@ case "${1:-}" in
 stage)
     art=${2:?artifact path}
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-ruler/whl/*.whl
-    ln -sfn "$PWD/kernels" /tmp/site/oscar_kernels  # the package is not installed there: kernels/ is oscar_kernels
+    ln -sfn "$PWD/oscar_kernels" /tmp/site/oscar_kernels  # the package is not installed there
     cp .gpu-ruler/p1/gguf.part00 "$STAGE/"
     rm -rf "$STAGE/corpus" "$STAGE/artifact"
     cp -r .gpu-ruler/corpus "$STAGE/corpus"

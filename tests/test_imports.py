@@ -1,6 +1,6 @@
 """No import cycles among oscar's modules, counting function-level (lazy) imports too.
 
-The graph has one node per module of ``oscar_cli`` and ``oscar_kernels`` (the ``kernels/`` folder) and an edge
+The graph has one node per module of ``oscar_cli`` and ``oscar_kernels`` and an edge
 ``A -> B`` for every ``import B`` / ``from B import x`` anywhere in ``A``'s source (module level, inside
 functions, under ``TYPE_CHECKING``); ``from P import m`` with ``m`` a submodule of package ``P`` is an edge to
 ``P.m``. A lazy import hides a cycle from Python but not from this test.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"oscar_cli": ROOT / "oscar_cli", "oscar_kernels": ROOT / "kernels"}
+PACKAGES = {"oscar_cli": ROOT / "oscar_cli", "oscar_kernels": ROOT / "oscar_kernels"}
 
 # Cycles known to be on their way out, each as the sorted tuple of its modules. The test fails when one
 # of them disappears, so the entry gets removed with the fix.

@@ -1,8 +1,9 @@
 """Packaging: every subpackage is listed, the wheel ships ``oscar_kernels`` (never a top-level ``kernels``),
 the recipes and ``py.typed`` as data, and the ``oscar`` console script.
 
-``kernels`` is the import name of Hugging Face's PyPI package ``kernels``, which transformers probes; a wheel
-that installed a top-level ``kernels/`` would shadow or break it.
+``kernels`` is the import name of Hugging Face's PyPI package ``kernels``, which transformers (>= 5.25) imports; a
+wheel that installed a top-level ``kernels/``, or a ``kernels/`` folder at the repository root (what ``python -c``
+run there puts first on ``sys.path``), would shadow it: the folder is ``oscar_kernels/``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Repository folder -> import name (pyproject [tool.setuptools.package-dir]).
-RENAMED = {"kernels": "oscar_kernels", "recipes": "oscar_cli.recipes"}
+RENAMED = {"recipes": "oscar_cli.recipes"}
 
 
 def _pyproject() -> dict:
@@ -38,14 +39,14 @@ def test_every_subpackage_is_listed_in_pyproject() -> None:
     listed = set(_pyproject()["tool"]["setuptools"]["packages"])
     found = {
         _import_name(init.parent)
-        for top in ("oscar_cli", "kernels", "recipes")
+        for top in ("oscar_cli", "oscar_kernels", "recipes")
         for init in (ROOT / top).rglob("__init__.py")
         if "__pycache__" not in init.parts
     }
     missing = sorted(found - listed)
     assert not missing, f"add to pyproject.toml [tool.setuptools] packages: {missing}"
     assert "kernels" not in listed
-    assert _pyproject()["tool"]["setuptools"]["package-dir"]["oscar_kernels"] == "kernels"
+    assert "oscar_kernels" not in _pyproject()["tool"]["setuptools"]["package-dir"]
 
 
 @pytest.mark.unit
@@ -76,17 +77,21 @@ def test_wheel_contents(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_installed_import_names(tmp_path: Path) -> None:
-    """In a clean interpreter outside the repository (as a user has it), ``oscar_kernels`` imports and the
-    name ``kernels`` is either absent or Hugging Face's package, never this repository's folder."""
+@pytest.mark.parametrize("where", ["outside", "repository_root"])
+def test_installed_import_names(tmp_path: Path, where: str) -> None:
+    """In a clean interpreter outside the repository (as a user has it) and in one started at the repository root
+    (``python -c`` there puts the root first on ``sys.path``), ``oscar_kernels`` imports and the name ``kernels``
+    is either absent or Hugging Face's package, never a folder of this repository."""
     code = (
         "import importlib.util, json, oscar_kernels.reference as r; s = importlib.util.find_spec('kernels'); "
         "print(json.dumps([r.__file__, s.origin if s else None]))"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    cwd = tmp_path if where == "outside" else ROOT
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ref_file, kernels_origin = json.loads(proc.stdout)
-    assert Path(ref_file).parts[-2:] in (("kernels", "reference.py"), ("oscar_kernels", "reference.py"))  # editable
+    assert Path(ref_file).parts[-2:] == ("oscar_kernels", "reference.py")
     # Hugging Face's kernels (a dependency of transformers >= 5.25) may be installed in a .venv inside the checkout
-    assert kernels_origin is None or not Path(kernels_origin).resolve().is_relative_to(ROOT / "kernels"), kernels_origin
+    origin = None if kernels_origin is None else Path(kernels_origin).resolve()
+    assert origin is None or "site-packages" in origin.parts or not origin.is_relative_to(ROOT), kernels_origin

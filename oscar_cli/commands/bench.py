@@ -138,7 +138,7 @@ def bench(
         try:
             res = harness.run(config, progress=step)
         except ConfigError as exc:
-            raise OscarError(f"--kernel {kernel}: {exc}", hint="see DecodeConfig in kernels/ops.py for legal "
+            raise OscarError(f"--kernel {kernel}: {exc}", hint="see DecodeConfig in oscar_kernels/decode_ops.py for legal "
                              "values") from exc
     if plot is not None:
         try:

@@ -447,6 +447,7 @@ class Int2Layer(AppendLayer):
         self.kernel_step, self.kernel_key = False, None
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
         assert self.recent_k is not None and self.recent_v is not None
+        assert self.pool.k is not None and self.pool.v is not None  # PagePool allocates one page per row up front
         length = self.cumulative_length
         if self._pads_dev is None:  # one host-to-device copy per batch, not per step
             self._pads_dev = torch.tensor(self.pads, dtype=torch.long, device=query.device)
