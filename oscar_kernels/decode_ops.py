@@ -140,6 +140,7 @@ class DecodePlan:
         mean_v: torch.Tensor | None = None, sm_scale: float | None = None, num_splits: int | None = None,
         config: DecodeConfig | None = None, out: torch.Tensor | None = None,
         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
+        logit_bias: torch.Tensor | None = None,
     ) -> None:
         cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1)
         dev = q.device
@@ -197,6 +198,13 @@ class DecodePlan:
         check_tensor("out", out, f"{q.dtype} [{b}, {h_q}, {d}]", (b, h_q, d), (q.dtype,), dev)
         if out.stride(-1) != 1:
             raise bad_tensor("out", out, "a contiguous last dim")
+        if logit_bias is not None:
+            check_tensor("logit_bias", logit_bias, f"float32 [{b}, {h_q}, >= {cap}] (one value per history slot)",
+                         (b, h_q, None), (torch.float32,), dev)
+            if logit_bias.shape[2] < cap or logit_bias.stride(-1) != 1:
+                raise bad_tensor("logit_bias", logit_bias, f"float32 [{b}, {h_q}, L] with L >= {cap} (the block "
+                                 "table's capacity) and a contiguous last dim")
+        bias = logit_bias if logit_bias is not None else o_part
         vc = v_cache.packed
         g = h_q // h_kv
         gp = max(cfg.min_gp, 1 << (g - 1).bit_length())
@@ -213,13 +221,14 @@ class DecodePlan:
             q_rot, q_rot.stride(0), q_rot.stride(1), kc, kc.stride(0), kc.stride(1),
             vc, vc.stride(0), vc.stride(1),
             ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl,
+            bias, bias.stride(0) if logit_bias is not None else 0, bias.stride(1) if logit_bias is not None else 0,
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 VROW=vrow,
+                 VROW=vrow, HAS_BIAS=logit_bias is not None,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -284,6 +293,8 @@ def decode_attention(
             like the INT2 tier; sink_len, recent_len: int32 ``[B]`` valid rows per sequence (or ints).
         kwargs: ``rotation_k`` (``R_K`` ``[D, D]``/``[H_kv, D, D]`` float32), ``rotation_v`` and ``mean_v``
             (output ``(o + mu_V) @ R_Vᵀ``; None = identity / zero), ``sm_scale`` (default ``D**-0.5``),
+            ``logit_bias`` (float32 ``[B, H_q, L]``, ``L`` at least the block table's capacity: added to the scaled
+            logit ``q·k·sm_scale`` of INT2 history token ``n`` of each query head; the BF16 tiers take none),
             ``num_splits`` (default from static shapes), ``config`` (:class:`DecodeConfig`), ``out``
             (``[B, H_q, D]`` result buffer), ``workspace`` (from :func:`make_workspace`).
 
@@ -308,7 +319,8 @@ def decode_attention_contiguous(
             (``reference.rows_to_token_quads``); both with ``scale``/``zero`` ``[B, H_kv, T, 1]``.
         sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` rotated tiers.
         hist_len, sink_len, recent_len: valid rows per sequence (default: all ``T`` rows).
-        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, num_splits, config, out, workspace).
+        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, logit_bias, num_splits, config, out,
+            workspace).
     """
     squeeze = q.dim() == 4
     if squeeze:

@@ -35,6 +35,11 @@ With ``PDL`` stage 1 and the merge are programmatic dependent launches: each wai
 ``score = s_n·(q·c_n) + m_n·Σq`` and ``Σ_n p_n·v̂_n = Σ_n (p_n·s_n)·c_n + Σ_n p_n·m_n``: the dot products run on
 raw codes and every per-token factor is applied once per token, outside the dot.
 
+**Per-key logit bias** (``HAS_BIAS``): ``bias [B, H_q, L]`` float32 adds ``bias[b, h_q, n]`` (natural units, times
+``log2(e)`` here) to the score of INT2 history token ``n`` (one ``[NQ, 4, GP]`` load per tile, split into the
+residues like the metadata); the BF16 tiers take none. The position-dependent key mean uses it
+(``oscar_kernels.rope_bias``).
+
 **Unpack: fp16 subnormal fields, the whole byte as the top field.** Two ``prmt`` zero-extend 4 code bytes to 4
 uint16 lanes (:func:`_spread`); an ``and`` with ``0x00030003 << 2J`` per two codes leaves the bit pattern of the
 fp16 subnormal ``c_J·4^J·2^-24`` exactly (:func:`_field`, fields ``J = 0..2``), and the zero-extended byte itself,
@@ -209,6 +214,27 @@ def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _tile_bias(bias_ptr, bbase, stride_bh, n0, quad, end, GROUP: tl.constexpr, GP: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The per-key logit bias of a tile's tokens ``[n0, n0 + BLOCK_N)`` for the ``g`` query heads, as its four token
+    residues (float32 ``[NQ, GP]`` each, times ``log2(e)``: the scores' domain), loaded as one ``[NQ, 4, GP]``
+    tile of consecutive tokens (pad heads 0)."""
+    NQ: tl.constexpr = quad.shape[0]
+    heads = tl.arange(0, GP)
+    tok = n0 + quad[:, None, None] + tl.arange(0, 4)[None, :, None]
+    ptrs = bias_ptr + bbase + tok + (heads * stride_bh)[None, None, :]
+    ok = (heads < GROUP)[None, None, :]
+    if MASKED:
+        ok = ok & (tok < end)
+    x = tl.load(ptrs, mask=ok, other=0.0) * 1.4426950408889634
+    x = tl.reshape(tl.permute(x, (0, 2, 1)), [NQ, GP, 2, 2])  # [.., a, c]: residue 2a + c
+    even, odd = tl.split(x)  # residues (0, 2) and (1, 3)
+    r0, r2 = tl.split(even)
+    r1, r3 = tl.split(odd)
+    return r0, r1, r2, r3
+
+
+@triton.jit
 def _part_range(n, part, parts, BLOCK: tl.constexpr):
     """Rows ``[start, end)`` of range ``part`` when ``n`` rows are cut into ``parts`` ranges of whole ``BLOCK``-row
     tiles (the INT2 splits and the BF16 tier ranges; trailing ranges may be empty: ``start >= end``)."""
@@ -359,9 +385,10 @@ def _small_page_v_tile(page, h, vc_ptr, stride_vp, stride_vh, D: tl.constexpr, B
 def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
-    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, bias_ptr, bbase, stride_bh,
+    GROUP: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    VROW: tl.constexpr, MASKED: tl.constexpr,
+    VROW: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
     ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
@@ -404,6 +431,12 @@ def _int2_tile(
     s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, PTX, MASKED)
     s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, PTX, MASKED)
     s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, PTX, MASKED)
+    if HAS_BIAS:  # a per-key logit term (masked tokens stay -inf)
+        b0, b1, b2, b3 = _tile_bias(bias_ptr, bbase, stride_bh, n0, quad, end, GROUP, GP, MASKED)
+        s0 += b0
+        s1 += b1
+        s2 += b2
+        s3 += b3
     # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
     m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
     alpha = tl.exp2(m_i - m_new)
@@ -433,10 +466,11 @@ def _int2_split(
     vc_ptr, stride_vp, stride_vh,  # V codes [pages, H_kv, P/R·D, R/4] uint8 (token quads, rows of VROW bytes)
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # meta [pages, H_kv, P], contiguous along P
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32, lengths [B] int32
+    bias_ptr, stride_bb, stride_bh,  # per-key logit bias [B, H_q, L] float32 (natural units); unused without
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, HIST_STAGES: tl.constexpr,
-    HOIST_Q: tl.constexpr,
+    HOIST_Q: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -477,6 +511,7 @@ def _int2_split(
 
     length = tl.load(hist_len_ptr + b)
     start, end = _part_range(length, sp, num_splits, BLOCK_N)
+    bbase = b.to(tl.int64) * stride_bb + (h * GROUP) * stride_bh
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     accm = tl.zeros([GP], tl.float32)
@@ -487,12 +522,14 @@ def _int2_split(
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, PTX, PAGED, PAGE, VROW, False)
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, False,
+            HAS_BIAS)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, D, BLOCK_N, PTX, PAGED, PAGE, VROW, True)
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, True,
+            HAS_BIAS)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -568,6 +605,7 @@ def _decode_stage1_kernel(
     vc_ptr, stride_vp, stride_vh,  # V codes [pages, H_kv, P/R·D, R/4] uint8, token quads in rows of VROW bytes
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # scale / zero [pages, H_kv, P] md, P contiguous
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32; hist_len [B] int32
+    bias_ptr, stride_bb, stride_bh,  # per-key logit bias of the INT2 history [B, H_q, L] float32 (HAS_BIAS)
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
@@ -576,7 +614,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, PTX: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr,
     PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    VROW: tl.constexpr = 16,
+    VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -603,9 +641,9 @@ def _decode_stage1_kernel(
         _int2_split(b, h, sp, num_splits, q_ptr, stride_qb, stride_qh,
                     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-                    bt_ptr, stride_btb, hist_len_ptr,
+                    bt_ptr, stride_btb, hist_len_ptr, bias_ptr, stride_bb, stride_bh,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q)
+                    GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q, HAS_BIAS)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

@@ -46,7 +46,8 @@ def _quantize_write_kernel(
     stride_xh,
     r_ptr,  # [H_r, D, D] float32 rotation (H_r = 1 shared: stride_rh = 0); unused when not HAS_R
     stride_rh,
-    mu_ptr,  # [H_r, D] float32 mean in rotated space; unused when not HAS_MU
+    mu_ptr,  # [H_r, D] float32 mean in rotated space, or per row [N, H_kv, D]; unused when not HAS_MU
+    stride_mun,  # row stride of the mean (0: one mean for every row)
     stride_muh,
     slot_ptr,  # [N] int64 destination slots (page * P + offset); < 0 = skip
     codes_ptr,  # rows: [num_pages, H_kv, P, D/4] uint8; token quads: the int32 view of [num_pages, H_kv, P/R·D, R/4]
@@ -96,7 +97,8 @@ def _quantize_write_kernel(
     else:
         y = x
     if HAS_MU:
-        y = y - tl.load(mu_ptr + h * stride_muh + cols)[None, :]
+        y = y - tl.load(mu_ptr + rows[:, None].to(tl.int64) * stride_mun + h * stride_muh + cols[None, :],
+                        mask=row_ok[:, None], other=0.0)
     if DO_CLIP:
         if CLIP_SORT:
             srt = tl.sort(tl.abs(y), dim=1)

@@ -20,6 +20,8 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
 - :func:`dequantize_history` — a range of one sequence's paged INT2 keys and values, dequantized through its
   block-table row with the mean added back, into activation-dtype ``[T, H_kv, D]`` buffers (one launch; the vLLM
   backend's prefill chunks attend to it).
+- :func:`rope_mean_logits` — the position-dependent key mean's logit term per query head and history token (the
+  decode kernel's ``logit_bias`` for a history written centred by ``RoPE_p(m_pre)``), with :func:`rope_tables`.
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
   :func:`default_num_splits`.
 
@@ -46,6 +48,7 @@ from oscar_kernels.decode_ops import (
     make_workspace,
 )
 from oscar_kernels.history_ops import dequantize_history
+from oscar_kernels.rope_ops import RopeTables, rope_mean_logits, rope_tables
 from oscar_kernels.rotate_ops import rotate_kv
 from oscar_kernels.tier_ops import tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
@@ -53,6 +56,7 @@ from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, qua
 __all__ = [
     "LAST_LAUNCH",
     "LAYOUTS",
+    "RopeTables",
     "TIER_PARTS",
     "ConfigError",
     "DecodeConfig",
@@ -66,6 +70,8 @@ __all__ = [
     "new_paged_cache",
     "quantize_rows",
     "quantize_write",
+    "rope_mean_logits",
+    "rope_tables",
     "rotate_kv",
     "tier_gather",
     "tier_write",

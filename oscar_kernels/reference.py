@@ -410,6 +410,7 @@ def attention_partial(
     v: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention restricted to one set of keys, returning the partial output and its LSE.
 
@@ -417,6 +418,7 @@ def attention_partial(
         q: ``[B, H_q, Tq, D]``; k, v: ``[B, H_kv, T, D]`` with ``H_q % H_kv == 0`` (GQA, contiguous groups).
         scale: softmax scale (usually ``D ** -0.5``).
         mask: optional bool ``[Tq, T]`` or broadcastable to ``[B, H_q, Tq, T]``; True = attend.
+        bias: optional per-key logit term broadcastable to ``[B, H_q, Tq, T]``, added to the scaled logits.
 
     Returns:
         ``out [B, H_q, Tq, D]`` (zeros where a query sees no key) and ``lse [B, H_q, Tq]`` (``-inf`` there).
@@ -433,6 +435,8 @@ def attention_partial(
     kk = k.to(dt).repeat_interleave(g, dim=1)
     vv = v.to(dt).repeat_interleave(g, dim=1)
     s = (q.to(dt) @ kk.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(dt)
     if mask is not None:
         s = s.masked_fill(~mask.to(torch.bool), -math.inf)
     lse = torch.logsumexp(s, dim=-1)
@@ -470,6 +474,7 @@ def decode_attention_reference(
     recent_v: torch.Tensor,
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
+    hist_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over sink (BF16) + history (INT2) + recent (BF16), merged by log-sum-exp.
 
@@ -482,6 +487,8 @@ def decode_attention_reference(
         hist_k, hist_v: :class:`QuantizedRows` with ``packed [B, H_kv, T_hist, D/4]``.
         scale: softmax scale.
         compute_dtype: float32 or float64 (the float64 oracle of the kernel error budget).
+        hist_bias: optional per-key logit term of the history ``[B, H_q, T_hist]`` (natural units, added to the
+            scaled logits; e.g. :func:`rope_mean_logits`), the BF16 tiers take none.
 
     Returns:
         ``[B, H_q, Tq, D]`` in ``compute_dtype``.
@@ -491,7 +498,7 @@ def decode_attention_reference(
     qc = q.to(compute_dtype)
     parts = [
         attention_partial(qc, sink_k.to(compute_dtype), sink_v.to(compute_dtype), scale),
-        attention_partial(qc, kh, vh, scale),
+        attention_partial(qc, kh, vh, scale, bias=None if hist_bias is None else hist_bias[:, :, None, :]),
         attention_partial(qc, recent_k.to(compute_dtype), recent_v.to(compute_dtype), scale),
     ]
     out, _ = merge_partials(parts)
@@ -520,3 +527,46 @@ def bits_per_element(
     hp = min(context_len, sink + recent)
     hist = context_len - hp
     return (hist * (2 + 2 * meta_bits / g) + hp * hp_bits) / context_len
+
+
+def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE angles ``θ_k·p`` in float64 (exact for integer positions below 2^32): ``[..., D/2]`` for
+    ``positions [...]`` (integers) and ``inv_freq [D/2]`` (the model's frequencies, as stored)."""
+    return positions.to(torch.float64)[..., None] * inv_freq.to(positions.device, torch.float64)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` float32 ``[..., D]`` of the ``rotate_half`` RoPE at integer ``positions``: ``scaling·cos(θ_k p)``
+    repeated over both halves, from float64 angles (the position-dependent key mean's definition: the model's own
+    float32 angles differ by at most half an ulp of ``θ_k p``, the same for every key at ``p``)."""
+    ang = rope_angles(inv_freq, positions)
+    cos, sin = torch.cos(ang) * scaling, torch.sin(ang) * scaling
+    return torch.cat((cos, cos), -1).float(), torch.cat((sin, sin), -1).float()
+
+
+def rope_mean_logits(
+    q: torch.Tensor, mean_pre: torch.Tensor, inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """The logit term of the position-dependent key mean, in float64: ``sm_scale·q·RoPE_p(m_pre)`` per query head and
+    position (the part of ``q·k`` that the INT2 history leaves out when it stores keys centred by their position's
+    mean; with an orthogonal ``R_K`` it is the same in the rotated space).
+
+    Args:
+        q: ``[B, H_q, D]`` post-RoPE queries (unrotated).
+        mean_pre: ``[H_kv, D]`` pre-RoPE key means (``H_q % H_kv == 0``, contiguous groups).
+        inv_freq: ``[D/2]`` RoPE frequencies; scaling: the rotary embedding's attention scaling (YaRN's mscale, else 1).
+        positions: int ``[B, T]`` RoPE positions of the history tokens.
+
+    Returns:
+        ``float64 [B, H_q, T]``.
+    """
+    h_q, h_kv = int(q.shape[1]), int(mean_pre.shape[0])
+    ang = rope_angles(inv_freq, positions)  # [B, T, D/2]
+    cos, sin = torch.cos(ang) * scaling, torch.sin(ang) * scaling
+    m = mean_pre.double().repeat_interleave(h_q // h_kv, dim=0)  # [H_q, D]
+    qq = q.double()
+    half = int(q.shape[-1]) // 2
+    a = qq[..., :half] * m[:, :half] + qq[..., half:] * m[:, half:]  # [B, H_q, D/2]: times cos(θ p)
+    bb = qq[..., half:] * m[:, :half] - qq[..., :half] * m[:, half:]  # times sin(θ p)
+    return sm_scale * (torch.einsum("bhk,btk->bht", a, cos) + torch.einsum("bhk,btk->bht", bb, sin))

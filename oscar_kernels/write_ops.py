@@ -70,7 +70,8 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         cache: paged storage from :func:`new_paged_cache` with the same ``layout`` (``"rows"``:
             ``packed [pages, H_kv, P, D/4]``; ``"token_quads"``: ``packed [pages, H_kv, P/R·D, R/4]``, R = min(P, 64)).
         slots: int64 ``[N]``: destination ``page * P + offset``; negative = skip the row.
-        rotation: float32 ``[D, D]`` or ``[H_kv, D, D]``; mean: float32 ``[D]`` or ``[H_kv, D]`` (rotated space).
+        rotation: float32 ``[D, D]`` or ``[H_kv, D, D]``; mean: float32 ``[D]``, ``[H_kv, D]`` or one per row
+            ``[N, H_kv, D]`` (rotated space; per row: the position-dependent key mean, ``quant.key_mean: rope``).
         clip_ratio: as in ``reference.clip_rows`` (threshold ``sort(|y|)[min(int(ratio·D), D-1)]``; ``<= 0``: off).
         block_t: rows per program, a power of two; default from ``N``: the next power of two of ``N`` capped at 16
             (16 with a rotation: ``tl.dot`` needs it). ``N`` is static per captured CUDA-graph size, so the choice
@@ -124,7 +125,13 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         raise ValueError("cache: scale and zero must share strides and have contiguous last dims")
     check_tensor("slots", slots, f"int64 [{n}]", (n,), (torch.int64,), dev)
     r, r_stride = rotation_arg("rotation", rotation, h_kv, d, dev)
-    mu, mu_stride = mean_arg("mean", mean, h_kv, d, dev)
+    mu: torch.Tensor | None
+    if mean is not None and mean.dim() == 3:  # one mean per row
+        check_tensor("mean", mean, f"float32 [{n}, {h_kv}, {d}]", (n, h_kv, d), (torch.float32,), dev)
+        mu, mu_stride, mu_row = mean.contiguous(), d, h_kv * d
+    else:
+        mu, mu_stride = mean_arg("mean", mean, h_kv, d, dev)
+        mu_row = 0
     if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and n and int(slots.max()) >= codes.shape[0] * page_size:
         raise ValueError(f"slots: max slot {int(slots.max())} >= pages*P = {codes.shape[0] * page_size}")
     if n == 0:
@@ -136,7 +143,7 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     pack, _ = triton_modules()
     grid = (math.ceil(n / bt), h_kv)
     pack._quantize_write_kernel[grid](
-        x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_stride,
+        x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_row, mu_stride,
         slots, codes.view(torch.int32) if tq else codes, codes.stride(0), codes.stride(1), codes.stride(2),
         scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
         n, page_size, row if tq else 0, clip_idx,

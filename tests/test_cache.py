@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from helpers.calib import random_transform
-from helpers.layers import feed
+from helpers.layers import decode_logits, feed, kernel_model_and_method
 from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.errors import EvalError
@@ -305,40 +305,6 @@ def test_cuda_bf16_method_generates_like_plain_model() -> None:
     assert len(out[0]) == 4
 
 
-def _kernel_model_and_method():
-    model = tiny_causal_lm(dtype=torch.float16, head_dim=64, layers=1, hidden_size=128)
-    g = torch.Generator().manual_seed(8)
-    q, _ = torch.linalg.qr(torch.randn(1, 64, 64, generator=g, dtype=torch.float64))
-    t = LayerTransform(
-        k_rotation=q.float(),
-        v_rotation=q.float().flip(-1),
-        k_mean=0.1 * torch.randn(1, 64, generator=g),
-        v_mean=0.1 * torch.randn(1, 64, generator=g),
-        k_clip=0.9,
-        v_clip=0.9,
-    )
-    return model, oscar_method([t], sink=8, recent=16)
-
-
-def _decode_logits(
-    model, meth, backend: str, device: str, steps: int, caches: list | None = None, pad: int = 0
-) -> torch.Tensor:
-    from oscar_cli.quant.generation import decode_step
-
-    ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(9)).to(device)
-    mask = torch.ones_like(ids)
-    mask[1, :pad] = 0
-    with use_method(model, meth, backend=backend) as session:
-        cache = session.new_cache()
-        out = [prefill(model, cache, ids, mask, 4096)]
-        for i in range(steps):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            out.append(decode_step(model, cache, ids[:, i], mask))
-    if caches is not None:
-        caches.append(cache)
-    return torch.stack(out, 1)
-
-
 def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton decode kernel behind the same attention function (CPU: TRITON_INTERPRET=1, fp16; conftest)."""
     if torch.cuda.is_available():
@@ -353,18 +319,18 @@ def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ops, "decode_attention", counting)
-    model, meth = _kernel_model_and_method()
+    model, meth = kernel_model_and_method()
     caches: list = []
-    ref = _decode_logits(model, meth, "reference", "cpu", 2, caches)
-    fast = _decode_logits(model, meth, "triton", "cpu", 2, caches)
+    ref = decode_logits(model, meth, "reference", "cpu", 2, caches)
+    fast = decode_logits(model, meth, "triton", "cpu", 2, caches)
     assert len(calls) == 2  # one layer x two decode steps went through the kernel
     for which in ("k", "v"):  # the prefill's INT2 rows, written by the Triton quantizer: bitwise the reference's
         a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
     calls.clear()
-    ref_pad = _decode_logits(model, meth, "reference", "cpu", 1, pad=5)  # left-padded row: sink gathered
-    fast_pad = _decode_logits(model, meth, "triton", "cpu", 1, pad=5)
+    ref_pad = decode_logits(model, meth, "reference", "cpu", 1, pad=5)  # left-padded row: sink gathered
+    fast_pad = decode_logits(model, meth, "triton", "cpu", 1, pad=5)
     assert len(calls) == 1
     assert (ref_pad - fast_pad).abs().max().item() < 2e-3 * max(1.0, ref_pad.abs().max().item())
 
@@ -378,18 +344,18 @@ def test_triton_decode_without_recent_window_matches_reference(name: str) -> Non
     model = tiny_causal_lm(dtype=torch.float16, head_dim=64, layers=1, hidden_size=128)
     meth = build_method(name, model.config)
     assert meth.recent == 0
-    ref = _decode_logits(model, meth, "reference", "cpu", 2)
-    fast = _decode_logits(model, meth, "triton", "cpu", 2)
+    ref = decode_logits(model, meth, "reference", "cpu", 2)
+    fast = decode_logits(model, meth, "triton", "cpu", 2)
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_triton_decode_path_matches_reference_on_cuda() -> None:
-    model, meth = _kernel_model_and_method()
+    model, meth = kernel_model_and_method()
     model = model.cuda()
-    ref = _decode_logits(model, meth, "reference", "cuda", 8)
-    fast = _decode_logits(model, meth, "triton", "cuda", 8)
+    ref = decode_logits(model, meth, "reference", "cuda", 8)
+    fast = decode_logits(model, meth, "triton", "cuda", 8)
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
 
 

@@ -28,10 +28,12 @@ def _orth(d: int, gen: torch.Generator) -> torch.Tensor:
 
 def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], sink: list[int], recent: list[int],
               page: int, dtype: torch.dtype, device: str, meta: torch.dtype = torch.bfloat16,
-              q_mag: float = 1.0, v_mag: float = 1.0, v_ramp: float = 0.0) -> dict:
+              q_mag: float = 1.0, v_mag: float = 1.0, v_ramp: float = 0.0, bias_mag: float = 0.0) -> dict:
     """Random paged INT2 cache (pages shuffled), ragged tiers, rotations; everything the op and refs need.
 
-    ``v_ramp``: value magnitudes grow along the sequence by ``2^v_ramp`` overall (per-tile scales differ)."""
+    ``v_ramp``: value magnitudes grow along the sequence by ``2^v_ramp`` overall (per-tile scales differ).
+    ``bias_mag``: a per-key logit bias ``[B, H_q, cap]`` of that scale (a smooth wave plus noise, like the
+    position-dependent key mean's term), else none."""
     gen = torch.Generator().manual_seed(seed)
     t_h = max(max(hist), 1)
     n_pp = math.ceil(t_h / page)
@@ -64,6 +66,10 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
         "recent_len": torch.tensor(recent, dtype=torch.int32),
         "rotation_k": _orth(d, gen), "rotation_v": _orth(d, gen), "mean_v": torch.randn(d, generator=gen) * 0.1,
     }
+    if bias_mag:
+        cap = n_pp * page
+        wave = torch.sin(torch.arange(cap) * 0.05 + torch.rand(b, h_q, 1, generator=gen) * 6.28)
+        case["logit_bias"] = (bias_mag * (wave + 0.3 * torch.randn(b, h_q, cap, generator=gen))).float()
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else
                 ref.QuantizedRows(*(t.to(device) for t in (v.packed, v.scale, v.zero))) if isinstance(v, ref.QuantizedRows)
                 else v) for k, v in case.items()}
@@ -72,6 +78,8 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
 def run_op(c: dict, **kw: object) -> torch.Tensor:
     keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
             "recent_k", "recent_v", "recent_len")
+    if "logit_bias" in c:
+        kw = {"logit_bias": c["logit_bias"], **kw}
     return ops.decode_attention(c["q"], *(c[k] for k in keys), rotation_k=c["rotation_k"],
                                 rotation_v=c["rotation_v"], mean_v=c["mean_v"], **kw)  # type: ignore[arg-type]
 
@@ -90,7 +98,8 @@ def references(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
         rk, rv = c["recent_k"][i : i + 1, :, :rl], c["recent_v"][i : i + 1, :, :rl]
         q = c["q"][i : i + 1, :, None, :]
         q64 = q.double() @ c["rotation_k"].double()
-        o64 = ref.decode_attention_reference(q64, sk, sv, hk, hv, rk, rv, scale, torch.float64)
+        bias = c["logit_bias"][i : i + 1, :, :hl].cpu() if "logit_bias" in c else None
+        o64 = ref.decode_attention_reference(q64, sk, sv, hk, hv, rk, rv, scale, torch.float64, hist_bias=bias)
         outs64.append((o64[:, :, 0] + c["mean_v"].double()) @ c["rotation_v"].double().T)
         # same-dtype reference: q, keys, values, scores and P in the activation dtype, fp32 softmax
         qa = (q.float() @ c["rotation_k"]).to(dtype)
@@ -101,7 +110,10 @@ def references(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if k.shape[2] == 0:
             o = torch.zeros_like(qa)
         else:
-            p = torch.softmax((qa @ k.transpose(-1, -2)).float() * scale, -1)
+            logits = (qa @ k.transpose(-1, -2)).float() * scale
+            if bias is not None:
+                logits[..., sl : sl + hl] += bias.to(logits.device)[:, :, None, :]
+            p = torch.softmax(logits, -1)
             o = p.to(dtype) @ v
         outs_lp.append(((o.float()[:, :, 0] + c["mean_v"]) @ c["rotation_v"].T).to(dtype))
     return torch.cat(outs64), torch.cat(outs_lp)
@@ -160,6 +172,33 @@ def test_decode_interpreter(case: tuple, config_id: str) -> None:
     out = run_op(c, num_splits=splits, config=config, out=_poisoned(c))
     assert torch.equal(c["q"], before), "q was modified"
     assert_budget(out, c)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config_id", ["four-warps", "one-warp"])
+@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[1], CPU_CASES[4]], ids=[CPU_CASES[i][0] for i in (0, 1, 4)])
+def test_decode_logit_bias_interpreter(case: tuple, config_id: str) -> None:
+    """A per-key logit bias on the INT2 history (the position-dependent key mean's term) against the float64 oracle:
+    ragged rows, masked tails, page boundaries; the BF16 tiers take none."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
+    config, seed = CONFIGS[config_id]
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(len(name) * seed + 7, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
+                  meta=torch.float16, bias_mag=4.0)
+    out = run_op(c, num_splits=splits, config=config, out=_poisoned(c))
+    assert_budget(out, c)
+    plain = run_op({k: v for k, v in c.items() if k != "logit_bias"}, num_splits=splits, config=config)
+    if max(hist) > 0:
+        assert (plain.float() - out.float()).abs().max() > 1e-2, "the bias changed nothing"
+
+
+@pytest.mark.unit
+def test_decode_logit_bias_shorter_than_the_table_is_refused() -> None:
+    c = make_case(3, 1, 4, 1, 64, [40], [2], [2], 16, torch.float16, "cpu", meta=torch.float16, bias_mag=1.0)
+    with pytest.raises(ValueError, match="logit_bias"):
+        run_op({**c, "logit_bias": c["logit_bias"][:, :, :40]}, config=TINY)
+    with pytest.raises(ValueError, match="logit_bias"):
+        run_op({**c, "logit_bias": c["logit_bias"].double()}, config=TINY)
 
 
 @pytest.mark.unit
@@ -322,6 +361,18 @@ def test_decode_gpu_large_pages(length: int, page: int) -> None:
     c = make_case(length + page, b, 32, 8, 128, hist, [64] * b, [256] * b, page, torch.bfloat16, "cuda")
     for cfg in (None, ops.DecodeConfig(hoist_q=True), ops.DecodeConfig(block_n=128, num_warps=2),
                 ops.DecodeConfig(prefetch=False)):
+        assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="requires CUDA")
+@pytest.mark.parametrize("length", [97, 4097, 33_000], ids=["len97", "len4097", "len33000"])
+def test_decode_gpu_logit_bias(length: int) -> None:
+    """The per-key logit bias on CUDA (Qwen2.5-Coder-1.5B's heads, the default and the prefetch-off tile)."""
+    b = 3
+    hist = [length - 320 if length > 320 else length, 17, 0]
+    c = make_case(length + 5, b, 12, 2, 128, hist, [64] * b, [256] * b, 64, torch.bfloat16, "cuda", bias_mag=4.0)
+    for cfg in (None, ops.DecodeConfig(prefetch=False)):
         assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
 
 

@@ -104,6 +104,34 @@ def test_quantize_write_paged_slots_and_skip() -> None:
     assert (flat[untouched] == 0xAB).all()
 
 
+@pytest.mark.unit
+@pytest.mark.filterwarnings("ignore:All-NaN slice")
+@pytest.mark.parametrize("layout", ["rows", "token_quads"])
+@pytest.mark.parametrize("clip", [0.0, 0.92], ids=["noclip", "clip092"])
+def test_quantize_write_a_mean_per_row_bitwise(layout: str, clip: float) -> None:
+    """A mean per row ``[N, H_kv, D]`` (the position-dependent key mean): the same bytes as the reference on the
+    rows centred first in float32; a skipped row's mean may hold anything (here NaN): nothing of it is stored."""
+    n, h, d, page = 21, 2, 64, 16
+    x = _rows(11, 1, n, h, d, torch.float16)[0]  # [N, H_kv, D]
+    mean = (torch.randn(n, h, d, generator=torch.Generator().manual_seed(3)) * 2.0).to(DEV)
+    slots = torch.randperm(2 * page, generator=torch.Generator().manual_seed(4))[:n].to(DEV)
+    slots[5] = -1
+    mean[5] = float("nan")
+    cache = ops.new_paged_cache(2, h, page, d, None, torch.bfloat16, DEV, layout=layout)
+    ops.quantize_write(x, cache, slots, mean=mean, clip_ratio=clip, layout=layout)
+    ok = slots >= 0
+    want = _ref_cpu((x.float() - mean)[ok], None, None, clip, None, torch.bfloat16)
+    s = slots[ok].cpu()
+    codes = ref.unpack_int2(cache.packed.cpu()) if layout == "rows" else ref.unpack_token_quads(cache.packed.cpu(),
+                                                                                                 head_dim=d)
+    assert torch.equal(codes[s // page, :, s % page], ref.unpack_int2(want.packed))
+    for name in ("scale", "zero"):
+        got = getattr(cache, name).cpu()[s // page, :, s % page]
+        assert torch.equal(got, getattr(want, name)), name
+    with pytest.raises(ValueError, match="mean"):
+        ops.quantize_write(x, cache, slots, mean=mean[:-1], layout=layout)
+
+
 def _token_quad_case(seed: int, n: int, h: int, d: int, page: int, pages: int) -> tuple:
     x = _rows(seed, 1, n, h, d, torch.float16)[0]  # [N, H_kv, D]
     gen = torch.Generator().manual_seed(seed)

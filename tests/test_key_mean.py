@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.calib import RESOLVED, check_tampered_tensor, random_transform, tiny_recipe
-from helpers.layers import feed
+from helpers.layers import decode_logits, feed, kernel_model_and_method
 from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.artifact import open_artifact
@@ -134,15 +134,48 @@ def test_rope_mean_needs_its_tensors_and_the_models_rope() -> None:
         Int2Cache(meth, 1).update(x, x, 0)
 
 
-def test_triton_backend_and_vllm_refuse_a_rope_mean() -> None:
-    model = tiny_causal_lm(head_dim=64, heads=2, kv_heads=1)
-    t = replace(random_transform(3, d=64), k_mean_pre=torch.zeros(1, 64))
-    meth = replace(oscar_method([t], sink=8, recent=16), key_mean="rope")
-    layer = Int2Layer(meth, meth.layer(0), backend="triton", rope_table=RopeTable(model))
-    x = torch.randn(1, 1, 20, 64, dtype=torch.float16)
-    with pytest.raises(OscarError, match="centre INT2 keys by one constant mean"):
-        layer.update(x, x)
-    with pytest.raises(OscarError, match=r"key_mean rope: the kernels centre keys by one constant mean"):
+@pytest.mark.parametrize("pad", [0, 5], ids=["no-pad", "left-pad"])
+def test_triton_decode_with_a_rope_mean_matches_the_reference_path(pad: int) -> None:
+    """The Triton path (CPU: TRITON_INTERPRET=1, fp16) with keys centred by position: INT2 rows written with the
+    per-row means bitwise as the reference path writes them, and decode through the kernel's logit term gives the
+    reference path's logits."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter case (the gpu marker covers CUDA)")
+    model, meth = kernel_model_and_method(key_mean_pre=3.0)
+    caches: list = []
+    ref = decode_logits(model, meth, "reference", "cpu", 3, caches, pad=pad, length=90)
+    fast = decode_logits(model, meth, "triton", "cpu", 3, caches, pad=pad, length=90)
+    assert caches[1].oscar_layers[0].path == "triton"
+    for which in ("k", "v"):
+        a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), which
+    assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
+    const = decode_logits(model, replace(meth, key_mean="constant"), "triton", "cpu", 3, pad=pad, length=90)
+    assert (const - fast).abs().max().item() > 1e-2  # the term matters: without it the logits differ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+@pytest.mark.parametrize("pad", [0, 5], ids=["no-pad", "left-pad"])
+def test_triton_decode_with_a_rope_mean_on_cuda(pad: int) -> None:
+    """The same check on CUDA: the logits within the same budget; the INT2 codes agree but where the GPU's own
+    float32 rotation order moves a value across a rounding boundary (at most 1 %)."""
+    model, meth = kernel_model_and_method(key_mean_pre=3.0)
+    model = model.cuda()
+    caches: list = []
+    ref = decode_logits(model, meth, "reference", "cuda", 3, caches, pad=pad, length=300)
+    fast = decode_logits(model, meth, "triton", "cuda", 3, caches, pad=pad, length=300)
+    assert caches[1].oscar_layers[0].path == "triton"
+    from oscar_kernels.reference import unpack_int2
+
+    for which in ("k", "v"):
+        a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
+        assert float((unpack_int2(a[0].cpu()) != unpack_int2(b[0].cpu())).float().mean()) < 0.01, which
+    assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
+
+
+def test_vllm_refuses_a_rope_mean() -> None:
+    with pytest.raises(OscarError, match=r"key_mean rope: this backend centres keys by one constant mean"):
         check_geometry(head_dim=128, block_size=16, settings=Int2Settings(sink=64, recent=256, meta_dtype=torch.bfloat16),
                        group_size=None, key_mean="rope")
 

@@ -142,6 +142,7 @@ class Int2Layer(AppendLayer):
         self.kernel_step = False  # the last update was a decode step for the Triton path
         self.kernel_key: torch.Tensor | None = None  # the key tensor that update returned for it
         self._pads_dev: torch.Tensor | None = None
+        self._pos0_dev: torch.Tensor | None = None  # RoPE position of each row's history token 0 (key_mean rope)
         self._kernel_rot: torch.Tensor | None = None
         self.pool: PagePool | None = None
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
@@ -208,9 +209,6 @@ class Int2Layer(AppendLayer):
         if self.subspace is not None and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton kernels do not read the BF16 key subspace "
                              f"(quant.key_subspace {self.method.key_subspace})", hint="use --backend reference")
-        if self.mean_pre is not None and (reason is None or self.backend == "triton"):
-            raise OscarError(f"backend {self.backend}: the Triton kernels centre INT2 keys by one constant mean "
-                             "(quant.key_mean rope)", hint="use --backend reference")
         if self.method.logit_correction != "none" and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton decode kernel adds no per-key logit bias "
                              f"(quant.logit_correction {self.method.logit_correction})", hint="use --backend reference")
@@ -326,7 +324,9 @@ class Int2Layer(AppendLayer):
             e = min(m, a + PIECE)
             piece_k, piece_v, to = rows_k[..., a:e, :], rows_v[..., a:e, :], slots[:, a:e].reshape(-1)
             if self.path == "triton":
-                means = (flat_mean(self.k_mean), flat_mean(self.v_mean))
+                pos_means = self.key_means(first + a, e - a) if self.mean_pre is not None else None
+                k_means = flat_mean(self.k_mean) if pos_means is None else flat(pos_means)
+                means = (k_means, flat_mean(self.v_mean))
                 self.pool.write_kernel(flat(piece_k), flat(piece_v), to, means, (t.k_clip, t.v_clip))
                 continue
             coeffs, k_in, k_mean = None, piece_k, self.key_means(first + a, e - a)
@@ -464,23 +464,46 @@ class Int2Layer(AppendLayer):
             recent_len = (self.n_recent - rec_pad).to(torch.int32)
         if self._kernel_rot is None and self.k_rot is not None:  # R_K as the kernel takes it (no copy if float32)
             self._kernel_rot = self.k_rot.to(query.device).float().contiguous()
+        q = query[:, :, 0].contiguous()
+        k_mean, bias = self.k_mean, None
+        if self.mean_pre is not None:  # keys centred by position: the BF16 tiers as they are, the INT2 term added
+            k_mean, bias = None, self._rope_logits(q, hist_len, scaling)
         out = decode_attention(
-            query[:, :, 0].contiguous(),
+            q,
             self.pool.k,
             self.pool.v,
             self.pool.device_table(),
             hist_len,
-            centred(sink_k, self.k_mean),
+            centred(sink_k, k_mean),
             centred(sink_v, self.v_mean),
             (self.n_sink - sink_pad).to(torch.int32),
-            centred(recent_k, self.k_mean),
+            centred(recent_k, k_mean),
             centred(recent_v, self.v_mean),
             recent_len,
             rotation_k=self._kernel_rot,
             mean_v=None if self.v_mean is None else flat_mean(self.v_mean),
             sm_scale=scaling,
+            logit_bias=bias,
         )
         return out.unsqueeze(2)
+
+    def _rope_logits(self, q: torch.Tensor, hist_len: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """The logit term of keys centred by position (``quant.key_mean: rope``): ``scaling·q·RoPE_p(m_pre)`` for
+        every history slot the block table addresses (``oscar_kernels.ops.rope_mean_logits``; ``R_K`` is
+        orthogonal, so the term is the same in its space). Row ``b``'s history token ``n`` sits at RoPE position
+        ``max(pad_b, S) - pad_b + n``."""
+        from oscar_kernels.ops import rope_mean_logits
+
+        assert self.pool is not None and self.mean_pre is not None and self.rope_table is not None
+        cap = int(self.pool.device_table().shape[1]) * self.page_size
+        if self._pos0_dev is None:
+            pos0 = [max(p, self.sink_slots) - p for p in self.pads]
+            self._pos0_dev = torch.tensor(pos0, dtype=torch.int32, device=q.device)
+        tables = self.rope_table.kernel_tables(max(self.pads) + self.cumulative_length + 1, q.device)
+        out = torch.empty(q.shape[0], q.shape[1], cap, dtype=torch.float32, device=q.device)
+        d = int(q.shape[-1])
+        return rope_mean_logits(q, self.mean_pre, tables, self._pos0_dev, hist_len,
+                                d ** -0.5 if scaling is None else scaling, out=out)
 
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -538,6 +561,7 @@ class Int2Layer(AppendLayer):
             self.keep.select(sel)
         self.pads = [self.pads[i] for i in idx]
         self._pads_dev = None
+        self._pos0_dev = None
         self.batch_size = len(idx)
         self.dims = (len(idx), *self.dims[1:])
 

@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import torch
 
+from oscar_cli.errors import OscarError
+
 KeyMean = Literal["constant", "rope"]
 KEY_MEANS: tuple[str, ...] = ("constant", "rope")
 
@@ -76,25 +78,71 @@ def position_means(
 
 
 class RopeTable:
-    """cos/sin of the model's own rotary embedding for given positions, looked up at each call (so a RoPE
-    switched later, e.g. YaRN by :func:`oscar_cli.model.rope.apply_yarn`, is the one used).
+    """cos/sin of the model's own RoPE frequencies for given positions, from float64 angles, read from its rotary
+    embedding at each call (so a RoPE switched later, e.g. YaRN by :func:`oscar_cli.model.rope.apply_yarn`, is
+    the one used): ``inv_freq`` and ``attention_scaling`` (YaRN's mscale).
 
-    ``table(positions)`` with ``positions`` int64 ``[B, n]`` → ``(cos, sin)`` float32 ``[B, n, D]``.
+    ``table(positions)`` with ``positions`` int64 ``[B, n]`` → ``(cos, sin)`` float32 ``[B, n, D]``
+    (``oscar_kernels.reference.rope_cos_sin``: the definition the cache's writes, its reads and the decode
+    kernel's logit term share). They differ from the model's float32 angles by at most half an ulp of ``θ·p``;
+    the first use of a rotary embedding checks they match it (a RoPE whose frequencies change with the length,
+    e.g. dynamic NTK, is refused there). :meth:`kernel_tables` gives the decode kernel's tables.
     """
 
     def __init__(self, model: Any) -> None:
         from oscar_cli.calibration.capture import decoder_body
 
         self.body = decoder_body(model)
-        if getattr(self.body, "rotary_emb", None) is None:
-            from oscar_cli.errors import OscarError
-
-            raise OscarError(f"{type(model).__name__} has no rotary embedding at model.model.rotary_emb: "
-                             "quant.key_mean rope needs the model's RoPE",
+        rotary = getattr(self.body, "rotary_emb", None)
+        if rotary is None or not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+            raise OscarError(f"{type(model).__name__} has no rotary embedding with inv_freq at "
+                             "model.model.rotary_emb: quant.key_mean rope needs the model's RoPE",
                              hint="use quant.key_mean: constant for this model")
+        self._checked: tuple[int, int, float] | None = None
+        self._tables: dict[str, Any] = {}
+
+    def frequencies(self) -> tuple[torch.Tensor, float]:
+        """``(inv_freq [D/2], attention scaling)`` of the rotary embedding now (checked once per embedding)."""
+        rotary = self.body.rotary_emb
+        inv = rotary.inv_freq
+        scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        key = (id(inv), int(inv._version), scaling)
+        if key != self._checked:
+            _check_fixed_frequencies(rotary, inv, scaling)
+            self._checked, self._tables = key, {}
+        return inv, scaling
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary = self.body.rotary_emb
-        like = torch.zeros((), dtype=torch.float32, device=positions.device)
-        cos, sin = rotary(like, positions.to(positions.device, torch.long))
-        return cos.float(), sin.float()
+        from oscar_kernels.reference import rope_cos_sin
+
+        inv, scaling = self.frequencies()
+        return rope_cos_sin(inv, scaling, positions.long())
+
+    def kernel_tables(self, positions: int, device: torch.device) -> Any:
+        """``oscar_kernels.ops.RopeTables`` covering positions ``[0, positions)`` on ``device`` (kept and grown by
+        doubling: one build per few steps, not per step)."""
+        from oscar_kernels.rope_ops import rope_tables
+
+        inv, scaling = self.frequencies()
+        have = self._tables.get(str(device))
+        if have is None or have.positions < positions:
+            size = max(int(positions), 2 * (have.positions if have is not None else 0), 4096)
+            have = self._tables[str(device)] = rope_tables(inv, scaling, size, device)
+        return have
+
+
+def _check_fixed_frequencies(rotary: Any, inv: torch.Tensor, scaling: float) -> None:
+    """The model's rotary embedding is ``scaling·cos/sin(inv_freq·p)`` at a few positions up to 4096 (its float32
+    angles are off by at most ``4096·2^-24`` rad there)."""
+    from oscar_kernels.reference import rope_cos_sin
+
+    pos = torch.tensor([[0, 1, 2, 3, 7, 64, 100, 1000, 2047, 4095]], device=inv.device)
+    like = torch.zeros((), dtype=torch.float32, device=inv.device)
+    with torch.no_grad():
+        cos, sin = rotary(like, pos)
+    want_cos, want_sin = rope_cos_sin(inv, scaling, pos)
+    err = max(float((cos.float() - want_cos).abs().max()), float((sin.float() - want_sin).abs().max()))
+    if not err <= 1e-3 * max(scaling, 1.0):
+        raise OscarError(f"the model's rotary embedding is not a fixed-frequency RoPE: its cos/sin differ from "
+                         f"attention_scaling·cos/sin(inv_freq·p) by {err:.3g} (e.g. a RoPE whose frequencies change "
+                         "with the length)", hint="use quant.key_mean: constant for this model")

@@ -106,3 +106,52 @@ def assert_kernels_refuse(method: QuantMethod, match: str, match_auto: str, monk
     monkeypatch.setattr(int2_layer, "kernel_unsupported", lambda *a, **kw: None)
     with pytest.raises(OscarError, match=match_auto):
         Int2Layer(method, LayerTransform(), backend="auto").update(k, k)
+
+
+def kernel_model_and_method(key_mean_pre: float = 0.0) -> tuple[Any, QuantMethod]:
+    """A one-layer fp16 model (head_dim 64, the decode kernel's shape) and an OSCAR method with random rotations;
+    ``key_mean_pre > 0``: keys centred by position (``quant.key_mean: rope``) with pre-RoPE means of that scale."""
+    from dataclasses import replace
+
+    from helpers.tiny import tiny_causal_lm
+    from oscar_cli.quant import oscar_method
+
+    model = tiny_causal_lm(dtype=torch.float16, head_dim=64, layers=1, hidden_size=128)
+    g = torch.Generator().manual_seed(8)
+    q, _ = torch.linalg.qr(torch.randn(1, 64, 64, generator=g, dtype=torch.float64))
+    t = LayerTransform(
+        k_rotation=q.float(),
+        v_rotation=q.float().flip(-1),
+        k_mean=0.1 * torch.randn(1, 64, generator=g),
+        v_mean=0.1 * torch.randn(1, 64, generator=g),
+        k_clip=0.9,
+        v_clip=0.9,
+    )
+    if not key_mean_pre:
+        return model, oscar_method([t], sink=8, recent=16)
+    h_kv = int(model.config.num_key_value_heads)
+    t = replace(t, k_mean_pre=key_mean_pre * torch.randn(h_kv, 64, generator=g))
+    return model, replace(oscar_method([t], sink=8, recent=16), key_mean="rope")
+
+
+def decode_logits(
+    model: Any, meth: QuantMethod, backend: str, device: str, steps: int, caches: list | None = None, pad: int = 0,
+    length: int = 60,
+) -> torch.Tensor:
+    """Logits of a 2-row batch (row 1 left-padded by ``pad``): one prefill of ``length`` tokens through the method's
+    cache on ``backend``, then ``steps`` greedy-free decode steps (the prompt's tokens fed again)."""
+    from oscar_cli.quant import use_method
+    from oscar_cli.quant.generation import decode_step, prefill
+
+    ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(9)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    with use_method(model, meth, backend=backend) as session:
+        cache = session.new_cache()
+        out = [prefill(model, cache, ids, mask, 4096)]
+        for i in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            out.append(decode_step(model, cache, ids[:, i], mask))
+    if caches is not None:
+        caches.append(cache)
+    return torch.stack(out, 1)
