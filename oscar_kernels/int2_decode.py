@@ -38,7 +38,7 @@ raw codes and every per-token factor is applied once per token, outside the dot.
 **Per-key logit bias** (``HAS_BIAS``): ``bias [B, H_q, L]`` float32 adds ``bias[b, h_q, n]`` (natural units, times
 ``log2(e)`` here) to the score of INT2 history token ``n`` (one ``[NQ, 4, GP]`` load per tile, split into the
 residues like the metadata); the BF16 tiers take none. The position-dependent key mean uses it
-(``oscar_kernels.rope_bias``).
+(``oscar_kernels.rope_ops``).
 
 **Unpack: fp16 subnormal fields, the whole byte as the top field.** Two ``prmt`` zero-extend 4 code bytes to 4
 uint16 lanes (:func:`_spread`); an ``and`` with ``0x00030003 << 2J`` per two codes leaves the bit pattern of the

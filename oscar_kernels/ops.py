@@ -21,7 +21,8 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
   block-table row with the mean added back, into activation-dtype ``[T, H_kv, D]`` buffers (one launch; the vLLM
   backend's prefill chunks attend to it).
 - :func:`rope_mean_logits` — the position-dependent key mean's logit term per query head and history token (the
-  decode kernel's ``logit_bias`` for a history written centred by ``RoPE_p(m_pre)``), with :func:`rope_tables`.
+  decode kernel's ``logit_bias`` for a history written centred by ``RoPE_p(m_pre)``): one float32 GEMM over
+  :func:`position_table`.
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
   :func:`default_num_splits`.
 
@@ -48,7 +49,7 @@ from oscar_kernels.decode_ops import (
     make_workspace,
 )
 from oscar_kernels.history_ops import dequantize_history
-from oscar_kernels.rope_ops import RopeTables, rope_mean_logits, rope_tables
+from oscar_kernels.rope_ops import position_table, rope_mean_logits
 from oscar_kernels.rotate_ops import rotate_kv
 from oscar_kernels.tier_ops import tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
@@ -56,7 +57,6 @@ from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, qua
 __all__ = [
     "LAST_LAUNCH",
     "LAYOUTS",
-    "RopeTables",
     "TIER_PARTS",
     "ConfigError",
     "DecodeConfig",
@@ -70,8 +70,8 @@ __all__ = [
     "new_paged_cache",
     "quantize_rows",
     "quantize_write",
+    "position_table",
     "rope_mean_logits",
-    "rope_tables",
     "rotate_kv",
     "tier_gather",
     "tier_write",

@@ -1,35 +1,26 @@
-"""Launcher of the position-dependent key mean's logit term (``rope_bias``), re-exported by :mod:`oscar_kernels.ops`,
-and its tables (:class:`RopeTables`): what the decode kernel's ``logit_bias`` takes for a history whose keys were
-written centred by ``RoPE_p(m_pre)`` (``quant.key_mean: rope``).
+"""The position-dependent key mean's logit term (``quant.key_mean: rope``): what the decode kernel's ``logit_bias``
+takes for a history whose keys were written centred by ``RoPE_p(m_pre)``, re-exported by :mod:`oscar_kernels.ops`.
+
+Per query head and history token at position ``p`` the term is ``sm_scale·q·(a·RoPE_p(m_pre))`` (``a`` the rotary
+embedding's attention scaling; the float64 spec is ``reference.rope_mean_logits``). Over the ``D/2`` RoPE pairs ``k``
+(``rotate_half`` pairing, ``k`` with ``k + D/2``)::
+
+    t(p) = Σ_k A_k·cos(θ_k p) + B_k·sin(θ_k p),   A_k = a·s·(q_k m_k + q_{k+D/2} m_{k+D/2}),
+                                                  B_k = a·s·(q_{k+D/2} m_k - q_k m_{k+D/2})
+
+so ``t = [A | B] · [cos θp | sin θp]``: the rows ``[cos θp | sin θp]`` depend on the position alone and are shared
+by every layer, batch row and head, and the whole term is one ``[rows·H_q, D] × [D, L]`` float32 GEMM (cuBLAS) over
+a float32 table built from float64 angles (no angle ``θ·p`` is ever rounded to float32 whole: at ``p = 128K`` that
+would cost ``θ_0`` about 0.008 rad). A Triton kernel that recomputed the angles per block and head by angle addition
+was 2.4-4.7x slower on an H200 (docs/BENCHMARKS.md) and was removed.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, next_pow2, triton_module
+from oscar_kernels.launch_checks import bad_tensor
 from oscar_kernels.reference import rope_angles
-
-FINE = 128  # rows of the fine table: positions P = FINE·u + r; the term kernel's blocks are at most this long
-
-
-@dataclass(frozen=True)
-class RopeTables:
-    """float32 ``[cos | sin]`` tables of a model's RoPE frequencies, from float64 angles: ``coarse [U, D]`` at
-    positions ``FINE·u`` (``u < U``) and ``fine [FINE, D]`` at ``r < FINE``; they cover positions below ``FINE·U``.
-    ``scaling`` is the rotary embedding's attention scaling (YaRN's mscale; 1 for plain RoPE)."""
-
-    inv_freq: torch.Tensor  # [D/2] as the model stores it
-    scaling: float
-    coarse: torch.Tensor
-    fine: torch.Tensor
-
-    @property
-    def positions(self) -> int:
-        return FINE * int(self.coarse.shape[0])
 
 
 def _table(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -37,65 +28,56 @@ def _table(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat((torch.cos(ang), torch.sin(ang)), -1).float().contiguous()
 
 
-def rope_tables(inv_freq: torch.Tensor, scaling: float, positions: int, device: torch.device | str) -> RopeTables:
-    """Tables for RoPE positions ``[0, positions)`` (rounded up to whole coarse rows) on ``device``."""
+def position_table(inv_freq: torch.Tensor, positions: int, device: torch.device | str) -> torch.Tensor:
+    """float32 ``[positions, D]`` rows ``[cos θ·p | sin θ·p]`` for ``p < positions`` from float64 angles (each entry
+    the float32 rounding of the exact value): the right operand of :func:`rope_mean_logits`. It depends on the
+    frequencies only, so every layer of a model shares it (64 MB at 128K positions, D = 128)."""
     if inv_freq.dim() != 1 or inv_freq.numel() * 2 not in (64, 128):
         raise bad_tensor("inv_freq", inv_freq, "[D/2] with D in {64, 128}")
-    if not math.isfinite(scaling) or scaling <= 0:
-        raise ValueError(f"scaling: expected a positive finite attention scaling, got {scaling}")
     inv = inv_freq.detach().to("cpu", torch.float64)
-    u = max(1, -(-int(positions) // FINE))
-    coarse = _table(inv, torch.arange(u, dtype=torch.int64) * FINE)
-    fine = _table(inv, torch.arange(FINE, dtype=torch.int64))
-    return RopeTables(inv_freq.detach(), float(scaling), coarse.to(device), fine.to(device))
+    return _table(inv, torch.arange(max(int(positions), 1), dtype=torch.int64)).to(device)
 
 
-def rope_mean_logits(q: torch.Tensor, mean_pre: torch.Tensor, tables: RopeTables, position0: torch.Tensor,
-                     hist_len: torch.Tensor, sm_scale: float, *, length: int | None = None,
-                     out: torch.Tensor | None = None, block: int = 64, num_warps: int = 4) -> torch.Tensor:
-    """``out[b, h_q, n] = sm_scale·q[b, h_q]·(scaling·RoPE_p(m_pre))`` at ``p = position0[b] + n`` for every history
-    token ``n < hist_len[b]`` (the rest of ``out`` is left as it was): the decode kernel's ``logit_bias``. One launch;
-    CUDA-graph safe (lengths are device tensors).
+def rope_mean_logits(q: torch.Tensor, mean_pre: torch.Tensor, table: torch.Tensor, scaling: float,
+                          position0: list[int], sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+    """The term as one float32 GEMM per distinct first position (cuBLAS, TF32 off for it):
+    ``out[b, :, n] = [A_b | B_b] · table[position0[b] + n]`` for every slot ``n < L`` of ``out`` (``A``, ``B`` per
+    query head from ``q`` and ``m_pre``, the module docstring). The product reads the table once and writes ``out``
+    once. Positions are host ints (the transformers path knows each row's padding; a serving engine's rows start at
+    one fixed position), so a CUDA graph captures it for fixed positions and ``L``.
 
     Args:
-        q: ``[B, H_q, D]`` bf16/fp16/fp32 post-RoPE queries (unrotated; the term is the same in an orthogonal
-            rotation's space).
-        mean_pre: float32 ``[H_kv, D]`` pre-RoPE key means of the layer (``H_q % H_kv == 0``).
-        tables: :func:`rope_tables` covering every position read (``position0 + hist_len <= tables.positions``:
-            the lengths stay on the device, so this is the caller's to size; a position past them reads the
-            tables' last row, a wrong term but no read out of bounds).
-        position0, hist_len: int32 ``[B]``: the RoPE position of each row's history token 0, its history length.
-        length: ``L``, history slots in ``out`` (default ``out``'s, else ``max(hist_len)`` read once from the device).
-        out: float32 ``[B, H_q, L]`` (contiguous last dim) to fill.
+        q: ``[B, H_q, D]`` post-RoPE queries; mean_pre: float32 ``[H_kv, D]``; table: :func:`position_table`
+            covering ``max(position0) + L``; scaling: the rotary embedding's attention scaling.
+        out: float32 ``[B, H_q, L]`` (contiguous), filled whole (slots past a row's history get a finite value
+            the decode kernel never reads).
     """
-    dev = q.device
-    if q.dim() != 3 or q.dtype not in (*ACT, torch.float32) or q.stride(-1) != 1 or q.shape[-1] not in (64, 128):
-        raise bad_tensor("q", q, "bf16/fp16/fp32 [B, H_q, D] with D in {64, 128} and a contiguous last dim")
-    b, h_q, d = q.shape
+    b, h_q, d = (int(x) for x in q.shape)
     h_kv = int(mean_pre.shape[0]) if mean_pre.dim() == 2 else 0
-    if h_kv == 0 or h_q % h_kv:
+    if h_kv == 0 or h_q % h_kv or int(mean_pre.shape[-1]) != d:
         raise bad_tensor("mean_pre", mean_pre, f"float32 [H_kv, {d}] with H_kv dividing {h_q}")
-    check_tensor("mean_pre", mean_pre, f"float32 [{h_kv}, {d}]", (h_kv, d), (torch.float32,), dev)
-    check_tensor("tables.coarse", tables.coarse, f"float32 [U, {d}]", (None, d), (torch.float32,), dev)
-    check_tensor("tables.fine", tables.fine, f"float32 [{FINE}, {d}]", (FINE, d), (torch.float32,), dev)
-    for nm, t in (("position0", position0), ("hist_len", hist_len)):
-        check_tensor(nm, t, f"int32 [{b}]", (b,), (torch.int32,), dev)
-    if block < 16 or block > FINE or block & (block - 1):
-        raise ValueError(f"block: expected a power of two in [16, {FINE}], got {block}")
-    if out is None:
-        n = int(hist_len.max()) if length is None and b else (length or 0)
-        out = torch.zeros(b, h_q, max(n, 1), dtype=torch.float32, device=dev)
-    check_tensor("out", out, f"float32 [{b}, {h_q}, L]", (b, h_q, None), (torch.float32,), dev)
-    if out.stride(-1) != 1:
-        raise bad_tensor("out", out, "a contiguous last dim")
-    g = h_q // h_kv
-    m = (mean_pre * tables.scaling).contiguous()
-    slots = int(out.shape[2])
-    if slots == 0 or b == 0:
-        return out
-    triton_module("rope_bias")._rope_bias_kernel[(b * h_kv, math.ceil(slots / block))](
-        q, q.stride(0), q.stride(1), m, m.stride(0), tables.coarse, int(tables.coarse.shape[0]), tables.fine, position0, hist_len,
-        out, out.stride(0), out.stride(1), float(sm_scale),
-        H_KV=h_kv, GROUP=g, GP=max(16, next_pow2(g)), D=d, BLOCK=block, F=FINE,
-        PREC="tf32x3" if dev.type == "cuda" else "ieee", num_warps=num_warps)
+    if out.shape[:2] != (b, h_q) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise bad_tensor("out", out, f"float32 contiguous [{b}, {h_q}, L]")
+    if len(position0) != b:
+        raise ValueError(f"position0: expected {b} first positions, got {len(position0)}")
+    length = int(out.shape[2])
+    if table.dim() != 2 or int(table.shape[1]) != d or (b and max(position0) + length > int(table.shape[0])):
+        raise bad_tensor("table", table, f"float32 [>= {max(position0, default=0) + length}, {d}] (position_table)")
+    half = d // 2
+    m = mean_pre.float().repeat_interleave(h_q // h_kv, dim=0) * (scaling * sm_scale)  # [H_q, D]
+    qq = q.float()
+    ab = torch.cat((qq[..., :half] * m[:, :half] + qq[..., half:] * m[:, half:],
+                    qq[..., half:] * m[:, :half] - qq[..., :half] * m[:, half:]), -1)  # [B, H_q, D]
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # a float32 product: TF32's 10-bit mantissa is too coarse here
+    try:
+        for p0 in sorted(set(position0)):
+            rows = [i for i, p in enumerate(position0) if p == p0]
+            t = table[p0 : p0 + length].transpose(0, 1)  # [D, L], a view
+            if len(rows) == b:
+                torch.matmul(ab.reshape(b * h_q, d), t, out=out.view(b * h_q, length))
+            else:
+                out[rows] = torch.matmul(ab[rows], t)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
     return out

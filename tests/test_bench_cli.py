@@ -332,7 +332,9 @@ def test_rope_mean_step_is_the_decode_with_the_float64_term() -> None:
     got = step.run().float().clone()
     hist, s0 = int(c["hist_len"][0]), int(c["sink_len"][0])
     pos = torch.arange(s0, s0 + hist)[None]
-    inv = c["rope_tables"].inv_freq
+    from oscar_cli.bench.cases import rope_frequencies
+
+    inv = rope_frequencies(shape.d)
     term = ref.rope_mean_logits(c["q"], c["mean_pre"], inv, 1.0, pos, shape.d ** -0.5).float()
     bias = torch.zeros_like(c["logit_bias"])
     bias[..., :hist] = term

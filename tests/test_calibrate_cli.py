@@ -201,6 +201,26 @@ def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert bad.exit_code == 2
 
 
+def test_key_mean_option_sets_the_recipe_knob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--key-mean rope`` calibrates keys centred by position (the manifest's recipe says so and the artifact holds
+    each layer's pre-RoPE mean); anything but constant or rope is a usage error."""
+    from oscar_cli.main import app
+
+    recipe = serve_model_to_cli(monkeypatch, tiny_causal_lm("qwen3"), "tiny-qwen3", tmp_path)
+    out = tmp_path / "art"
+    args = ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "1536", "--seq-len", "256",
+            "--out", str(out), "--key-mean", "rope"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe"]["quant"]["key_mean"] == "rope"
+    from oscar_cli.artifact import open_artifact
+
+    assert open_artifact(out).layers[0].k_mean_pre is not None
+    bad = CliRunner().invoke(app, [*args[:-1], "learned"])
+    assert bad.exit_code == 2 and "--key-mean" in bad.output
+
+
 @pytest.mark.slow
 def test_embedded_model_small_budget(tmp_path: Path) -> None:
     """The one test on the embedded model: 2K tokens of the repo's docs through the real command."""

@@ -98,7 +98,7 @@ def references(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
         rk, rv = c["recent_k"][i : i + 1, :, :rl], c["recent_v"][i : i + 1, :, :rl]
         q = c["q"][i : i + 1, :, None, :]
         q64 = q.double() @ c["rotation_k"].double()
-        bias = c["logit_bias"][i : i + 1, :, :hl].cpu() if "logit_bias" in c else None
+        bias = c["logit_bias"][i : i + 1, :, :hl] if "logit_bias" in c else None
         o64 = ref.decode_attention_reference(q64, sk, sv, hk, hv, rk, rv, scale, torch.float64, hist_bias=bias)
         outs64.append((o64[:, :, 0] + c["mean_v"].double()) @ c["rotation_v"].double().T)
         # same-dtype reference: q, keys, values, scores and P in the activation dtype, fp32 softmax

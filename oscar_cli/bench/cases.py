@@ -93,40 +93,47 @@ ROPE_THETA = 1_000_000.0  # Qwen3's RoPE base; the term's cost does not depend o
 @dataclass(frozen=True)
 class RopeMeanStep:
     """One decode step over a history written centred by position (``quant.key_mean: rope``), as the Triton path
-    runs it: the per-key logit term into ``bias`` (:func:`oscar_kernels.ops.rope_mean_logits`), then the decode
-    plan that reads it."""
+    runs it: the per-key logit term into ``bias`` (:func:`oscar_kernels.ops.rope_mean_logits`), then the
+    decode plan that reads it."""
 
     plan: Any
     q: torch.Tensor
     mean_pre: torch.Tensor
-    tables: Any
-    position0: torch.Tensor
-    hist_len: torch.Tensor
+    table: torch.Tensor
+    position0: list[int]
     bias: torch.Tensor
 
     def run(self) -> torch.Tensor:
         from oscar_kernels import ops
 
-        ops.rope_mean_logits(self.q, self.mean_pre, self.tables, self.position0, self.hist_len,
-                             int(self.q.shape[-1]) ** -0.5, out=self.bias)
+        ops.rope_mean_logits(self.q, self.mean_pre, self.table, 1.0, self.position0,
+                                  int(self.q.shape[-1]) ** -0.5, self.bias)
         return self.plan.run()
 
 
-def add_rope_mean(case: dict[str, Any], ctx: int, device: torch.device) -> None:
-    """Give a case what the position-dependent key mean needs: a pre-RoPE mean per KV head, RoPE tables covering
-    ``ctx`` positions, each row's first history position (after its sink) and the ``[B, H_q, L]`` float32 bias
-    buffer over the block table's capacity."""
+def add_rope_mean(case: dict[str, Any], ctx: int, device: torch.device, table: torch.Tensor | None = None) -> None:
+    """Give a case what the position-dependent key mean needs: a pre-RoPE mean per KV head, the position table
+    (shared by every case when given), each row's first history position (after its sink) and the
+    ``[B, H_q, L]`` float32 bias buffer over the block table's capacity."""
     from oscar_kernels import ops
 
-    q, table = case["q"], case["block_table"]
+    q, table_rows = case["q"], case["block_table"]
     b, h_q, d = (int(x) for x in q.shape)
     h_kv = int(case["k_cache"].packed.shape[1])
-    inv = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     page = int(case["k_cache"].packed.shape[2])
+    cap = int(table_rows.shape[1]) * page
+    pos0 = [int(x) for x in case["sink_len"].tolist()]
+    if table is None or int(table.shape[0]) < max(pos0) + cap:
+        table = ops.position_table(rope_frequencies(d), max(pos0) + cap, device)
     case["mean_pre"] = torch.randn(h_kv, d, device=device)
-    case["rope_tables"] = ops.rope_tables(inv, 1.0, ctx + 1, device)
-    case["position0"] = case["sink_len"].clone()
-    case["logit_bias"] = torch.zeros(b, h_q, int(table.shape[1]) * page, dtype=torch.float32, device=device)
+    case["position_table"] = table
+    case["position0"] = pos0
+    case["logit_bias"] = torch.zeros(b, h_q, cap, dtype=torch.float32, device=device)
+
+
+def rope_frequencies(d: int) -> torch.Tensor:
+    """``inv_freq`` of a RoPE with base :data:`ROPE_THETA` and head dim ``d``."""
+    return 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
 
 
 def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor,
@@ -143,7 +150,7 @@ def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, ou
                           logit_bias=case.get("logit_bias"))
     if "logit_bias" not in case:
         return plan
-    return RopeMeanStep(plan, case["q"], case["mean_pre"], case["rope_tables"], case["position0"], case["hist_len"],
+    return RopeMeanStep(plan, case["q"], case["mean_pre"], case["position_table"], case["position0"],
                         case["logit_bias"])
 
 
@@ -175,10 +182,13 @@ def int2_plans(
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
     nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
 
+    shared: list[torch.Tensor] = []  # one position table for every case
+
     def make(i: int) -> dict[str, Any]:
         case = build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i)
         if cfg.key_mean == "rope":
-            add_rope_mean(case, ctx, device)
+            add_rope_mean(case, ctx, device, shared[0] if shared else None)
+            shared[:] = [case["position_table"]]
         return case
 
     cases = rotating(make, nbytes, l2)

@@ -23,6 +23,7 @@ EXAMPLES = """
   oscar calibrate --recipe my.yaml --out artifacts/try1 --overwrite
   oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON on stdout
   oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
+  oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean rope   # keys centred by position (not for vLLM yet)
 
 Writes [bold]artifacts/<model>/<recipe>-<hash>[/bold] unless --out says otherwise, e.g.
 artifacts/smollm2-135m/smollm2-135m-e1fda680 (the hash covers the model, the recipe and the data).
@@ -118,6 +119,11 @@ def calibrate(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing artifact at --out.")] = False,
     rope_scaling: RopeScalingOpt = None,
     rope_factor: RopeFactorOpt = None,
+    key_mean: Annotated[
+        str | None, typer.Option("--key-mean", help="constant | rope: centre INT2 keys by one mean, or by their "
+                                 "position's RoPE_p(m_pre) (recipe quant.key_mean; rope: lower KL at long context, "
+                                 "the vLLM backend refuses it; docs/RESULTS.md).")
+    ] = None,
     strict: Annotated[
         bool, typer.Option("--strict", help="Fail (and write nothing) when the artifact's held-out error is worse "
                            "than the KIVI baseline's on the same tokens.")
@@ -140,6 +146,10 @@ def calibrate(
         overrides.setdefault("data", {})["seq_len"] = seq_len
     if seed is not None:
         overrides.setdefault("data", {})["seed"] = seed
+    if key_mean is not None:
+        if key_mean not in ("constant", "rope"):
+            raise typer.BadParameter(f"must be constant or rope, got {key_mean!r}", param_hint="--key-mean")
+        overrides.setdefault("quant", {})["key_mean"] = key_mean
     recipe_obj = load_recipe(recipe or recipe_for_model(model_slug(model)), overrides)
     _output.info(f"calibrating {model} with recipe {recipe_obj.name} ({recipe_obj.method}, "
                  f"{recipe_obj.data.tokens} tokens from {recipe_obj.data.source})")

@@ -142,7 +142,6 @@ class Int2Layer(AppendLayer):
         self.kernel_step = False  # the last update was a decode step for the Triton path
         self.kernel_key: torch.Tensor | None = None  # the key tensor that update returned for it
         self._pads_dev: torch.Tensor | None = None
-        self._pos0_dev: torch.Tensor | None = None  # RoPE position of each row's history token 0 (key_mean rope)
         self._kernel_rot: torch.Tensor | None = None
         self.pool: PagePool | None = None
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
@@ -467,7 +466,7 @@ class Int2Layer(AppendLayer):
         q = query[:, :, 0].contiguous()
         k_mean, bias = self.k_mean, None
         if self.mean_pre is not None:  # keys centred by position: the BF16 tiers as they are, the INT2 term added
-            k_mean, bias = None, self._rope_logits(q, hist_len, scaling)
+            k_mean, bias = None, self._rope_logits(q, scaling)
         out = decode_attention(
             q,
             self.pool.k,
@@ -487,7 +486,7 @@ class Int2Layer(AppendLayer):
         )
         return out.unsqueeze(2)
 
-    def _rope_logits(self, q: torch.Tensor, hist_len: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    def _rope_logits(self, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """The logit term of keys centred by position (``quant.key_mean: rope``): ``scaling·q·RoPE_p(m_pre)`` for
         every history slot the block table addresses (``oscar_kernels.ops.rope_mean_logits``; ``R_K`` is
         orthogonal, so the term is the same in its space). Row ``b``'s history token ``n`` sits at RoPE position
@@ -496,14 +495,13 @@ class Int2Layer(AppendLayer):
 
         assert self.pool is not None and self.mean_pre is not None and self.rope_table is not None
         cap = int(self.pool.device_table().shape[1]) * self.page_size
-        if self._pos0_dev is None:
-            pos0 = [max(p, self.sink_slots) - p for p in self.pads]
-            self._pos0_dev = torch.tensor(pos0, dtype=torch.int32, device=q.device)
-        tables = self.rope_table.kernel_tables(max(self.pads) + self.cumulative_length + 1, q.device)
+        pos0 = [max(p, self.sink_slots) - p for p in self.pads]
+        table = self.rope_table.kernel_table(max(pos0) + cap, q.device)
+        _, attn_scaling = self.rope_table.frequencies()
         out = torch.empty(q.shape[0], q.shape[1], cap, dtype=torch.float32, device=q.device)
         d = int(q.shape[-1])
-        return rope_mean_logits(q, self.mean_pre, tables, self._pos0_dev, hist_len,
-                                d ** -0.5 if scaling is None else scaling, out=out)
+        return rope_mean_logits(q, self.mean_pre, table, attn_scaling, pos0,
+                                     d ** -0.5 if scaling is None else scaling, out)
 
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -561,7 +559,6 @@ class Int2Layer(AppendLayer):
             self.keep.select(sel)
         self.pads = [self.pads[i] for i in idx]
         self._pads_dev = None
-        self._pos0_dev = None
         self.batch_size = len(idx)
         self.dims = (len(idx), *self.dims[1:])
 

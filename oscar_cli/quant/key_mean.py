@@ -86,7 +86,7 @@ class RopeTable:
     (``oscar_kernels.reference.rope_cos_sin``: the definition the cache's writes, its reads and the decode
     kernel's logit term share). They differ from the model's float32 angles by at most half an ulp of ``θ·p``;
     the first use of a rotary embedding checks they match it (a RoPE whose frequencies change with the length,
-    e.g. dynamic NTK, is refused there). :meth:`kernel_tables` gives the decode kernel's tables.
+    e.g. dynamic NTK, is refused there). :meth:`kernel_table` gives the decode path's position table.
     """
 
     def __init__(self, model: Any) -> None:
@@ -118,16 +118,16 @@ class RopeTable:
         inv, scaling = self.frequencies()
         return rope_cos_sin(inv, scaling, positions.long())
 
-    def kernel_tables(self, positions: int, device: torch.device) -> Any:
-        """``oscar_kernels.ops.RopeTables`` covering positions ``[0, positions)`` on ``device`` (kept and grown by
-        doubling: one build per few steps, not per step)."""
-        from oscar_kernels.rope_ops import rope_tables
+    def kernel_table(self, positions: int, device: torch.device) -> torch.Tensor:
+        """``oscar_kernels.ops.position_table`` covering positions ``[0, positions)`` on ``device`` (kept and grown
+        by doubling: one build per few steps, not per step; every layer shares it)."""
+        from oscar_kernels.rope_ops import position_table
 
-        inv, scaling = self.frequencies()
+        inv, _ = self.frequencies()
         have = self._tables.get(str(device))
-        if have is None or have.positions < positions:
-            size = max(int(positions), 2 * (have.positions if have is not None else 0), 4096)
-            have = self._tables[str(device)] = rope_tables(inv, scaling, size, device)
+        if have is None or int(have.shape[0]) < positions:
+            size = max(int(positions), 2 * (int(have.shape[0]) if have is not None else 0), 4096)
+            have = self._tables[str(device)] = position_table(inv, size, device)
         return have
 
 
