@@ -134,6 +134,16 @@ def test_rope_mean_needs_its_tensors_and_the_models_rope() -> None:
         Int2Cache(meth, 1).update(x, x, 0)
 
 
+def _reference_and_triton(model: object, meth: object, device: str, pad: int, length: int) -> tuple:
+    """Logits of 3 decode steps after a prefill of ``length`` tokens on the reference and the Triton path, and the
+    two caches."""
+    caches: list = []
+    ref = decode_logits(model, meth, "reference", device, 3, caches, pad=pad, length=length)
+    fast = decode_logits(model, meth, "triton", device, 3, caches, pad=pad, length=length)
+    assert caches[1].oscar_layers[0].path == "triton"
+    return ref, fast, caches
+
+
 @pytest.mark.parametrize("pad", [0, 5], ids=["no-pad", "left-pad"])
 def test_triton_decode_with_a_rope_mean_matches_the_reference_path(pad: int) -> None:
     """The Triton path (CPU: TRITON_INTERPRET=1, fp16) with keys centred by position: INT2 rows written with the
@@ -142,10 +152,7 @@ def test_triton_decode_with_a_rope_mean_matches_the_reference_path(pad: int) -> 
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case (the gpu marker covers CUDA)")
     model, meth = kernel_model_and_method(key_mean_pre=3.0)
-    caches: list = []
-    ref = decode_logits(model, meth, "reference", "cpu", 3, caches, pad=pad, length=90)
-    fast = decode_logits(model, meth, "triton", "cpu", 3, caches, pad=pad, length=90)
-    assert caches[1].oscar_layers[0].path == "triton"
+    ref, fast, caches = _reference_and_triton(model, meth, "cpu", pad, 90)
     for which in ("k", "v"):
         a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), which
@@ -161,11 +168,7 @@ def test_triton_decode_with_a_rope_mean_on_cuda(pad: int) -> None:
     """The same check on CUDA: the logits within the same budget; the INT2 codes agree but where the GPU's own
     float32 rotation order moves a value across a rounding boundary (at most 1 %)."""
     model, meth = kernel_model_and_method(key_mean_pre=3.0)
-    model = model.cuda()
-    caches: list = []
-    ref = decode_logits(model, meth, "reference", "cuda", 3, caches, pad=pad, length=300)
-    fast = decode_logits(model, meth, "triton", "cuda", 3, caches, pad=pad, length=300)
-    assert caches[1].oscar_layers[0].path == "triton"
+    ref, fast, caches = _reference_and_triton(model.cuda(), meth, "cuda", pad, 300)
     from oscar_kernels.reference import unpack_int2
 
     for which in ("k", "v"):
