@@ -12,7 +12,7 @@ so ``t = [A | B] · [cos θp | sin θp]``: the rows ``[cos θp | sin θp]`` depe
 by every layer, batch row and head, and the whole term is one ``[rows·H_q, D] × [D, L]`` float32 GEMM (cuBLAS) over
 a float32 table built from float64 angles (no angle ``θ·p`` is ever rounded to float32 whole: at ``p = 128K`` that
 would cost ``θ_0`` about 0.008 rad). A Triton kernel that recomputed the angles per block and head by angle addition
-was 2.4-4.7x slower on an H200 (docs/BENCHMARKS.md) and was removed.
+made a decode step 1.2-2.9x slower than this form on an H200 (docs/BENCHMARKS.md) and was removed.
 """
 
 from __future__ import annotations
