@@ -23,23 +23,18 @@ from oscar_kernels.launch_checks import bad_tensor
 from oscar_kernels.reference import rope_angles
 
 
-def _table(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    ang = rope_angles(inv_freq, positions)
-    return torch.cat((torch.cos(ang), torch.sin(ang)), -1).float().contiguous()
-
-
 def position_table(inv_freq: torch.Tensor, positions: int, device: torch.device | str) -> torch.Tensor:
     """float32 ``[positions, D]`` rows ``[cos θ·p | sin θ·p]`` for ``p < positions`` from float64 angles (each entry
     the float32 rounding of the exact value): the right operand of :func:`rope_mean_logits`. It depends on the
     frequencies only, so every layer of a model shares it (64 MB at 128K positions, D = 128)."""
     if inv_freq.dim() != 1 or inv_freq.numel() * 2 not in (64, 128):
         raise bad_tensor("inv_freq", inv_freq, "[D/2] with D in {64, 128}")
-    inv = inv_freq.detach().to("cpu", torch.float64)
-    return _table(inv, torch.arange(max(int(positions), 1), dtype=torch.int64)).to(device)
+    ang = rope_angles(inv_freq.detach().cpu(), torch.arange(max(int(positions), 1), dtype=torch.int64))
+    return torch.cat((torch.cos(ang), torch.sin(ang)), -1).float().to(device)
 
 
 def rope_mean_logits(q: torch.Tensor, mean_pre: torch.Tensor, table: torch.Tensor, scaling: float,
-                          position0: list[int], sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+                     position0: list[int], sm_scale: float, out: torch.Tensor) -> torch.Tensor:
     """The term as one float32 GEMM per distinct first position (cuBLAS, TF32 off for it):
     ``out[b, :, n] = [A_b | B_b] · table[position0[b] + n]`` for every slot ``n < L`` of ``out`` (``A``, ``B`` per
     query head from ``q`` and ``m_pre``, the module docstring). The product reads the table once and writes ``out``

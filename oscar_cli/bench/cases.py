@@ -106,29 +106,23 @@ class RopeMeanStep:
     def run(self) -> torch.Tensor:
         from oscar_kernels import ops
 
-        ops.rope_mean_logits(self.q, self.mean_pre, self.table, 1.0, self.position0,
-                                  int(self.q.shape[-1]) ** -0.5, self.bias)
+        ops.rope_mean_logits(self.q, self.mean_pre, self.table, 1.0, self.position0, int(self.q.shape[-1]) ** -0.5,
+                             self.bias)
         return self.plan.run()
 
 
-def add_rope_mean(case: dict[str, Any], ctx: int, device: torch.device, table: torch.Tensor | None = None) -> None:
-    """Give a case what the position-dependent key mean needs: a pre-RoPE mean per KV head, the position table
-    (shared by every case when given), each row's first history position (after its sink) and the
-    ``[B, H_q, L]`` float32 bias buffer over the block table's capacity."""
-    from oscar_kernels import ops
-
-    q, table_rows = case["q"], case["block_table"]
-    b, h_q, d = (int(x) for x in q.shape)
-    h_kv = int(case["k_cache"].packed.shape[1])
-    page = int(case["k_cache"].packed.shape[2])
-    cap = int(table_rows.shape[1]) * page
-    pos0 = [int(x) for x in case["sink_len"].tolist()]
-    if table is None or int(table.shape[0]) < max(pos0) + cap:
-        table = ops.position_table(rope_frequencies(d), max(pos0) + cap, device)
+def add_rope_mean(case: dict[str, Any], table: torch.Tensor) -> None:
+    """Give a case what the position-dependent key mean needs: a pre-RoPE mean per KV head, the shared position
+    ``table`` (:func:`oscar_kernels.ops.position_table` covering the sink and the block table's capacity), each
+    row's first history position (after its sink) and the ``[B, H_q, L]`` float32 bias buffer over that capacity."""
+    b, h_q, d = (int(x) for x in case["q"].shape)
+    h_kv, page = int(case["k_cache"].packed.shape[1]), int(case["k_cache"].packed.shape[2])
+    device = case["q"].device
     case["mean_pre"] = torch.randn(h_kv, d, device=device)
     case["position_table"] = table
-    case["position0"] = pos0
-    case["logit_bias"] = torch.zeros(b, h_q, cap, dtype=torch.float32, device=device)
+    case["position0"] = [int(x) for x in case["sink_len"].tolist()]
+    case["logit_bias"] = torch.zeros(b, h_q, int(case["block_table"].shape[1]) * page, dtype=torch.float32,
+                                     device=device)
 
 
 def rope_frequencies(d: int) -> torch.Tensor:
@@ -181,14 +175,13 @@ def int2_plans(
     ps, n_pp = page_geometry(cfg, hist)
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
     nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
-
-    shared: list[torch.Tensor] = []  # one position table for every case
+    table = (ops.position_table(rope_frequencies(shape.d), min(ctx, cfg.sink) + ps * n_pp, device)
+             if cfg.key_mean == "rope" else None)  # one position table for every case
 
     def make(i: int) -> dict[str, Any]:
         case = build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i)
-        if cfg.key_mean == "rope":
-            add_rope_mean(case, ctx, device, shared[0] if shared else None)
-            shared[:] = [case["position_table"]]
+        if table is not None:
+            add_rope_mean(case, table)
         return case
 
     cases = rotating(make, nbytes, l2)

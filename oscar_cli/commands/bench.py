@@ -101,7 +101,7 @@ def bench(
                          "the rest stay default_config(batch).")] = None,
     key_mean: Annotated[str, typer.Option(
         "--key-mean", help="constant | rope: rope times each INT2 step as a quant.key_mean rope artifact runs on the "
-                           "Triton path (the per-key logit term's kernel, then the decode kernel reading it).")] = "constant",
+                           "Triton path (the per-key logit term's GEMM, then the decode kernel reading it).")] = "constant",
 ) -> None:
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
     from oscar_cli.bench.kernel_options import parse_kernel_options

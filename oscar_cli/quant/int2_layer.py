@@ -500,8 +500,8 @@ class Int2Layer(AppendLayer):
         _, attn_scaling = self.rope_table.frequencies()
         out = torch.empty(q.shape[0], q.shape[1], cap, dtype=torch.float32, device=q.device)
         d = int(q.shape[-1])
-        return rope_mean_logits(q, self.mean_pre, table, attn_scaling, pos0,
-                                     d ** -0.5 if scaling is None else scaling, out)
+        return rope_mean_logits(q, self.mean_pre, table, attn_scaling, pos0, d ** -0.5 if scaling is None else scaling,
+                                out)
 
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
