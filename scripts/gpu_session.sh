@@ -47,10 +47,19 @@
 #                                              GGUF --artifact ARTR --ctx 4k,8k,16k,32k --methods oscar --samples 25
 #                                              --tasks all --backend auto`, resumable; returns res/rruler.tar)
 #   bash scripts/gpu_session.sh rkl           (after rsetup: eval-kl of ARTR at the sweep's lengths and windows)
-#   bash scripts/gpu_session.sh qsweep [S [STEPS]]  (after setup; carry .stage/qsweep when it exists: #18 item 4
-#                                              in priority order or the STEPS named (e.g. b-kivi,e-kl),
-#                                              scripts/qsweep.py, no step starts after S (400) seconds; returns
-#                                              res/qsweep.tar, which the next call carries back in)
+#   bash scripts/gpu_session.sh qsweep [S [STEPS [ARGS...]]]  (after setup; carry .stage/qsweep when it exists:
+#                                              #18 item 4 in priority order or the STEPS named (e.g. b-kivi,e-kl),
+#                                              scripts/qsweep.py (ARGS passed on, e.g. --samples 5 --long-samples 2),
+#                                              no step starts after S (400) seconds; returns res/qsweep.tar, which
+#                                              the next call carries back in)
+#   bash scripts/gpu_session.sh setup nocal   (setup without its calibration: the sweep's carried artifact,
+#                                              .stage/qsweep/art, becomes ART; the GGUF converts on first load)
+#   bash scripts/gpu_session.sh ykl [WINDOWS] (after setup and rsetup: eval-kl under YaRN x4 at 64K and 131,008
+#                                              tokens on held-out prose (Persuasion + Sense and Sensibility, carry
+#                                              .stage/corpus): kivi-2 + oscar with ART, then oscar with ARTR)
+#   bash scripts/gpu_session.sh yruler [S [N]] (after rsetup; carry .stage/yruler when it exists: RULER of ARTR at
+#                                              64K, 128K under YaRN x4, N (2) samples per task, resumable;
+#                                              returns res/yruler.tar)
 # qsweep across calls and sessions, here between calls (the samples file and the artifact travel together: an
 # oscar row resumes only for the same artifact path and rotations):
 #   rm -rf .stage/qsweep && mkdir .stage/qsweep && tar -C .stage/qsweep -xf FILES_AT/res/qsweep.tar
@@ -108,6 +117,10 @@ setup)  # join Qwen, install oscar + wheels, calibrate (prose, 32K tokens in 8K 
     mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     PYTHONPATH=/tmp/site python3 -c "import torch, transformers, triton, typer, pydantic; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+    if [ "${2:-}" = nocal ]; then  # the sweep's artifact instead of a fresh calibration
+        [ -f .stage/qsweep/art/manifest.json ] && rm -rf "$ART" && cp -r .stage/qsweep/art "$ART" && echo "ART: carried"
+        exit 0
+    fi
     t1=$(date +%s)
     oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib --tokens 32k --seq-len 8192 \
         --device cuda --out "$ART" > /tmp/res/calibrate.json 2> /tmp/res/calibrate.log || { tail -30 /tmp/res/calibrate.log; exit 1; }
@@ -191,8 +204,33 @@ qsweep)  # #18 item 4: the Qwen RULER/KL sweep in priority order, resumable (scr
     [ -f "$ART/manifest.json" ] || { echo "qsweep: no artifact at $ART"; exit 1; }
     PYTHONPATH=/tmp/site python3 scripts/qsweep.py run --state /tmp/q/qsweep --carried .stage/qsweep \
         --res "$qres" --gguf "$GGUF" --artifact "$ART" --text /tmp/q/austen_persuasion.txt --budget "${2:-400}" \
-        --steps "${3:-}"
+        --steps "${3:-}" "${@:4}"
     echo "rc=$?"; ls -la "$qres/qsweep.tar"
+    ;;
+ykl)  # #18 d / #21: next-token KL under YaRN x4 at 64K and 131,008 (+ 64 scored = 131,072 positions)
+    yw=${2:-4}
+    [ -f "$ART/manifest.json" ] && [ -f "$ARTR/manifest.json" ] || { echo "ykl: run setup and rsetup first"; exit 1; }
+    cat .stage/corpus/austen_persuasion.txt .stage/corpus/austen_sense_and_sensibility.txt > /tmp/q/heldout-long.txt
+    for L in 64k 131008; do
+        for run in "kivi-2,oscar $ART const" "oscar $ARTR rope"; do
+            set -- $run
+            oscar --json eval-kl "$GGUF" --text /tmp/q/heldout-long.txt --artifact "$2" --methods "$1" --ctx $L \
+                --tokens 64 --windows "$yw" --rope-factor 4 --backend auto > /tmp/res/ykl-$3-$L.json \
+                2> /tmp/res/ykl-$3-$L.log || tail -5 /tmp/res/ykl-$3-$L.log
+            echo "$L $3 $(( $(date +%s) - t0 )) s"
+        done
+    done
+    python3 -c "import json,sys; [print(f, json.dumps(json.load(open(f)))[:700]) for f in sys.argv[1:]]" /tmp/res/ykl-*.json
+    ;;
+yruler)  # #18 d / #21: RULER of the rope artifact at 64K and 128K under YaRN x4, resumable across calls
+    [ -f "$ARTR/manifest.json" ] || { echo "yruler: run rsetup first"; exit 1; }
+    mkdir -p /tmp/q/yruler
+    [ -f .stage/yruler/samples.jsonl ] && [ ! -f /tmp/q/yruler/samples.jsonl ] && cp .stage/yruler/samples.jsonl /tmp/q/yruler/
+    oscar --json eval-ruler "$GGUF" --artifact "$ARTR" --ctx 64k,128k --rope-factor 4 --methods oscar \
+        --samples "${3:-2}" --tasks all --backend auto --out /tmp/q/yruler --time-budget "${2:-400}" \
+        > /tmp/res/yruler.json 2> /tmp/res/yruler.log
+    echo "rc=$?"; tail -6 /tmp/res/yruler.log; wc -l /tmp/q/yruler/samples.jsonl
+    mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/yruler -cf "${OUT:-/tmp/out}/res/yruler.tar" .
     ;;
 rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and tokens as setup
     site || exit 1
