@@ -57,6 +57,9 @@ class DecodeConfig:
     # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
     # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
     prefetch: bool = True
+    # the position-dependent key mean's in-tile term: tl.dot precision of its float32 products ("tf32x3": float32
+    # accuracy from three TF32 MMAs; "ieee": CUDA-core FMAs; "tf32": one TF32 MMA, 10-bit operands)
+    rope_prec: str = "tf32x3"
 
 
 def default_config(batch: int) -> DecodeConfig:
@@ -124,6 +127,53 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
                                       if n > 1)
 
 
+@dataclass(frozen=True)
+class RopeMean:
+    """What stage 1 needs to add the position-dependent key mean's term itself (``quant.key_mean: rope``,
+    ``int2_decode``'s module docstring) instead of reading a ``[B, H_q, L]`` ``logit_bias``: the term of INT2
+    history slot ``n`` of row ``b`` is ``sm_scale·scaling·q·RoPE_p(m_pre)`` at ``p = position0[b] + n``
+    (``reference.rope_mean_logits`` is its float64 spec).
+
+    Attributes:
+        mean_pre: float32 ``[H_kv, D]`` pre-RoPE key mean per KV head.
+        table: float32 ``[P, D]`` contiguous rows ``[cos θp | sin θp]`` (``rope_ops.position_table``) covering
+            ``max(position0) + L`` (``L`` the block table's capacity) and at least ``block_n`` rows. Stage 1 reads
+            row ``position0[b] + n`` for every history token it scores: a table too short is read out of bounds
+            (``OSCAR_KERNEL_DEBUG=1`` checks it, at the cost of a device sync).
+        position0: int32 ``[B]`` RoPE position of each row's history slot 0 (device tensor: CUDA-graph safe).
+        scaling: the rotary embedding's attention scaling (YaRN's mscale; 1 for plain RoPE).
+    """
+
+    mean_pre: torch.Tensor
+    table: torch.Tensor
+    position0: torch.Tensor
+    scaling: float = 1.0
+
+    def checked(self, b: int, h_kv: int, d: int, cap: int, block_n: int, dev: torch.device) -> RopeMean:
+        """This, validated for a launch (raises ``ValueError`` naming the tensor)."""
+        check_tensor("rope_mean.mean_pre", self.mean_pre, f"float32 [{h_kv}, {d}]", (h_kv, d), (torch.float32,), dev)
+        check_tensor("rope_mean.table", self.table, f"float32 [P, {d}] (position_table)", (None, d),
+                     (torch.float32,), dev)
+        check_tensor("rope_mean.position0", self.position0, f"int32 [{b}]", (b,), (torch.int32,), dev)
+        if not self.mean_pre.is_contiguous() or not self.table.is_contiguous():
+            raise ValueError("rope_mean: mean_pre and table must be contiguous")
+        rows = int(self.table.shape[0])
+        if rows < block_n:
+            raise bad_tensor("rope_mean.table", self.table, f"float32 [>= {block_n}, {d}] (at least one tile of rows)")
+        if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and b:
+            lo, hi = int(self.position0.min()), int(self.position0.max())
+            if lo < 0 or hi + cap > rows:
+                raise ValueError(f"rope_mean.position0: positions {lo}..{hi} + {cap} slots outside the table's {rows} rows")
+        return self
+
+
+def rope_args(q: torch.Tensor, rope: RopeMean, qk_scale: float) -> tuple[Any, ...]:
+    """Stage 1's ``HAS_ROPE`` arguments: raw q and its strides, ``m_pre`` and its head stride, the table, the first
+    positions and ``scaling·sm_scale·log2(e)`` (``qk_scale`` is ``sm_scale·log2(e)``)."""
+    return (q, q.stride(0), q.stride(1), rope.mean_pre, rope.mean_pre.stride(0), rope.table, rope.position0,
+            float(rope.scaling) * qk_scale)
+
+
 class DecodePlan:
     """A validated decode launch: check once, :meth:`run` many times (CUDA-graph capturable).
 
@@ -140,7 +190,7 @@ class DecodePlan:
         mean_v: torch.Tensor | None = None, sm_scale: float | None = None, num_splits: int | None = None,
         config: DecodeConfig | None = None, out: torch.Tensor | None = None,
         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
-        logit_bias: torch.Tensor | None = None,
+        logit_bias: torch.Tensor | None = None, rope_mean: RopeMean | None = None,
     ) -> None:
         cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1)
         dev = q.device
@@ -205,6 +255,9 @@ class DecodePlan:
                 raise bad_tensor("logit_bias", logit_bias, f"float32 [{b}, {h_q}, L] with L >= {cap} (the block "
                                  "table's capacity) and a contiguous last dim")
         bias = logit_bias if logit_bias is not None else o_part
+        if cfg.rope_prec not in ("tf32x3", "ieee", "tf32", "fp16"):
+            raise ConfigError(f"config: rope_prec must be tf32x3, ieee, tf32 or fp16, got {cfg.rope_prec!r}")
+        rope = rope_mean.checked(b, h_kv, d, cap, cfg.block_n, dev) if rope_mean is not None else None
         vc = v_cache.packed
         g = h_q // h_kv
         gp = max(cfg.min_gp, 1 << (g - 1).bit_length())
@@ -222,13 +275,14 @@ class DecodePlan:
             vc, vc.stride(0), vc.stride(1),
             ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl,
             bias, bias.stride(0) if logit_bias is not None else 0, bias.stride(1) if logit_bias is not None else 0,
+            *(rope_args(q, rope, scale) if rope is not None else (o_part, 0, 0, o_part, 0, o_part, hl, 0.0)),
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
-                 VROW=vrow, HAS_BIAS=logit_bias is not None,
+                 VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -295,6 +349,7 @@ def decode_attention(
             (output ``(o + mu_V) @ R_Vᵀ``; None = identity / zero), ``sm_scale`` (default ``D**-0.5``),
             ``logit_bias`` (float32 ``[B, H_q, L]``, ``L`` at least the block table's capacity: added to the scaled
             logit ``q·k·sm_scale`` of INT2 history token ``n`` of each query head; the BF16 tiers take none),
+            ``rope_mean`` (:class:`RopeMean`: the position-dependent key mean's term, computed in stage 1),
             ``num_splits`` (default from static shapes), ``config`` (:class:`DecodeConfig`), ``out``
             (``[B, H_q, D]`` result buffer), ``workspace`` (from :func:`make_workspace`).
 
@@ -319,8 +374,8 @@ def decode_attention_contiguous(
             (``reference.rows_to_token_quads``); both with ``scale``/``zero`` ``[B, H_kv, T, 1]``.
         sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` rotated tiers.
         hist_len, sink_len, recent_len: valid rows per sequence (default: all ``T`` rows).
-        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, logit_bias, num_splits, config, out,
-            workspace).
+        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, logit_bias, rope_mean, num_splits, config,
+            out, workspace).
     """
     squeeze = q.dim() == 4
     if squeeze:

@@ -40,6 +40,15 @@ raw codes and every per-token factor is applied once per token, outside the dot.
 residues like the metadata); the BF16 tiers take none. The position-dependent key mean uses it
 (``oscar_kernels.rope_ops``).
 
+**Position-dependent key mean** (``HAS_ROPE``): the term ``t(p) = Σ_k A_k·cos θ_k p + B_k·sin θ_k p`` of keys
+centred by ``RoPE_p(m_pre)`` (``oscar_kernels.rope_ops``), computed in the tile instead of read from a ``[B, H_q, L]``
+buffer. Each program forms ``A``, ``B`` (``[D/2, GP]`` float32, times ``a·sm_scale·log2(e)``) once from the raw
+queries and ``m_pre``; for residue ``j`` of the tile at history slot ``n0`` (position ``p = pos0_b + n0 + j``) it
+rotates them by the position table's row ``p`` (angle addition: ``A' = A·cos θp + B·sin θp``, ``B' = B·cos θp -
+A·sin θp``) and takes ``t(p + 4i) = [cos θ4i | sin θ4i]·[A' | B']``: one ``[NQ, D] × [D, GP]`` float32 product per
+residue (``ROPE_PREC``: tf32x3 on GPUs) against the table's rows ``0, 4, .., BLOCK_N - 4``, the same for every tile.
+No angle is rounded to float32 (the table's rows are float32 roundings of float64 values).
+
 **Unpack: fp16 subnormal fields, the whole byte as the top field.** Two ``prmt`` zero-extend 4 code bytes to 4
 uint16 lanes (:func:`_spread`); an ``and`` with ``0x00030003 << 2J`` per two codes leaves the bit pattern of the
 fp16 subnormal ``c_J·4^J·2^-24`` exactly (:func:`_field`, fields ``J = 0..2``), and the zero-extended byte itself,
@@ -235,6 +244,59 @@ def _tile_bias(bias_ptr, bbase, stride_bh, n0, quad, end, GROUP: tl.constexpr, G
 
 
 @triton.jit
+def _rope_residue(ca, cb, tc, ts, rt_ptr, p, D: tl.constexpr, PREC: tl.constexpr):
+    """The position-dependent key mean's term (log2 domain) of the tokens at positions ``p + 4i`` (``i < NQ``): the
+    coefficients ``[A | B]`` (``ca``, ``cb``: float32 ``[D/2, GP]``) rotated by the table's row ``p`` (angle
+    addition), times the rows ``[cos θ4i | sin θ4i]`` (``tc``, ``ts``: ``[NQ, D/2]``) -> ``[NQ, GP]``."""
+    half = tl.arange(0, D // 2)
+    row = rt_ptr + p.to(tl.int64) * D
+    c = tl.load(row + half)[:, None]
+    s = tl.load(row + D // 2 + half)[:, None]
+    a = ca * c + cb * s
+    b = cb * c - ca * s
+    if PREC == "fp16":  # one fp16 MMA per half: the coefficients times the program's power of two (folded into
+        # ca, cb, undone by the caller), the table rows as fp16
+        return tl.dot(tc, a.to(tl.float16)) + tl.dot(ts, b.to(tl.float16))
+    else:
+        return tl.dot(tc, a, input_precision=PREC) + tl.dot(ts, b, input_precision=PREC)
+
+
+@triton.jit
+def _tile_rope(ca, cb, rt_ptr, p0, NQ: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    """The term of a tile's four token residues (float32 ``[NQ, GP]`` each) whose first token sits at position
+    ``p0``: residue ``j`` holds positions ``p0 + j + 4i``."""
+    half = tl.arange(0, D // 2)
+    rows = (4 * tl.arange(0, NQ))[:, None] * D
+    tc = tl.load(rt_ptr + rows + half[None, :])  # [cos θ·4i], the same rows for every tile (L1)
+    ts = tl.load(rt_ptr + rows + D // 2 + half[None, :])
+    if PREC == "fp16":
+        tc = tc.to(tl.float16)
+        ts = ts.to(tl.float16)
+    r0 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0, D, PREC)
+    r1 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 1, D, PREC)
+    r2 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 2, D, PREC)
+    r3 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 3, D, PREC)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _rope_coefficients(rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, b, h, rope_scale,
+                       GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    """``A``, ``B`` (float32 ``[D/2, GP]``, pad heads 0) of the ``g`` query heads of KV head ``h``:
+    ``A_k = c·(q_k m_k + q_{k+D/2} m_{k+D/2})``, ``B_k = c·(q_{k+D/2} m_k - q_k m_{k+D/2})`` with ``c =
+    rope_scale`` (the rotary embedding's attention scaling times the softmax scale times ``log2(e)``)."""
+    heads = tl.arange(0, GP)
+    half = tl.arange(0, D // 2)
+    base = rq_ptr + b.to(tl.int64) * stride_rqb + (h * GROUP + heads)[None, :] * stride_rqh + half[:, None]
+    ok = (heads < GROUP)[None, :]
+    qa = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    qb = tl.load(base + D // 2, mask=ok, other=0.0).to(tl.float32)
+    ma = tl.load(rm_ptr + h * stride_rmh + half)[:, None] * rope_scale
+    mb = tl.load(rm_ptr + h * stride_rmh + D // 2 + half)[:, None] * rope_scale
+    return qa * ma + qb * mb, qb * ma - qa * mb
+
+
+@triton.jit
 def _part_range(n, part, parts, BLOCK: tl.constexpr):
     """Rows ``[start, end)`` of range ``part`` when ``n`` rows are cut into ``parts`` ranges of whole ``BLOCK``-row
     tiles (the INT2 splits and the BF16 tier ranges; trailing ranges may be empty: ``start >= end``)."""
@@ -386,9 +448,11 @@ def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, bias_ptr, bbase, stride_bh,
+    ca, cb, rinv, rt_ptr, rpos,
     GROUP: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-    VROW: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    VROW: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr,
+    ROPE_PREC: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
     ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
@@ -437,6 +501,12 @@ def _int2_tile(
         s1 += b1
         s2 += b2
         s3 += b3
+    if HAS_ROPE:  # the position-dependent key mean's term, from the position of the tile's first token
+        t0, t1, t2, t3 = _tile_rope(ca, cb, rt_ptr, rpos + n0, NQ, D, ROPE_PREC)
+        s0 += t0 * rinv
+        s1 += t1 * rinv
+        s2 += t2 * rinv
+        s3 += t3 * rinv
     # one cross-lane reduction per tile and quantity: the four residues are combined elementwise first
     m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
     alpha = tl.exp2(m_i - m_new)
@@ -467,10 +537,11 @@ def _int2_split(
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # meta [pages, H_kv, P], contiguous along P
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32, lengths [B] int32
     bias_ptr, stride_bb, stride_bh,  # per-key logit bias [B, H_q, L] float32 (natural units); unused without
+    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rpos_ptr, rope_scale,  # HAS_ROPE (stage 1)
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, HIST_STAGES: tl.constexpr,
-    HOIST_Q: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HOIST_Q: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, ROPE_PREC: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -512,6 +583,18 @@ def _int2_split(
     length = tl.load(hist_len_ptr + b)
     start, end = _part_range(length, sp, num_splits, BLOCK_N)
     bbase = b.to(tl.int64) * stride_bb + (h * GROUP) * stride_bh
+    if HAS_ROPE:
+        ca, cb = _rope_coefficients(rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, b, h, rope_scale, GROUP, GP, D)
+        rpos = tl.load(rpos_ptr + b)
+        if ROPE_PREC == "fp16":  # |A cos + B sin| <= |A| + |B| at every position: one power of two per program
+            rf = _pow2_scale(tl.max(tl.max(tl.abs(ca) + tl.abs(cb), 1), 0))
+            ca = ca * rf
+            cb = cb * rf
+            rinv = 1.0 / rf
+        else:
+            rinv = 1.0
+    else:
+        ca, cb, rpos, rinv = 0.0, 0.0, 0, 1.0
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     accm = tl.zeros([GP], tl.float32)
@@ -522,14 +605,16 @@ def _int2_split(
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, False,
-            HAS_BIAS)
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
+            VROW, False,
+            HAS_BIAS, HAS_ROPE, ROPE_PREC)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, True,
-            HAS_BIAS)
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
+            VROW, True,
+            HAS_BIAS, HAS_ROPE, ROPE_PREC)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -606,6 +691,9 @@ def _decode_stage1_kernel(
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # scale / zero [pages, H_kv, P] md, P contiguous
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32; hist_len [B] int32
     bias_ptr, stride_bb, stride_bh,  # per-key logit bias of the INT2 history [B, H_q, L] float32 (HAS_BIAS)
+    # HAS_ROPE: raw (unrotated) q [B, H_q, D], m_pre [H_kv, D] float32, position table [P, D] float32 (contiguous
+    # rows [cos θp | sin θp]), first history position per row pos0 [B] int32, a·sm_scale·log2(e)
+    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rpos_ptr, rope_scale,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
@@ -614,7 +702,8 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, PTX: tl.constexpr, ACT: tl.constexpr, PAGED: tl.constexpr,
     PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False,
+    VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
+    ROPE_PREC: tl.constexpr = "tf32x3",
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -642,8 +731,10 @@ def _decode_stage1_kernel(
                     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr, bias_ptr, stride_bb, stride_bh,
+                    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rpos_ptr, rope_scale,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q, HAS_BIAS)
+                    GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q, HAS_BIAS, HAS_ROPE,
+                    ROPE_PREC)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

@@ -20,9 +20,10 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
 - :func:`dequantize_history` — a range of one sequence's paged INT2 keys and values, dequantized through its
   block-table row with the mean added back, into activation-dtype ``[T, H_kv, D]`` buffers (one launch; the vLLM
   backend's prefill chunks attend to it).
-- :func:`rope_mean_logits` — the position-dependent key mean's logit term per query head and history token (the
-  decode kernel's ``logit_bias`` for a history written centred by ``RoPE_p(m_pre)``): one float32 GEMM over
-  :func:`position_table`.
+- :class:`RopeMean` — the position-dependent key mean (``quant.key_mean: rope``) for :func:`decode_attention`'s
+  ``rope_mean``: stage 1 adds the term ``q·RoPE_p(m_pre)`` of every INT2 key itself, from :func:`position_table`.
+- :func:`rope_mean_logits` — the same term as a ``[B, H_q, L]`` tensor (one float32 GEMM over the table) for the
+  kernel's ``logit_bias``: the unfused form, kept to measure the fused one against.
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
   :func:`default_num_splits`.
 
@@ -42,6 +43,7 @@ from oscar_kernels.decode_ops import (
     ConfigError,
     DecodeConfig,
     DecodePlan,
+    RopeMean,
     decode_attention,
     decode_attention_contiguous,
     default_config,
@@ -61,6 +63,7 @@ __all__ = [
     "ConfigError",
     "DecodeConfig",
     "DecodePlan",
+    "RopeMean",
     "decode_attention",
     "decode_attention_contiguous",
     "dequantize_history",

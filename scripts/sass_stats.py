@@ -5,6 +5,7 @@ branches and counted per opcode. Divided by the codes a loop iteration consumes,
 per code" figure of docs/KERNELS.md. Usage:
     python scripts/sass_stats.py [--warps 1] [--block-n 64] [--gp 8] [--stages 2] [--block-nb 16] [--maxnreg 0]
         [--dtype bf16|fp16] [--hist-stages N] [--hoist-q] [--prefetch] [--page 64] [--sass out.sass]
+        [--rope tf32x3|tf32|ieee]   (the position-dependent key mean's in-tile term, at that precision)
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from oscar_kernels.reference import token_quad_row
 
 BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
 PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
-        "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32"}
+        "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32", "bias_ptr": "*fp32", "rm_ptr": "*fp32",
+        "rt_ptr": "*fp32", "rpos_ptr": "*i32", "rope_scale": "fp32"}
 # Opcodes Nsight Compute counts on the ALU pipe (integer logic, permutes, shifts, compares, selects, min/max): it
 # issues at half the float pipe's rate, and it was what throttled the INT2 loop at batch 16 (docs/KERNELS.md)
 ALU = ("LOP3", "PRMT", "SHF", "SEL", "FSEL", "FMNMX", "HMNMX2", "VHMNMX", "IMNMX", "ISETP", "FSETP", "PLOP3", "IADD3",
@@ -36,17 +38,18 @@ INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.
 
 def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0,
                    act: str = "bf16", hist_stages: int = 0,
-                   hoist_q: bool = False, prefetch: bool = False, page: int = 64) -> object:
+                   hoist_q: bool = False, prefetch: bool = False, page: int = 64, rope: str = "") -> object:
     fn = int2_decode._decode_stage1_kernel
     const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, PTX=True,
                  ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=page,
                  VROW=token_quad_row(page) // 4,
                  TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
-                 HOIST_Q=hoist_q, PREFETCH=prefetch)
+                 HOIST_Q=hoist_q, PREFETCH=prefetch, HAS_ROPE=bool(rope), ROPE_PREC=rope or "tf32x3")
     sig = {n: "constexpr" if n in const else PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     # like the JIT's specialisation: pointers and strides divisible by 16 (the split count is not)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const and n != "num_splits"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and n not in ("num_splits", "rope_scale")}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -95,10 +98,12 @@ def main() -> None:
     p.add_argument("--page", type=int, default=64, help="tokens per page (paged layout)")
     p.add_argument("--maxnreg", type=int, default=0)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--rope", choices=("", "tf32x3", "tf32", "ieee", "fp16"), default="",
+                   help="compile the position-dependent key mean's in-tile term (HAS_ROPE) at this dot precision")
     p.add_argument("--sass", type=Path)
     a = p.parse_args()
     k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.hist_stages, a.hoist_q,
-                       a.prefetch, a.page)
+                       a.prefetch, a.page, a.rope)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)
     if a.sass:

@@ -314,9 +314,11 @@ def test_int2_plans_build_runnable_plans_with_kernel_overrides(paged: bool, page
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; the GPU runs it in `oscar bench`")
-def test_rope_mean_step_is_the_decode_with_the_float64_term() -> None:
-    """``--key-mean rope``: each timed INT2 step computes the position-dependent key mean's logit term over the
-    history (positions after the sink) and decodes with it: the same output as the decode given the float64 term."""
+@pytest.mark.parametrize("key_mean", ["rope", "rope-gemm"])
+def test_rope_mean_step_is_the_decode_with_the_float64_term(key_mean: str) -> None:
+    """``--key-mean rope`` (the term inside the decode kernel) and ``rope-gemm`` (a GEMM writing it first): each
+    timed INT2 step adds the position-dependent key mean's logit term over the history (positions after the sink):
+    the same output as the decode given the float64 term."""
     from oscar_cli.bench.cases import RopeMeanStep, int2_plans
     from oscar_cli.bench.config import BenchConfig
     from oscar_cli.bench.shapes import NAMED_SHAPES
@@ -325,29 +327,30 @@ def test_rope_mean_step_is_the_decode_with_the_float64_term() -> None:
 
     shape = NAMED_SHAPES["smollm2-135m"]
     cfg = BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)), page_size=64,
-                      key_mean="rope")
+                      key_mean=key_mean)
     plans, cases, _ = int2_plans(shape, 1, 512, cfg, torch.device("cpu"), 1 << 20)
     step, c = plans[0], cases[0]
-    assert isinstance(step, RopeMeanStep)
+    assert isinstance(step, RopeMeanStep) == (key_mean == "rope-gemm")
     got = step.run().float().clone()
+    config = step.plan.config if isinstance(step, RopeMeanStep) else step.config
     hist, s0 = int(c["hist_len"][0]), int(c["sink_len"][0])
     pos = torch.arange(s0, s0 + hist)[None]
     from oscar_cli.bench.cases import rope_frequencies
 
     inv = rope_frequencies(shape.d)
     term = ref.rope_mean_logits(c["q"], c["mean_pre"], inv, 1.0, pos, shape.d ** -0.5).float()
-    bias = torch.zeros_like(c["logit_bias"])
+    bias = torch.zeros(*term.shape[:2], int(c["block_table"].shape[1]) * 64, dtype=torch.float32)
     bias[..., :hist] = term
     keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
             "recent_k", "recent_v", "recent_len")
     want = ops.decode_attention(c["q"], *(c[k] for k in keys), rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
-                                mean_v=c["mean_v"], logit_bias=bias, config=step.plan.config).float()
+                                mean_v=c["mean_v"], logit_bias=bias, config=config).float()
     plain = ops.decode_attention(c["q"], *(c[k] for k in keys), rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
-                                 mean_v=c["mean_v"], config=step.plan.config).float()
+                                 mean_v=c["mean_v"], config=config).float()
     assert (got - want).abs().max() < 2e-3 * max(1.0, float(want.abs().max()))
     assert (got - plain).abs().max() > 1e-2  # the term is not zero
 
 
 def test_bench_key_mean_must_be_constant_or_rope() -> None:
     r = CliRunner().invoke(app, ["bench", "--key-mean", "learned"])
-    assert r.exit_code == 2 and "--key-mean must be constant or rope" in r.output
+    assert r.exit_code == 2 and "--key-mean must be constant, rope or rope-gemm" in r.output

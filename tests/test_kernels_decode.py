@@ -192,6 +192,86 @@ def test_decode_logit_bias_interpreter(case: tuple, config_id: str) -> None:
         assert (plain.float() - out.float()).abs().max() > 1e-2, "the bias changed nothing"
 
 
+def add_rope_mean(c: dict, pos0: list[int], scaling: float = 1.0, seed: int = 0) -> None:
+    """Give case ``c`` a position-dependent key mean (``rope_mean``: ``m_pre`` with a few large channels, the
+    position table, first positions ``pos0``) and, as ``logit_bias``, its term from the GEMM form
+    (``ops.rope_mean_logits``, checked against the float64 spec in test_rope_ops), which the references add."""
+    b, h_q, d = (int(x) for x in c["q"].shape)
+    h_kv = int(c["k_cache"].packed.shape[1])
+    cap = int(c["block_table"].shape[1]) * int(c["k_cache"].packed.shape[2])
+    dev = c["q"].device
+    gen = torch.Generator().manual_seed(seed)
+    mean_pre = (torch.randn(h_kv, d, generator=gen) * torch.exp2(torch.linspace(-3, 2, d))).to(dev)
+    inv = 1.0 / 1_000_000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    table = ops.position_table(inv, max(pos0) + cap, dev)
+    c["rope_mean"] = ops.RopeMean(mean_pre, table, torch.tensor(pos0, dtype=torch.int32, device=dev), scaling)
+    c["logit_bias"] = ops.rope_mean_logits(c["q"], mean_pre, table, scaling, pos0, d ** -0.5,
+                                           torch.empty(b, h_q, cap, device=dev))
+
+
+ROPE_CASES = [
+    # id, (B, H_q, H_kv, D), hist, sink, recent, page, splits, first positions
+    ("ragged-1-31-page16", (2, 8, 2, 64), [1, 31], [4, 4], [5, 3], 16, 2, [4, 4]),
+    ("hist97-past-128k", (1, 4, 1, 64), [97], [3], [16], 16, 3, [131_000]),
+    ("qwen-heads-D128-two-starts", (2, 12, 2, 128), [70, 45], [2, 1], [3, 4], 64, 2, [64, 3]),
+    ("page128-two-rows-ragged", (2, 4, 2, 64), [150, 70], [2, 1], [3, 4], 128, 3, [0, 7]),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("prec", ["fp16", "tf32x3"])
+@pytest.mark.parametrize("config_id", ["four-warps", "one-warp", "one-warp-q-hoisted"])
+@pytest.mark.parametrize("case", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
+def test_decode_rope_mean_in_tile_interpreter(case: tuple, config_id: str, prec: str) -> None:
+    """The position-dependent key mean's term computed in stage 1 (``rope_mean``: per-residue angle addition over the
+    position table) against the float64 oracle given the GEMM form's term: ragged rows and first positions, masked
+    tails, page boundaries, positions past 128K, 6 query heads per KV head padded to 8; and close to the same
+    kernel reading the GEMM form's ``logit_bias`` (a different float32 summation of the same term)."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits, pos0 = case
+    config, seed = CONFIGS[config_id]
+    config = replace(config, rope_prec=prec)
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(len(name) * seed + 5, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
+                  meta=torch.float16)
+    add_rope_mean(c, pos0, scaling=1.2, seed=seed)
+    assert float(c["logit_bias"].abs().max()) > 2.0, "a term too small to test"
+    fused = run_op({k: v for k, v in c.items() if k != "logit_bias"}, rope_mean=c["rope_mean"], num_splits=splits,
+                   config=config, out=_poisoned(c))
+    assert_budget(fused, c)
+    unfused = run_op(c, num_splits=splits, config=config)
+    tol = (4 if prec == "tf32x3" else 16) * torch.finfo(torch.float16).eps * unfused.abs().max()
+    assert (fused.float() - unfused.float()).abs().max() <= tol
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("change,match", [
+    ("mean-heads", "rope_mean.mean_pre"),
+    ("table-dim", "rope_mean.table"),
+    ("table-shorter-than-a-tile", "rope_mean.table"),
+    ("positions-int64", "rope_mean.position0"),
+    ("positions-for-one-row", "rope_mean.position0"),
+    ("precision", "rope_prec"),
+])
+def test_decode_rope_mean_bad_arguments_are_refused(change: str, match: str) -> None:
+    c = make_case(3, 2, 4, 2, 64, [40, 9], [2, 2], [2, 2], 16, torch.float16, "cpu", meta=torch.float16)
+    add_rope_mean(c, [0, 5])
+    r, cfg = c["rope_mean"], TINY
+    if change == "mean-heads":
+        r = replace(r, mean_pre=torch.zeros(1, 64))
+    elif change == "table-dim":
+        r = replace(r, table=torch.zeros(400, 128))
+    elif change == "table-shorter-than-a-tile":
+        r = replace(r, table=r.table[: TINY.block_n - 1].contiguous())
+    elif change == "positions-int64":
+        r = replace(r, position0=r.position0.long())
+    elif change == "positions-for-one-row":
+        r = replace(r, position0=r.position0[:1])
+    else:
+        cfg = replace(TINY, rope_prec="bf16")
+    with pytest.raises(ValueError, match=match):
+        run_op({k: v for k, v in c.items() if k != "logit_bias"}, rope_mean=r, config=cfg)
+
+
 @pytest.mark.unit
 def test_decode_logit_bias_shorter_than_the_table_is_refused() -> None:
     c = make_case(3, 1, 4, 1, 64, [40], [2], [2], 16, torch.float16, "cpu", meta=torch.float16, bias_mag=1.0)
@@ -374,6 +454,24 @@ def test_decode_gpu_logit_bias(length: int) -> None:
     c = make_case(length + 5, b, 12, 2, 128, hist, [64] * b, [256] * b, 64, torch.bfloat16, "cuda", bias_mag=4.0)
     for cfg in (None, ops.DecodeConfig(prefetch=False)):
         assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="requires CUDA")
+@pytest.mark.parametrize("prec", ["fp16", "tf32x3"])
+@pytest.mark.parametrize("length", [97, 4097, 33_000], ids=["len97", "len4097", "len33000"])
+def test_decode_gpu_rope_mean_in_tile(length: int, prec: str) -> None:
+    """The position-dependent key mean's term inside stage 1 on CUDA (Qwen2.5-Coder-1.5B's heads; batch 3 and 16,
+    the second with ``default_config(16)``'s register cap), histories starting past 128K in one row."""
+    for b in (3, 16):
+        hist = ([length - 320 if length > 320 else length, 17, 0] * 6)[:b]
+        c = make_case(length + 5 + b, b, 12, 2, 128, hist, [64] * b, [256] * b, 64, torch.bfloat16, "cuda")
+        add_rope_mean(c, ([64, 131_000, 3] * 6)[:b], scaling=1.2, seed=b)
+        for cfg in (ops.default_config(b), replace(ops.default_config(b), prefetch=False)):
+            cfg = replace(cfg, rope_prec=prec)
+            fused = run_op({k: v for k, v in c.items() if k != "logit_bias"}, rope_mean=c["rope_mean"],
+                           out=_poisoned(c), config=cfg)
+            assert_budget(fused, c)
 
 
 @pytest.mark.gpu

@@ -111,18 +111,24 @@ class RopeMeanStep:
         return self.plan.run()
 
 
-def add_rope_mean(case: dict[str, Any], table: torch.Tensor) -> None:
+def add_rope_mean(case: dict[str, Any], table: torch.Tensor, fused: bool = True) -> None:
     """Give a case what the position-dependent key mean needs: a pre-RoPE mean per KV head, the shared position
-    ``table`` (:func:`oscar_kernels.ops.position_table` covering the sink and the block table's capacity), each
-    row's first history position (after its sink) and the ``[B, H_q, L]`` float32 bias buffer over that capacity."""
+    ``table`` (:func:`oscar_kernels.ops.position_table` covering the sink and the block table's capacity) and each
+    row's first history position (after its sink); ``fused``: as the decode's ``rope_mean`` (stage 1 computes the
+    term), else the ``[B, H_q, L]`` float32 bias buffer over that capacity for the GEMM form."""
+    from oscar_kernels import ops
+
     b, h_q, d = (int(x) for x in case["q"].shape)
     h_kv, page = int(case["k_cache"].packed.shape[1]), int(case["k_cache"].packed.shape[2])
     device = case["q"].device
     case["mean_pre"] = torch.randn(h_kv, d, device=device)
     case["position_table"] = table
     case["position0"] = [int(x) for x in case["sink_len"].tolist()]
-    case["logit_bias"] = torch.zeros(b, h_q, int(case["block_table"].shape[1]) * page, dtype=torch.float32,
-                                     device=device)
+    if fused:
+        case["rope_mean"] = ops.RopeMean(case["mean_pre"], table, case["sink_len"].to(torch.int32).clone())
+    else:
+        case["logit_bias"] = torch.zeros(b, h_q, int(case["block_table"].shape[1]) * page, dtype=torch.float32,
+                                         device=device)
 
 
 def rope_frequencies(d: int) -> torch.Tensor:
@@ -133,7 +139,8 @@ def rope_frequencies(d: int) -> torch.Tensor:
 def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, out: torch.Tensor,
               paged: bool = True) -> Any:
     """A validated :class:`oscar_kernels.ops.DecodePlan` over one case (launch with ``.run()``); a case with a
-    position-dependent key mean (:func:`add_rope_mean`) gives a :class:`RopeMeanStep`."""
+    position-dependent key mean's GEMM form (:func:`add_rope_mean` with ``fused=False``) gives a
+    :class:`RopeMeanStep`."""
     from oscar_kernels import ops
 
     keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
@@ -141,7 +148,7 @@ def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, ou
     plan = ops.DecodePlan(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
                           rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
                           config=config, workspace=workspace, out=out, paged=paged,
-                          logit_bias=case.get("logit_bias"))
+                          logit_bias=case.get("logit_bias"), rope_mean=case.get("rope_mean"))
     if "logit_bias" not in case:
         return plan
     return RopeMeanStep(plan, case["q"], case["mean_pre"], case["position_table"], case["position0"],
@@ -176,12 +183,12 @@ def int2_plans(
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
     nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
     table = (ops.position_table(rope_frequencies(shape.d), min(ctx, cfg.sink) + ps * n_pp, device)
-             if cfg.key_mean == "rope" else None)  # one position table for every case
+             if cfg.key_mean != "constant" else None)  # one position table for every case
 
     def make(i: int) -> dict[str, Any]:
         case = build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i)
         if table is not None:
-            add_rope_mean(case, table)
+            add_rope_mean(case, table, fused=cfg.key_mean == "rope")
         return case
 
     cases = rotating(make, nbytes, l2)

@@ -30,8 +30,9 @@ class BenchConfig:
     quant_tokens: int = 16384
     seed: int = 0
     paged: bool = True  # False: the non-paged layout [B, H_kv, T, D/4] (no block-table lookups)
-    # "rope": each INT2 step also computes the position-dependent key mean's per-key logit term and the decode
-    # kernel reads it (``quant.key_mean: rope`` on the Triton path); "constant": the plain decode
+    # "rope": the decode kernel adds the position-dependent key mean's per-key logit term itself (``quant.key_mean:
+    # rope`` on the Triton path); "rope-gemm": each INT2 step first writes the term as a float32 [B, H_q, L] tensor
+    # (one GEMM) that the kernel reads (the unfused form); "constant": the plain decode
     key_mean: str = "constant"
 
     @property

@@ -49,9 +49,12 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
         "tensor-core (flashinfer_tc) and CUDA-core (flashinfer) kernels; a cell without it did not run (see the log)"
     ]
     if config.key_mean == "rope":
-        notes.append("INT2 times include the position-dependent key mean (quant.key_mean rope): per step a GEMM "
-                     "writing the float32 [B, H_q, L] logit term, then the decode kernel reading it; bytes and % copy "
-                     "count the INT2 format's bytes only, so the term's traffic shows as a lower share")
+        notes.append("INT2 times include the position-dependent key mean (quant.key_mean rope), its logit term "
+                     "computed inside the decode kernel from the position table")
+    elif config.key_mean == "rope-gemm":
+        notes.append("INT2 times include the position-dependent key mean (quant.key_mean rope) in its unfused form: "
+                     "per step a GEMM writing the float32 [B, H_q, L] logit term, then the decode kernel reading it; "
+                     "bytes and % copy count the INT2 format's bytes only, so the term's traffic shows as a lower share")
     cfg = {k: (v.__dict__ if isinstance(v, AttnShape) else v) for k, v in config.__dict__.items()}
     return BenchResult(config=cfg, environment=env, copy_gbps=copy, cells=cells, quantize=quant, notes=notes)
 

@@ -3,7 +3,7 @@
 
 Every ``DecodeConfig`` field can be set (``hist_stages=2``, ``maxnreg=128``, ``pdl=false``, ``merge_cols=128`` ...);
 fields not named keep ``default_config(batch)``. Values: integers, ``true``/``false`` for flags, ``none`` for
-optional integers. Whether a combination is legal (e.g. ``block_n`` a power of two >= 64 on a GPU) is checked by
+optional integers, words for text fields (``rope_prec=tf32x3``). Whether a combination is legal (e.g. ``block_n`` a power of two >= 64 on a GPU) is checked by
 the kernels' own validation when the bench builds its launch plan.
 """
 
@@ -43,6 +43,8 @@ def parse_kernel_options(text: str | None) -> tuple[tuple[str, Any], ...]:
             if low not in _TRUE | _FALSE:
                 raise ValueError(f"{key} takes true or false, got {raw!r}")
             value: Any = low in _TRUE
+        elif isinstance(default, str):
+            value = raw
         elif low == "none":
             if default is not None:
                 raise ValueError(f"{key} cannot be none")

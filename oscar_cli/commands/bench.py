@@ -23,6 +23,7 @@ EXAMPLES = """
   oscar bench --ctx 128k --kernel hist_stages=2         # a single-buffered INT2 loop, same harness
   oscar bench --batch 16 --page-size 16                  # vLLM-sized pages (INT2 and FlashInfer alike)
   oscar bench --ctx 32k,128k --key-mean rope           # with the position-dependent key mean's logit term
+  oscar bench --ctx 128k --key-mean rope-gemm          # the same term as a GEMM the kernel reads (unfused)
   oscar bench --replot bench.json --plot bench.png      # plot a saved --json record again (no GPU needed)
 """
 
@@ -100,8 +101,10 @@ def bench(
         "--kernel", help="Decode-kernel knobs KEY=VALUE,... (DecodeConfig fields, e.g. hist_stages=2,maxnreg=none,pdl=false); "
                          "the rest stay default_config(batch).")] = None,
     key_mean: Annotated[str, typer.Option(
-        "--key-mean", help="constant | rope: rope times each INT2 step as a quant.key_mean rope artifact runs on the "
-                           "Triton path (the per-key logit term's GEMM, then the decode kernel reading it).")] = "constant",
+        "--key-mean", help="constant | rope | rope-gemm: rope times each INT2 step as a quant.key_mean rope artifact "
+                           "runs on the Triton path (the decode kernel adds the per-key logit term itself); rope-gemm "
+                           "the unfused form (the term's GEMM into a [B, H_q, L] tensor, then the kernel reading "
+                           "it).")] = "constant",
 ) -> None:
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
     from oscar_cli.bench.kernel_options import parse_kernel_options
@@ -123,8 +126,8 @@ def bench(
         raise typer.BadParameter(str(exc), param_hint="--kernel") from exc
     if page_size < 16 or page_size % 16 or (page_size > 64 and page_size % 64):
         raise typer.BadParameter(f"--page-size must be a multiple of 16 (of 64 above 64), got {page_size}")
-    if key_mean not in ("constant", "rope"):
-        raise typer.BadParameter(f"--key-mean must be constant or rope, got {key_mean!r}")
+    if key_mean not in ("constant", "rope", "rope-gemm"):
+        raise typer.BadParameter(f"--key-mean must be constant, rope or rope-gemm, got {key_mean!r}")
     if dtype not in ("bf16", "fp16"):
         raise typer.BadParameter(f"--dtype must be bf16 or fp16, got {dtype!r}")
     from oscar_cli.bench import harness, report

@@ -142,6 +142,7 @@ class Int2Layer(AppendLayer):
         self.kernel_step = False  # the last update was a decode step for the Triton path
         self.kernel_key: torch.Tensor | None = None  # the key tensor that update returned for it
         self._pads_dev: torch.Tensor | None = None
+        self._pos0_dev: torch.Tensor | None = None  # first INT2 history position per row (rope key mean), on device
         self._kernel_rot: torch.Tensor | None = None
         self.pool: PagePool | None = None
         self.sink_k = self.sink_v = self.recent_k = self.recent_v = None  # type: torch.Tensor | None
@@ -464,9 +465,9 @@ class Int2Layer(AppendLayer):
         if self._kernel_rot is None and self.k_rot is not None:  # R_K as the kernel takes it (no copy if float32)
             self._kernel_rot = self.k_rot.to(query.device).float().contiguous()
         q = query[:, :, 0].contiguous()
-        k_mean, bias = self.k_mean, None
+        k_mean, rope = self.k_mean, None
         if self.mean_pre is not None:  # keys centred by position: the BF16 tiers as they are, the INT2 term added
-            k_mean, bias = None, self._rope_logits(q, scaling)
+            k_mean, rope = None, self._rope_mean(q.device)
         out = decode_attention(
             q,
             self.pool.k,
@@ -482,26 +483,26 @@ class Int2Layer(AppendLayer):
             rotation_k=self._kernel_rot,
             mean_v=None if self.v_mean is None else flat_mean(self.v_mean),
             sm_scale=scaling,
-            logit_bias=bias,
+            rope_mean=rope,
         )
         return out.unsqueeze(2)
 
-    def _rope_logits(self, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """The logit term of keys centred by position (``quant.key_mean: rope``): ``scaling·q·RoPE_p(m_pre)`` for
-        every history slot the block table addresses (``oscar_kernels.ops.rope_mean_logits``; ``R_K`` is
-        orthogonal, so the term is the same in its space). Row ``b``'s history token ``n`` sits at RoPE position
-        ``max(pad_b, S) - pad_b + n``."""
-        from oscar_kernels.ops import rope_mean_logits
+    def _rope_mean(self, device: torch.device) -> Any:
+        """What the decode kernel needs to add the logit term of keys centred by position (``quant.key_mean:
+        rope``), ``sm_scale·a·q·RoPE_p(m_pre)``, to every INT2 history token itself (``oscar_kernels.ops.RopeMean``;
+        ``R_K`` is orthogonal, so the term is the same in its space). Row ``b``'s history token ``n`` sits at RoPE
+        position ``max(pad_b, S) - pad_b + n``; the shared position table covers every slot the block table
+        addresses."""
+        from oscar_kernels.ops import RopeMean
 
         assert self.pool is not None and self.mean_pre is not None and self.rope_table is not None
         cap = int(self.pool.device_table().shape[1]) * self.page_size
         pos0 = [max(p, self.sink_slots) - p for p in self.pads]
-        table = self.rope_table.kernel_table(max(pos0) + cap, q.device)
+        if self._pos0_dev is None:  # one host-to-device copy per batch, not per step
+            self._pos0_dev = torch.tensor(pos0, dtype=torch.int32, device=device)
+        table = self.rope_table.kernel_table(max(pos0) + cap, device)
         _, attn_scaling = self.rope_table.frequencies()
-        out = torch.empty(q.shape[0], q.shape[1], cap, dtype=torch.float32, device=q.device)
-        d = int(q.shape[-1])
-        return rope_mean_logits(q, self.mean_pre, table, attn_scaling, pos0, d ** -0.5 if scaling is None else scaling,
-                                out)
+        return RopeMean(self.mean_pre, table, self._pos0_dev, attn_scaling)
 
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -559,6 +560,7 @@ class Int2Layer(AppendLayer):
             self.keep.select(sel)
         self.pads = [self.pads[i] for i in idx]
         self._pads_dev = None
+        self._pos0_dev = None
         self.batch_size = len(idx)
         self.dims = (len(idx), *self.dims[1:])
 
