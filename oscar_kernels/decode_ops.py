@@ -57,10 +57,12 @@ class DecodeConfig:
     # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
     # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
     prefetch: bool = True
-    # the position-dependent key mean's in-tile term: its products' operands. "fp16": one fp16 MMA per half, the
-    # coefficients scaled by a power of two per program (11-bit operands, float32 sums: sm_90 SASS 1,443
-    # instructions per 64-token tile against 903 without the term, no spills uncapped); "tf32x3": float32 accuracy
-    # from three TF32 MMAs (3,887, spills); "tf32": one TF32 MMA; "ieee": CUDA-core FMAs
+    # the position-dependent key mean's in-tile term: its products' operands. "fp16": the coefficients rotated once
+    # per tile and scaled by a power of two per program, the table's first block_n rows as fp16, one fp16 MMA per
+    # residue and half (11-bit operands, float32 sums; sm_90 SASS, BLOCK_N 64: 1,090 instructions per tile against
+    # 903 without the term, 249 registers, no spills uncapped); "tf32x3": float32 accuracy from three TF32 MMAs per
+    # product, the coefficients rotated per residue (3,887 instructions, spills); "tf32": one TF32 MMA; "ieee":
+    # CUDA-core FMAs (scripts/sass_stats.py --rope PREC)
     rope_prec: str = "fp16"
 
 
@@ -169,11 +171,12 @@ class RopeMean:
         return self
 
 
-def rope_args(q: torch.Tensor, rope: RopeMean, qk_scale: float) -> tuple[Any, ...]:
-    """Stage 1's ``HAS_ROPE`` arguments: raw q and its strides, ``m_pre`` and its head stride, the table, the first
+def rope_args(q: torch.Tensor, rope: RopeMean, qk_scale: float, block_n: int) -> tuple[Any, ...]:
+    """Stage 1's ``HAS_ROPE`` arguments: raw q and its strides, ``m_pre`` and its head stride, the table, its rows
+    ``0, 4, .., block_n - 4`` as fp16 (the tile's fixed operand, made here: one small copy per plan), the first
     positions and ``scaling·sm_scale·log2(e)`` (``qk_scale`` is ``sm_scale·log2(e)``)."""
-    return (q, q.stride(0), q.stride(1), rope.mean_pre, rope.mean_pre.stride(0), rope.table, rope.position0,
-            float(rope.scaling) * qk_scale)
+    return (q, q.stride(0), q.stride(1), rope.mean_pre, rope.mean_pre.stride(0), rope.table,
+            rope.table[:block_n].to(torch.float16), rope.position0, float(rope.scaling) * qk_scale)
 
 
 class DecodePlan:
@@ -277,7 +280,8 @@ class DecodePlan:
             vc, vc.stride(0), vc.stride(1),
             ks, kz, vs, vz, ks.stride(0), ks.stride(1), block_table, block_table.stride(0), hl,
             bias, bias.stride(0) if logit_bias is not None else 0, bias.stride(1) if logit_bias is not None else 0,
-            *(rope_args(q, rope, scale) if rope is not None else (o_part, 0, 0, o_part, 0, o_part, hl, 0.0)),
+            *(rope_args(q, rope, scale, cfg.block_n) if rope is not None else
+              (o_part, 0, 0, o_part, 0, o_part, o_part, hl, 0.0)),
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),

@@ -43,11 +43,14 @@ residues like the metadata); the BF16 tiers take none. The position-dependent ke
 **Position-dependent key mean** (``HAS_ROPE``): the term ``t(p) = Σ_k A_k·cos θ_k p + B_k·sin θ_k p`` of keys
 centred by ``RoPE_p(m_pre)`` (``oscar_kernels.rope_ops``), computed in the tile instead of read from a ``[B, H_q, L]``
 buffer. Each program forms ``A``, ``B`` (``[D/2, GP]`` float32, times ``a·sm_scale·log2(e)``) once from the raw
-queries and ``m_pre``; for residue ``j`` of the tile at history slot ``n0`` (position ``p = pos0_b + n0 + j``) it
-rotates them by the position table's row ``p`` (angle addition: ``A' = A·cos θp + B·sin θp``, ``B' = B·cos θp -
-A·sin θp``) and takes ``t(p + 4i) = [cos θ4i | sin θ4i]·[A' | B']``: one ``[NQ, D] × [D, GP]`` float32 product per
-residue (``ROPE_PREC``: tf32x3 on GPUs) against the table's rows ``0, 4, .., BLOCK_N - 4``, the same for every tile.
-No angle is rounded to float32 (the table's rows are float32 roundings of float64 values).
+queries and ``m_pre``. For the tile whose first token sits at position ``p0`` (``pos0_b + n0``) they are rotated by
+the position table's row ``p0`` (angle addition: ``A' = A·cos θp0 + B·sin θp0``, ``B' = B·cos θp0 - A·sin θp0``), and
+``t(p0 + r) = [cos θr | sin θr]·[A' | B']`` for the tile's offsets ``r < BLOCK_N``: per residue ``j`` one ``[NQ, D]
+× [D, GP]`` product against the rows ``r = 4i + j``, the same for every tile. ``ROPE_PREC = "fp16"``: those rows as
+fp16 (a ``[BLOCK_N, D]`` copy, pipelined like the codes), ``A'``, ``B'`` times a power of two per program as fp16,
+float32 sums; ``"tf32x3"`` and the others: float32 rows of the table and ``tl.dot`` at that precision, the
+coefficients rotated per residue. No angle is rounded to float32 (the table's rows are float32 roundings of float64
+values).
 
 **Unpack: fp16 subnormal fields, the whole byte as the top field.** Two ``prmt`` zero-extend 4 code bytes to 4
 uint16 lanes (:func:`_spread`); an ``and`` with ``0x00030003 << 2J`` per two codes leaves the bit pattern of the
@@ -262,20 +265,31 @@ def _rope_residue(ca, cb, tc, ts, rt_ptr, p, D: tl.constexpr, PREC: tl.constexpr
 
 
 @triton.jit
-def _tile_rope(ca, cb, rt_ptr, p0, NQ: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+def _tile_rope(ca, cb, rt_ptr, rl_ptr, p0, NQ: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
     """The term of a tile's four token residues (float32 ``[NQ, GP]`` each) whose first token sits at position
-    ``p0``: residue ``j`` holds positions ``p0 + j + 4i``."""
+    ``p0``: residue ``j`` holds positions ``p0 + j + 4i``. ``rl_ptr``: the rows ``[cos θr | sin θr]``,
+    ``r < 4·NQ``, as fp16 ``[4·NQ, D]`` (``PREC == "fp16"``: the coefficients are rotated once, by ``p0``, and
+    residue ``j`` takes rows ``4i + j``; else they are rotated per residue and read rows ``4i`` of the table)."""
     half = tl.arange(0, D // 2)
-    rows = (4 * tl.arange(0, NQ))[:, None] * D
-    tc = tl.load(rt_ptr + rows + half[None, :])  # [cos θ·4i], the same rows for every tile (L1)
-    ts = tl.load(rt_ptr + rows + D // 2 + half[None, :])
     if PREC == "fp16":
-        tc = tc.to(tl.float16)
-        ts = ts.to(tl.float16)
-    r0 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0, D, PREC)
-    r1 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 1, D, PREC)
-    r2 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 2, D, PREC)
-    r3 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 3, D, PREC)
+        row = rt_ptr + p0.to(tl.int64) * D
+        c = tl.load(row + half)[:, None]
+        s = tl.load(row + D // 2 + half)[:, None]
+        a = (ca * c + cb * s).to(tl.float16)
+        b = (cb * c - ca * s).to(tl.float16)
+        lrows = (4 * tl.arange(0, NQ))[:, None] * D + half[None, :]
+        r0 = tl.dot(tl.load(rl_ptr + lrows), a) + tl.dot(tl.load(rl_ptr + lrows + D // 2), b)
+        r1 = tl.dot(tl.load(rl_ptr + lrows + D), a) + tl.dot(tl.load(rl_ptr + lrows + D + D // 2), b)
+        r2 = tl.dot(tl.load(rl_ptr + lrows + 2 * D), a) + tl.dot(tl.load(rl_ptr + lrows + 2 * D + D // 2), b)
+        r3 = tl.dot(tl.load(rl_ptr + lrows + 3 * D), a) + tl.dot(tl.load(rl_ptr + lrows + 3 * D + D // 2), b)
+    else:
+        rows = (4 * tl.arange(0, NQ))[:, None] * D
+        tc = tl.load(rt_ptr + rows + half[None, :])
+        ts = tl.load(rt_ptr + rows + D // 2 + half[None, :])
+        r0 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0, D, PREC)
+        r1 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 1, D, PREC)
+        r2 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 2, D, PREC)
+        r3 = _rope_residue(ca, cb, tc, ts, rt_ptr, p0 + 3, D, PREC)
     return r0, r1, r2, r3
 
 
@@ -448,7 +462,7 @@ def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, bias_ptr, bbase, stride_bh,
-    ca, cb, rinv, rt_ptr, rpos,
+    ca, cb, rinv, rt_ptr, rl_ptr, rpos,
     GROUP: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     VROW: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr,
@@ -502,7 +516,7 @@ def _int2_tile(
         s2 += b2
         s3 += b3
     if HAS_ROPE:  # the position-dependent key mean's term, from the position of the tile's first token
-        t0, t1, t2, t3 = _tile_rope(ca, cb, rt_ptr, rpos + n0, NQ, D, ROPE_PREC)
+        t0, t1, t2, t3 = _tile_rope(ca, cb, rt_ptr, rl_ptr, rpos + n0, NQ, D, ROPE_PREC)
         s0 += t0 * rinv
         s1 += t1 * rinv
         s2 += t2 * rinv
@@ -537,7 +551,7 @@ def _int2_split(
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,  # meta [pages, H_kv, P], contiguous along P
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32, lengths [B] int32
     bias_ptr, stride_bb, stride_bh,  # per-key logit bias [B, H_q, L] float32 (natural units); unused without
-    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rpos_ptr, rope_scale,  # HAS_ROPE (stage 1)
+    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rl_ptr, rpos_ptr, rope_scale,  # HAS_ROPE (stage 1)
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, HIST_STAGES: tl.constexpr,
@@ -605,14 +619,14 @@ def _int2_split(
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
             VROW, False,
             HAS_BIAS, HAS_ROPE, ROPE_PREC)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
             VROW, True,
             HAS_BIAS, HAS_ROPE, ROPE_PREC)
     has = l_i > 0
@@ -693,7 +707,7 @@ def _decode_stage1_kernel(
     bias_ptr, stride_bb, stride_bh,  # per-key logit bias of the INT2 history [B, H_q, L] float32 (HAS_BIAS)
     # HAS_ROPE: raw (unrotated) q [B, H_q, D], m_pre [H_kv, D] float32, position table [P, D] float32 (contiguous
     # rows [cos θp | sin θp]), first history position per row pos0 [B] int32, a·sm_scale·log2(e)
-    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rpos_ptr, rope_scale,
+    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rl_ptr, rpos_ptr, rope_scale,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
@@ -731,7 +745,7 @@ def _decode_stage1_kernel(
                     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr, bias_ptr, stride_bb, stride_bh,
-                    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rpos_ptr, rope_scale,
+                    rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rl_ptr, rpos_ptr, rope_scale,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q, HAS_BIAS, HAS_ROPE,
                     ROPE_PREC)

@@ -28,7 +28,7 @@ from oscar_kernels.reference import token_quad_row
 BIN = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin"
 PTRS = {"kc_ptr": "*u8", "vc_ptr": "*u8", "bt_ptr": "*i32", "hist_len_ptr": "*i32", "sink_len_ptr": "*i32",
         "recent_len_ptr": "*i32", "op_ptr": "*fp32", "lse_ptr": "*fp32", "bias_ptr": "*fp32", "rm_ptr": "*fp32",
-        "rt_ptr": "*fp32", "rpos_ptr": "*i32", "rope_scale": "fp32"}
+        "rt_ptr": "*fp32", "rl_ptr": "*fp16", "rpos_ptr": "*i32", "rope_scale": "fp32"}
 # Opcodes Nsight Compute counts on the ALU pipe (integer logic, permutes, shifts, compares, selects, min/max): it
 # issues at half the float pipe's rate, and it was what throttled the INT2 loop at batch 16 (docs/KERNELS.md)
 ALU = ("LOP3", "PRMT", "SHF", "SEL", "FSEL", "FMNMX", "HMNMX2", "VHMNMX", "IMNMX", "ISETP", "FSETP", "PLOP3", "IADD3",
