@@ -1,5 +1,8 @@
-"""The position-dependent key mean's logit term (``quant.key_mean: rope``): what the decode kernel's ``logit_bias``
-takes for a history whose keys were written centred by ``RoPE_p(m_pre)``, re-exported by :mod:`oscar_kernels.ops`.
+"""The position-dependent key mean's logit term (``quant.key_mean: rope``) as a tensor: what the decode kernel's
+``logit_bias`` takes for a history whose keys were written centred by ``RoPE_p(m_pre)``, re-exported by
+:mod:`oscar_kernels.ops`. Serving computes the term inside the decode kernel instead (``DecodePlan(rope_mean=…)``,
+``int2_decode``'s module docstring), from :func:`position_table`; this unfused form is what ``oscar bench
+--key-mean rope-gemm`` measures it against, and a second summation of the same term in tests.
 
 Per query head and history token at position ``p`` the term is ``sm_scale·q·(a·RoPE_p(m_pre))`` (``a`` the rotary
 embedding's attention scaling; the float64 spec is ``reference.rope_mean_logits``). Over the ``D/2`` RoPE pairs ``k``
@@ -11,8 +14,8 @@ embedding's attention scaling; the float64 spec is ``reference.rope_mean_logits`
 so ``t = [A | B] · [cos θp | sin θp]``: the rows ``[cos θp | sin θp]`` depend on the position alone and are shared
 by every layer, batch row and head, and the whole term is one ``[rows·H_q, D] × [D, L]`` float32 GEMM (cuBLAS) over
 a float32 table built from float64 angles (no angle ``θ·p`` is ever rounded to float32 whole: at ``p = 128K`` that
-would cost ``θ_0`` about 0.008 rad). A Triton kernel that recomputed the angles per block and head by angle addition
-made a decode step 1.2-2.9x slower than this form on an H200 (docs/BENCHMARKS.md) and was removed.
+would cost ``θ_0`` about 0.008 rad). A separate Triton kernel that recomputed the angles per block and head by
+angle addition made a decode step 1.2-2.9x slower than this form on an H200 (docs/BENCHMARKS.md) and was removed.
 """
 
 from __future__ import annotations
