@@ -66,13 +66,19 @@ class DecodeConfig:
     rope_prec: str = "fp16"
 
 
-def default_config(batch: int) -> DecodeConfig:
+def default_config(batch: int, rope_mean: bool = False) -> DecodeConfig:
     """The measured H200 choice (docs/KERNELS.md): one warp per split, 64-token tiles, a double-buffered INT2 loop,
     programmatic dependent launches, L2 prefetch of each program's first tile; from batch 16 the q operands are
     converted to the MMA layout before the loop (``hoist_q``) and the registers are capped at 168 (3 instead of 2
     one-warp programs per scheduler, no spills: 16 x 128K 401 µs vs 424 µs uncapped and 418 µs at a 128 cap with
-    spills; at batch 1 the grid is one wave either way and registers buy instruction-level parallelism)."""
-    return DecodeConfig(maxnreg=168, hoist_q=True) if batch >= 16 else DecodeConfig()
+    spills; at batch 1 the grid is one wave either way and registers buy instruction-level parallelism).
+
+    ``rope_mean``: the plan adds the position-dependent key mean's term in the tile (:class:`RopeMean`); its
+    operands do not fit under the cap (208 bytes of spills per thread), so there is none: 16 x 128K 623 µs uncapped
+    vs 900 µs capped, 16 x 32K 203 vs 279 (docs/BENCHMARKS.md)."""
+    if batch >= 16:
+        return DecodeConfig(hoist_q=True) if rope_mean else DecodeConfig(maxnreg=168, hoist_q=True)
+    return DecodeConfig()
 
 
 def default_num_splits(batch: int, h_kv: int, hist_capacity: int, block_n: int = 128,
@@ -197,7 +203,7 @@ class DecodePlan:
         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
         logit_bias: torch.Tensor | None = None, rope_mean: RopeMean | None = None,
     ) -> None:
-        cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1)
+        cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1, rope_mean is not None)
         dev = q.device
         if cfg.pdl and dev.type != "cuda":  # griddepcontrol is a CUDA launch attribute; the interpreter runs serially
             cfg = replace(cfg, pdl=False)

@@ -244,6 +244,20 @@ def test_decode_rope_mean_in_tile_interpreter(case: tuple, config_id: str, prec:
 
 
 @pytest.mark.unit
+def test_default_config_drops_the_register_cap_for_the_rope_term() -> None:
+    """From batch 16 the plain decode caps registers at 168; with the rope term in the tile it does not (its operands
+    spill under the cap), and a plan given ``rope_mean`` and no config takes that choice."""
+    assert ops.default_config(16).maxnreg == 168 and ops.default_config(16, rope_mean=True).maxnreg is None
+    assert ops.default_config(1, rope_mean=True) == ops.default_config(1)
+    c = make_case(3, 16, 4, 2, 64, [20] * 16, [2] * 16, [2] * 16, 16, torch.float16, "cpu", meta=torch.float16)
+    add_rope_mean(c, [100] * 16)
+    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+            "recent_k", "recent_v", "recent_len")
+    plan = ops.DecodePlan(c["q"], *(c[k] for k in keys), rope_mean=c["rope_mean"])
+    assert plan.config.maxnreg is None
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("change,match", [
     ("mean-heads", "rope_mean.mean_pre"),
     ("table-dim", "rope_mean.table"),
@@ -462,12 +476,13 @@ def test_decode_gpu_logit_bias(length: int) -> None:
 @pytest.mark.parametrize("length", [97, 4097, 33_000], ids=["len97", "len4097", "len33000"])
 def test_decode_gpu_rope_mean_in_tile(length: int, prec: str) -> None:
     """The position-dependent key mean's term inside stage 1 on CUDA (Qwen2.5-Coder-1.5B's heads; batch 3 and 16,
-    the second with ``default_config(16)``'s register cap), histories starting past 128K in one row."""
+    the second with and without ``default_config(16)``'s register cap), histories starting past 128K in one row."""
     for b in (3, 16):
         hist = ([length - 320 if length > 320 else length, 17, 0] * 6)[:b]
         c = make_case(length + 5 + b, b, 12, 2, 128, hist, [64] * b, [256] * b, 64, torch.bfloat16, "cuda")
         add_rope_mean(c, ([64, 131_000, 3] * 6)[:b], scaling=1.2, seed=b)
-        for cfg in (ops.default_config(b), replace(ops.default_config(b), prefetch=False)):
+        for cfg in (ops.default_config(b, rope_mean=True), ops.default_config(b),
+                    replace(ops.default_config(b), prefetch=False)):
             cfg = replace(cfg, rope_prec=prec)
             fused = run_op({k: v for k, v in c.items() if k != "logit_bias"}, rope_mean=c["rope_mean"],
                            out=_poisoned(c), config=cfg)

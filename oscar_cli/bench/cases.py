@@ -156,10 +156,11 @@ def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, ou
 
 
 def decode_config_for(cfg: BenchConfig, batch: int) -> Any:
-    """``oscar_kernels.ops.default_config(batch)`` with the fields the bench config overrides (all others kept)."""
+    """``oscar_kernels.ops.default_config(batch)`` (for the key mean measured) with the fields the bench config
+    overrides (all others kept)."""
     from oscar_kernels import ops
 
-    return replace(ops.default_config(batch), **dict(cfg.kernel))
+    return replace(ops.default_config(batch, rope_mean=cfg.key_mean == "rope"), **dict(cfg.kernel))
 
 
 def int2_plans(
