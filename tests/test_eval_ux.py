@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers.tiny import tiny_loaded
 
 import oscar_cli.model as models_mod
@@ -282,6 +283,34 @@ def test_an_artifact_differing_only_in_rope_is_accepted_for_the_same_weights(
     assert code == 0 and not any("calibrated with" in n for n in json.loads(out)["notes"]), err
 
 
+def test_a_constant_key_mean_is_scaled_by_yarns_attention_factor(tiny: Any, tmp_path: Path) -> None:
+    """An artifact calibrated under plain RoPE, served under YaRN: its constant key means times YaRN's cos/sin factor
+    (0.1·ln F + 1 for factor F), everything else as calibrated; the note says so and names the measurement."""
+    import copy
+    import math
+
+    from oscar_cli.eval.prepare import KEY_MEAN_YARN_MEASUREMENT, build_methods
+    from oscar_cli.model.rope import attention_scaling
+    from oscar_cli.quant import build_method
+
+    art = _artifact(tmp_path, tiny, tiny.identity.resolved)
+    plain = build_method("oscar", tiny.model.config, str(art), None)
+    model = copy.deepcopy(tiny.model)
+    apply_yarn(model, 4.0)
+    a = attention_scaling(model.config)
+    assert a == pytest.approx(0.1 * math.log(4.0) + 1) and attention_scaling(tiny.model.config) == 1.0
+    methods, notes = build_methods(["oscar"], model.config, str(art), None, resolved=tiny.identity.resolved)
+    got = methods["oscar"]
+    assert any(t.k_mean is not None for t in plain.layers)
+    for p, g in zip(plain.layers, got.layers, strict=True):
+        assert (p.k_mean is None) == (g.k_mean is None)
+        if p.k_mean is not None:
+            assert torch.allclose(g.k_mean, p.k_mean * a, rtol=1e-6, atol=0)
+        assert torch.equal(g.v_mean, p.v_mean) and torch.equal(g.k_rotation, p.k_rotation) and g.k_clip == p.k_clip
+    assert len(notes) == 1 and f"scaled by YaRN's attention factor {a:.4g}" in notes[0]
+    assert KEY_MEAN_YARN_MEASUREMENT in notes[0]
+
+
 def test_the_rope_mismatch_note_states_what_was_measured() -> None:
     from oscar_cli.eval.prepare import YARN_ARTIFACT_MEASUREMENT, rope_mismatch_note
 
@@ -292,6 +321,11 @@ def test_the_rope_mismatch_note_states_what_was_measured() -> None:
     assert (Path(__file__).parents[1] / "docs" / "RESULTS.md").read_text().count(
         "## YaRN: the same artifact or one recalibrated under YaRN"
     ) == 1  # the section the note points to
+    scaled = rope_mismatch_note("ART", "default", "yarn", 1.1386)
+    assert "constant key mean scaled by YaRN's attention factor 1.139" in scaled
+    assert (Path(__file__).parents[1] / "docs" / "RESULTS.md").read_text().count(
+        "## A constant key mean under YaRN"
+    ) == 1
 
 
 @pytest.mark.parametrize(

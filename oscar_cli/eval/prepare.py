@@ -105,21 +105,29 @@ def _rope_only_difference(artifact: str, config: Any, resolved: str | None) -> A
 YARN_ARTIFACT_MEASUREMENT = "docs/RESULTS.md, \"YaRN: the same artifact or one recalibrated under YaRN\""
 
 
-def rope_mismatch_note(artifact: str, calibrated: str, running: str) -> str:
+KEY_MEAN_YARN_MEASUREMENT = 'docs/RESULTS.md, "A constant key mean under YaRN"'
+
+
+def rope_mismatch_note(artifact: str, calibrated: str, running: str, mean_scale: float | None = None) -> str:
     """The note for an artifact used under another RoPE than it was calibrated with (same weights).
 
     The default (accept it) follows the measurement in :data:`YARN_ARTIFACT_MEASUREMENT`: on SmolLM2-135M at
     12K under YaRN x2 an artifact calibrated without RoPE scaling had a lower next-token KL against BF16 (under
     the same YaRN) than one recalibrated under YaRN in every window measured, so running it is not refused;
-    the note says so.
+    the note says so. ``mean_scale``: the constant key mean was multiplied by YaRN's attention factor
+    (:func:`oscar_cli.quant.key_mean.with_scaled_constant_mean`), which the note states with its measurement.
     """
     head = f"artifact {artifact} was calibrated with {calibrated} RoPE; using it under {running} RoPE (same weights"
+    if mean_scale is not None:
+        head += (f"; its constant key mean scaled by YaRN's attention factor {mean_scale:.4g}, without which "
+                 f"Qwen2.5-Coder-1.5B's next-token KL under YaRN x4 was 1.81 instead of 0.015, "
+                 f"{KEY_MEAN_YARN_MEASUREMENT}")
     if calibrated == "default" and running == "yarn":
         return (
             f"{head}; measured no worse than one recalibrated under YaRN (next-token KL, SmolLM2-135M at 12K), "
             f"{YARN_ARTIFACT_MEASUREMENT}; `oscar calibrate MODEL --rope-scaling yarn --rope-factor F` makes one)"
         )
-    return f"{head}; not measured in this direction; `oscar calibrate MODEL` without --rope-scaling makes one for it)"
+    return f"{head}; not measured in this direction; `oscar calibrate MODEL` without --rope-scaling makes one)"
 
 
 def build_methods(
@@ -135,10 +143,14 @@ def build_methods(
     An artifact refused only because its RoPE scaling differs from ``config``'s (calibrated without YaRN,
     evaluated under it, or the reverse) is accepted when it was made for the same weights (``resolved``, the
     model identity its manifest records): the rotations describe the same key/value projections, and the
-    note (:func:`rope_mismatch_note`) says so and what was measured. Any other mismatch is refused as before.
+    note (:func:`rope_mismatch_note`) says so and what was measured. An artifact calibrated under plain RoPE
+    with a constant key mean gets that mean times ``config``'s attention scaling (YaRN's cos/sin factor: the
+    post-RoPE keys' mean grows with it; :func:`oscar_cli.quant.key_mean.with_scaled_constant_mean`). Any other
+    mismatch is refused as before.
     """
-    from oscar_cli.model.rope import rope_type
+    from oscar_cli.model.rope import attention_scaling, rope_type
     from oscar_cli.quant import build_method
+    from oscar_cli.quant.key_mean import with_scaled_constant_mean
 
     methods: dict[str, Any] = {}
     notes: list[str] = []
@@ -149,6 +161,13 @@ def build_methods(
             other = _rope_only_difference(artifact, config, resolved) if artifact and REGISTRY[m].needs_artifact else None
             if other is None or artifact is None:
                 raise
-            methods[m] = build_method(m, other, artifact, windows)
-            notes.append(rope_mismatch_note(artifact, rope_type(other), rope_type(config)))
+            method = build_method(m, other, artifact, windows)
+            scale = attention_scaling(config) if rope_type(other) == "default" else 1.0
+            if scale != 1.0 and method.key_mean == "constant" and any(t.k_mean is not None for t in method.layers):
+                method = with_scaled_constant_mean(method, scale)
+            else:
+                scale = 1.0
+            methods[m] = method
+            notes.append(rope_mismatch_note(artifact, rope_type(other), rope_type(config),
+                                            scale if scale != 1.0 else None))
     return methods, notes

@@ -37,6 +37,20 @@ def rope_type(config: Any) -> str:
     return str(kind or "default")
 
 
+def attention_scaling(config: Any) -> float:
+    """The factor the rotary embedding of ``config`` multiplies cos/sin by (YaRN's attention factor ``0.1·ln F + 1``
+    unless the config sets another; 1 for plain RoPE), from transformers' own RoPE initialisation."""
+    kind = rope_type(config)
+    if kind == "default":
+        return 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    init = ROPE_INIT_FUNCTIONS.get(kind)
+    if init is None:
+        raise OscarError(f"{kind} RoPE: transformers has no initialisation for it", hint="use plain RoPE or YaRN")
+    return float(init(config, None)[1])
+
+
 def plan_yarn(
     native: int, longest: int, rope_scaling: str | None, factor: float | None, *, auto: bool = True, what: str = "--ctx"
 ) -> float | None:

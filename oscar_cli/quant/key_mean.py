@@ -22,11 +22,14 @@ Qwen3 and Mistral. Reference path only: the Triton decode kernel centres every I
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from oscar_cli.errors import OscarError
+
+if TYPE_CHECKING:
+    from oscar_cli.quant.methods import QuantMethod
 
 KeyMean = Literal["constant", "rope"]
 KEY_MEANS: tuple[str, ...] = ("constant", "rope")
@@ -146,3 +149,17 @@ def _check_fixed_frequencies(rotary: Any, inv: torch.Tensor, scaling: float) -> 
         raise OscarError(f"the model's rotary embedding is not a fixed-frequency RoPE: its cos/sin differ from "
                          f"attention_scaling·cos/sin(inv_freq·p) by {err:.3g} (e.g. a RoPE whose frequencies change "
                          "with the length)", hint="use quant.key_mean: constant for this model")
+
+
+def with_scaled_constant_mean(method: QuantMethod, factor: float) -> QuantMethod:
+    """``method`` with every layer's constant key mean ``k_mean`` times ``factor``: what it becomes when the model's
+    rotary embedding scales cos/sin by ``factor`` relative to the one it was calibrated under (YaRN's attention
+    factor over plain RoPE). Post-RoPE keys are ``a·RoPE_p(k_pre)``, so their mean scales with ``a``; left as it
+    was, the mean misses ``(a - 1)·E[k]`` in every key, which on a model with large key means (Qwen2.5's ``k_proj``
+    bias) dominates the INT2 error (docs/RESULTS.md, "A constant key mean under YaRN"). A ``rope`` mean
+    (``k_mean_pre``) needs no change: :class:`RopeTable` reads the scaling at run time."""
+    from dataclasses import replace
+
+    layers = tuple(t if t.k_mean is None else replace(t, k_mean=t.k_mean * factor) for t in method.layers)
+    return replace(method, layers=layers)
+
