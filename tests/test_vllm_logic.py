@@ -270,7 +270,8 @@ def test_geometry_refusals_are_one_line() -> None:
     cases = [(dict(head_dim=96), "head_dim 96"), (dict(block_size=8), "block size 8"),
              (dict(group_size=32), "quantization group 32"), (dict(sliding_window=4096), "sliding-window"),
              (dict(settings=layout.Int2Settings(sink=24, recent=256)), "sink 24"),
-             (dict(keep_fraction=0.01), "BF16 keep budget")]
+             (dict(keep_fraction=0.01), "BF16 keep budget"),
+             (dict(key_mean="rope"), "position-dependent key mean .*calibrate with --key-mean constant")]
     for over, msg in cases:
         args = dict(head_dim=128, block_size=16, settings=s, group_size=None) | over
         with pytest.raises(UnsupportedModelError, match=msg) as e:

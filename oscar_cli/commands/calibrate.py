@@ -23,7 +23,8 @@ EXAMPLES = """
   oscar calibrate --recipe my.yaml --out artifacts/try1 --overwrite
   oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON on stdout
   oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
-  oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean rope   # keys centred by position (not for vLLM yet)
+  oscar calibrate qwen2.5-coder-1.5b --device cuda   # its recipe centres keys by position (quant.key_mean rope)
+  oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean constant   # one key mean: what vLLM serves today
 
 Writes [bold]artifacts/<model>/<recipe>-<hash>[/bold] unless --out says otherwise, e.g.
 artifacts/smollm2-135m/smollm2-135m-e1fda680 (the hash covers the model, the recipe and the data).
@@ -121,8 +122,9 @@ def calibrate(
     rope_factor: RopeFactorOpt = None,
     key_mean: Annotated[
         str | None, typer.Option("--key-mean", help="constant | rope: centre INT2 keys by one mean, or by their "
-                                 "position's RoPE_p(m_pre) (recipe quant.key_mean; rope: lower KL at long context, "
-                                 "the vLLM backend refuses it; docs/RESULTS.md).")
+                                 "position's RoPE_p(m_pre) (recipe quant.key_mean; default: the recipe's, rope for "
+                                 "qwen2.5-coder-1.5b; rope: lower KL at long context, the vLLM backend refuses it; "
+                                 "docs/RESULTS.md).")
     ] = None,
     strict: Annotated[
         bool, typer.Option("--strict", help="Fail (and write nothing) when the artifact's held-out error is worse "

@@ -131,8 +131,8 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
                        "through transformers with --backend reference)")
     if key_mean != "constant":
         reasons.append(f"a position-dependent key mean (quant.key_mean {key_mean}: this backend centres keys by one "
-                       "constant mean; serve it through transformers (oscar generate, oscar_cli.kv_cache), whose "
-                       "Triton and reference paths read it)")
+                       "constant mean; calibrate with --key-mean constant for it, or serve this artifact through "
+                       "transformers (oscar generate, oscar_cli.kv_cache), whose Triton and reference paths read it)")
     if head_dim not in KERNEL_HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} (the INT2 decode kernel supports {KERNEL_HEAD_DIMS})")
     if block_size not in BLOCK_SIZES:
