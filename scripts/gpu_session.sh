@@ -18,7 +18,7 @@
 #   bash scripts/gpu_session.sh qpart KK      (carry .stage/qwen/cKK; KK = 00..22, ~4 s each)
 #   bash scripts/gpu_session.sh setup         (carry .stage/whl, .stage/corpus: join + sha256, install oscar and
 #                                              the wheels into /tmp/site, calibrate ART on prose with the constant
-#                                              key mean (what vLLM serves; the recipe's default is rope): ~140 s)
+#                                              key mean (the sweep's; the recipe's default is rope): ~140 s)
 #   bash scripts/gpu_session.sh cachecheck    (scripts/gpu_cache_check.py --stage all on GGUF + ART: ~300 s)
 #   bash scripts/gpu_session.sh vpart KK      (carry .stage/vllm/cKK; KK = 00..06)
 #   bash scripts/gpu_session.sh vjoin         (vLLM and its wheels into /tmp/vsite, oscar re-installed: ~12 s)

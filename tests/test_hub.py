@@ -320,10 +320,6 @@ def test_model_card_metadata_and_determinism() -> None:
     assert "model-index" not in meta and meta["oscar"]["quant"]["group_size"] == 16
     m["model"] = {"reference": "./local-model", "resolved": "sha256:" + "0" * 64}
     assert "base_model" not in yaml.safe_load(render_model_card(m, "org/x").split("---")[1])
-    assert "vllm serve" in render_model_card(m, "org/x")  # a constant key mean: the vLLM backend serves it
-    m["recipe"] = {**(m.get("recipe") or {}), "quant": {**((m.get("recipe") or {}).get("quant") or {}), "key_mean": "rope"}}
-    rope_card = render_model_card(m, "org/x")
-    assert "vllm serve" not in rope_card and "does not serve this artifact" in rope_card and "--key-mean constant" in rope_card
 
 
 def test_token_from_the_hf_login_file(fake_hub: FakeHub, tmp_path: Path) -> None:

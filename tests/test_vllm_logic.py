@@ -4,6 +4,7 @@ and a prefill chunk) through the backend's core with the Triton interpreter, aga
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from helpers.tiny import tiny_causal_lm
 
 from oscar_cli.errors import OscarError, UnsupportedModelError
 from oscar_cli.quant.int2_layer import Int2Layer
+from oscar_cli.quant.key_mean import rope as rope_fn
 from oscar_cli.quant.methods import LayerTransform, oscar_method
 from oscar_cli.vllm import layout, spec
 from oscar_cli.vllm.core import PagedInt2Layer, TorchTiers, build_step, split_decodes
@@ -264,6 +266,49 @@ def test_layer_tensors_from_a_calibrated_tiny_artifact(tmp_path, grouping: str) 
 
 
 @pytest.mark.unit
+def test_rope_frequencies_from_the_model_config() -> None:
+    """Plain RoPE from rope_theta; YaRN through transformers' initialisation (its attention factor, interpolated low
+    frequencies); a RoPE whose frequencies change with the length is refused in one line."""
+    import math
+
+    cfg = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    r = layout.rope_frequencies(cfg, 128, 32768)
+    want = 1.0 / 1_000_000.0 ** (torch.arange(0, 128, 2).float() / 128)
+    assert torch.equal(r.inv_freq, want) and r.scaling == 1.0 and r.positions == 32768
+    from oscar_cli.model.rope import apply_yarn
+
+    tiny = tiny_causal_lm("qwen3")
+    d = int(tiny.config.head_dim)
+    apply_yarn(tiny, 4.0)
+    y = layout.rope_frequencies(tiny.config, d, 4096)
+    rotary = tiny.model.rotary_emb
+    assert y.scaling == pytest.approx(0.1 * math.log(4) + 1) and y.scaling == pytest.approx(rotary.attention_scaling)
+    assert torch.allclose(y.inv_freq, rotary.inv_freq.float().cpu())
+    dyn = SimpleNamespace(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(UnsupportedModelError, match="dynamic RoPE") as e:
+        layout.rope_frequencies(dyn, 128, 4096)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.unit
+def test_layer_tensors_of_a_rope_mean_artifact() -> None:
+    """Keys centred by position: the constant key mean is zero (the BF16 tiers stay uncentred, as the reference cache
+    keeps them) and ``k_mean_pre`` travels; a layer without it is refused."""
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randn(2, 64, generator=g)
+    t = LayerTransform(k_mean=torch.randn(2, 64, generator=g), v_mean=torch.randn(1, 64, generator=g),
+                       k_mean_pre=pre)
+    meth = replace(oscar_method([t], sink=16, recent=16), key_mean="rope")
+    got = layout.layer_tensors(meth, 1, 2, 64)[0]
+    assert torch.equal(got.k_mean, torch.zeros(2, 64)) and torch.equal(got.k_mean_pre, pre)
+    assert layout.layer_tensors(oscar_method([t], sink=16, recent=16), 1, 2, 64)[0].k_mean_pre is None
+    with pytest.raises(UnsupportedModelError, match="k_mean_pre"):
+        layout.layer_tensors(replace(meth, layers=(replace(t, k_mean_pre=None),)), 1, 2, 64)
+    with pytest.raises(ValueError, match="RopeFrequencies"):
+        PagedInt2Layer(got, layout.Int2Settings(sink=16, recent=16), 2, 4, 2, 64, 16, torch.float16, "cpu")
+
+
+@pytest.mark.unit
 def test_geometry_refusals_are_one_line() -> None:
     s = layout.Int2Settings(sink=64, recent=256)
     layout.check_geometry(head_dim=128, block_size=16, settings=s, group_size=None)
@@ -271,7 +316,8 @@ def test_geometry_refusals_are_one_line() -> None:
              (dict(group_size=32), "quantization group 32"), (dict(sliding_window=4096), "sliding-window"),
              (dict(settings=layout.Int2Settings(sink=24, recent=256)), "sink 24"),
              (dict(keep_fraction=0.01), "BF16 keep budget"),
-             (dict(key_mean="rope"), "position-dependent key mean .*calibrate with --key-mean constant")]
+             (dict(key_mean="learned"), "key mean 'learned'")]
+    layout.check_geometry(head_dim=128, block_size=16, settings=s, group_size=None, key_mean="rope")  # served
     for over, msg in cases:
         args = dict(head_dim=128, block_size=16, settings=s, group_size=None) | over
         with pytest.raises(UnsupportedModelError, match=msg) as e:
@@ -288,11 +334,32 @@ ACT = torch.float16  # interpreter: fp16 operands (bf16 tl.dot is wrong there)
 CFG = ops.DecodeConfig(block_n=64 if DEV == "cuda" else 16, block_nb=16, num_warps=4, num_stages=1)
 
 
+INV_FREQ = 1.0 / 10_000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)  # the rope runs' model RoPE
+
+
+class _FixedRope:
+    """The reference cache's RoPE source for a model-free test (:class:`oscar_cli.quant.key_mean.RopeTable`'s
+    interface): fixed frequencies and attention scaling."""
+
+    def __init__(self, inv: torch.Tensor, scaling: float) -> None:
+        self.inv, self.scaling = inv, scaling
+
+    def frequencies(self) -> tuple[torch.Tensor, float]:
+        return self.inv, self.scaling
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.rope_cos_sin(self.inv, self.scaling, positions.long())
+
+    def kernel_table(self, positions: int, device: torch.device) -> torch.Tensor:
+        return ops.position_table(self.inv, max(positions, 4096), device)
+
+
 class TorchKernels(TorchTiers):
     """A torch twin of the kernel calls (reference quantizer + reference tiered attention; the tier copies of
     :class:`~oscar_cli.vllm.core.TorchTiers`), for long runs."""
 
     def quantize_write(self, x, cache, slots, mean, clip, layout_name, exclusive_words=False) -> None:
+        mean = mean.transpose(0, 1) if mean.dim() == 3 else mean  # one mean per row (rope): [H, N, D]
         q = ref.quantize_rows(x.transpose(0, 1), None, mean, clip)  # [H, N, D/4]
         codes = ref.unpack_int2(q.packed)
         for i, slot in enumerate(slots.tolist()):
@@ -307,7 +374,7 @@ class TorchKernels(TorchTiers):
                 c[:, off] = codes[:, i]
                 cache.packed[page] = ref.pack_token_quads(c, ref.token_quad_row(P))
 
-    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out):
+    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out, rope=None):
         g = HQ // HKV
         for b in range(q.shape[0]):
             hl, sl, rl = int(hist_len[b]), int(sink_len[b]), int(recent_len[b])
@@ -320,8 +387,13 @@ class TorchKernels(TorchTiers):
                                    *(x[pages, :, pos % P].transpose(0, 1)[None] for x in (vp.scale, vp.zero)))
             rk = t.k_rotation.expand(HKV, D, D).repeat_interleave(g, 0)
             qr = torch.einsum("hd,hde->he", q[b].float(), rk)[None, :, None]
+            bias = None
+            if rope is not None:  # keys centred by position: their logit term, history slot n at position S0 + n
+                pos = int(rope.position0[b]) + torch.arange(hl)[None]
+                bias = ref.rope_mean_logits(q[b:b + 1], rope.mean_pre, INV_FREQ, rope.scaling, pos, scale)
             o = ref.decode_attention_reference(qr, sink[0][b:b + 1, :, :sl], sink[1][b:b + 1, :, :sl], hk, hv,
-                                               recent[0][b:b + 1, :, :rl], recent[1][b:b + 1, :, :rl], scale)
+                                               recent[0][b:b + 1, :, :rl], recent[1][b:b + 1, :, :rl], scale,
+                                               hist_bias=bias)
             o = o[0, :, 0] + t.v_mean.repeat_interleave(g, 0)
             rv = t.v_rotation.expand(HKV, D, D).repeat_interleave(g, 0)
             out[b] = torch.einsum("he,hde->hd", o, rv).to(out.dtype)
@@ -337,7 +409,11 @@ class _Request:
         self.v = torch.randn(total, HKV, D, generator=g).to(ACT)
         self.blocks, self.done, self.name, self.prompt = blocks, 0, name, sum(prompt)
         meth = oscar_method([t], sink=S0, recent=W)
-        self.ref = Int2Layer(meth, meth.layer(0))
+        if t.k_mean_pre is not None:
+            meth = replace(meth, key_mean="rope")
+            self.ref = Int2Layer(meth, meth.layer(0), rope_table=_FixedRope(INV_FREQ, ROPE_SCALING))  # type: ignore[arg-type]
+        else:
+            self.ref = Int2Layer(meth, meth.layer(0))
         self.t = t
 
     def reference(self, n: int, final: bool) -> torch.Tensor:
@@ -387,24 +463,39 @@ def _step(layer: PagedInt2Layer, kv: torch.Tensor, rows: layout.SequenceRows, st
     return torch.cat(got), torch.cat(want), kp, vp
 
 
+ROPE_SCALING = 1.07  # YaRN x2's attention factor: the term and the means scale with it
+
+
+@pytest.mark.parametrize("key_mean", ["constant", "rope"])
 @pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
                                      pytest.param("triton", marks=pytest.mark.slow)])
-def test_simulated_vllm_run_matches_the_reference_cache(kernels: str) -> None:
+def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: str) -> None:
     """Two requests, chunked prefill, a mixed batch (a decode + a final chunk + padding tokens), decodes (with the
     torch twin: across a demotion): the INT2 pages hold the reference cache's codes bitwise and every output is
-    within fp16 attention error of the reference cache's (the Triton path runs in the interpreter on CPU: 4 steps)."""
+    within fp16 attention error of the reference cache's (the Triton path runs in the interpreter on CPU: 4 steps).
+    ``rope``: keys centred by position (a large pre-RoPE mean, as Qwen2.5's ``k_proj`` bias makes): every write
+    centres by its position's mean, the decode adds the term, the prefill's history gets the means back."""
     g = torch.Generator().manual_seed(3)
+    pre = 3.0 * torch.randn(HKV, D, generator=g) if key_mean == "rope" else None
     t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),
                        k_mean=0.2 * torch.randn(HKV, D, generator=g), v_mean=0.1 * torch.randn(1, D, generator=g),
-                       k_clip=0.92, v_clip=0.9)
+                       k_clip=0.92, v_clip=0.9, k_mean_pre=pre)
     a = _Request("A", [40, 30], 10, [7, 3, 11, 2, 9, 14], 1, t)
     b = _Request("B", [20, 25], 9, [5, 13, 1, 8], 2, t)
+    if pre is not None:  # keys with that mean at their positions (the reference and the backend see the same keys)
+        for r in (a, b):
+            cos, sin = ref.rope_cos_sin(INV_FREQ, ROPE_SCALING, torch.arange(r.k.shape[0])[None])
+            r.k = (r.k.float() + rope_fn(pre[None, :, None, :], cos[:, None], sin[:, None])[0].transpose(0, 1)
+                   ).to(ACT)
     s = layout.Int2Settings(sink=S0, recent=W)
     kern = TorchKernels() if kernels == "torch" else None
     from oscar_cli.vllm.core import TritonKernels
 
-    layer = PagedInt2Layer(layout.layer_tensors(oscar_method([t], sink=S0, recent=W), 1, HKV, D)[0], s, 4, HQ, HKV, D,
-                           P, ACT, DEV, kernels=kern or TritonKernels(CFG))  # type: ignore[arg-type]
+    meth = oscar_method([t], sink=S0, recent=W)
+    meth = replace(meth, key_mean="rope") if pre is not None else meth
+    rope = layout.RopeFrequencies(INV_FREQ, ROPE_SCALING, 256) if pre is not None else None
+    layer = PagedInt2Layer(layout.layer_tensors(meth, 1, HKV, D)[0], s, 4, HQ, HKV, D,
+                           P, ACT, DEV, kernels=kern or TritonKernels(CFG), rope=rope)  # type: ignore[arg-type]
     kv = torch.zeros(16, P, HKV, spec.slot_bytes(D), dtype=torch.uint8)
     rows, state = layout.SequenceRows(4), torch.zeros(5, 2, dtype=torch.int32)
     batches = [[(a, 40, False)], [(a, 30, True), (b, 20, False)], [(a, 1, True), (b, 25, True)],

@@ -200,24 +200,14 @@ def render_model_card(manifest: Mapping[str, Any], repo_id: str | None = None) -
             "",
             "Tags name releases; a 40-hex commit sha is immutable and is what reproducible pipelines should pin.",
             "",
+            "Serve it in vLLM 0.25 (`pip install 'oscar-kv[vllm]'`; the plugin registers the INT2 attention backend):",
+            "",
+            "```bash",
+            f"vllm serve {base or 'MODEL'} --attention-backend CUSTOM --max-num-seqs 64 \\",
+            f"    --additional-config '{{\"oscar_artifact\": \"hf://{repo_id}@<tag-or-commit-sha>\"}}'",
+            "```",
+            "",
         ]
-        if ((manifest.get("recipe") or {}).get("quant") or {}).get("key_mean", "constant") != "constant":
-            lines += [
-                "The vLLM backend does not serve this artifact: it centres keys by their position's mean "
-                "(`quant.key_mean: rope`), which the transformers path above reads. For vLLM, calibrate with "
-                "`oscar calibrate MODEL --key-mean constant`.",
-                "",
-            ]
-        else:
-            lines += [
-                "Serve it in vLLM 0.25 (`pip install 'oscar-kv[vllm]'`; the plugin registers the INT2 attention backend):",
-                "",
-                "```bash",
-                f"vllm serve {base or 'MODEL'} --attention-backend CUSTOM --max-num-seqs 64 \\",
-                f"    --additional-config '{{\"oscar_artifact\": \"hf://{repo_id}@<tag-or-commit-sha>\"}}'",
-                "```",
-                "",
-            ]
     else:
         lines += [
             "## Use it",

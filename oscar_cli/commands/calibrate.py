@@ -24,7 +24,7 @@ EXAMPLES = """
   oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON on stdout
   oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
   oscar calibrate qwen2.5-coder-1.5b --device cuda   # its recipe centres keys by position (quant.key_mean rope)
-  oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean constant   # one key mean: what vLLM serves today
+  oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean constant   # one key mean: a faster decode
 
 Writes [bold]artifacts/<model>/<recipe>-<hash>[/bold] unless --out says otherwise, e.g.
 artifacts/smollm2-135m/smollm2-135m-e1fda680 (the hash covers the model, the recipe and the data).
@@ -123,7 +123,7 @@ def calibrate(
     key_mean: Annotated[
         str | None, typer.Option("--key-mean", help="constant | rope: centre INT2 keys by one mean, or by their "
                                  "position's RoPE_p(m_pre) (recipe quant.key_mean; default: the recipe's, rope for "
-                                 "qwen2.5-coder-1.5b; rope: lower KL at long context, the vLLM backend refuses it; "
+                                 "qwen2.5-coder-1.5b; rope: lower KL at long context, 1.4-1.8x the decode attention time; "
                                  "docs/RESULTS.md).")
     ] = None,
     strict: Annotated[

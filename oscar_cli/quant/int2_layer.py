@@ -32,7 +32,8 @@ Triton path refuses such a method).
 With a position-dependent key mean (recipe ``quant.key_mean: rope``, :mod:`oscar_cli.quant.key_mean`) each INT2
 key in slot ``t`` of row ``b`` is centred by ``RoPE_p(m_pre)·R_K`` at its position ``p = t - pad_b`` instead of the
 constant ``k_mean``, computed with the model's rotary embedding (the cache's ``RopeTable``) when the row is
-written and again when it is read; nothing is stored per token (reference path only, the Triton path refuses).
+written and again when it is read; nothing is stored per token (the Triton path writes with one mean per row and its
+decode kernel adds the mean's logit term itself, ``oscar_kernels.ops.RopeMean``).
 
 Nothing else persists: no dense copy of the history exists between calls.
 

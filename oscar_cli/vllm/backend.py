@@ -51,6 +51,7 @@ class Runtime:
     layers: tuple[layout.LayerTensors, ...]
     num_rows: int
     block_size: int
+    rope: layout.RopeFrequencies | None = None  # keys centred by position (quant.key_mean rope)
 
 
 _RUNTIMES: dict[tuple[Any, ...], Runtime] = {}
@@ -71,11 +72,16 @@ def _load(vllm_config: Any, ref: str, num_kv_heads: int, head_dim: int, block_si
                           logit_correction=meth.logit_correction, key_subspace=meth.key_subspace,
                           key_mean=meth.key_mean)
     tensors = layout.layer_tensors(meth, int(cfg.num_hidden_layers), num_kv_heads, head_dim)
+    rope = (layout.rope_frequencies(cfg, head_dim, int(vllm_config.model_config.max_model_len))
+            if meth.key_mean == "rope" else None)
     tiers = Int2KVSpec(num_kv_heads, head_dim, block_size, META_BYTES, meth.sink, meth.recent).sequence_tier_bytes
     _log.info("oscar: INT2 KV cache from %s (S0=%d, W=%d); BF16 sink + recent tiers for %d sequences (--max-num-seqs): "
               "%.2f GB over %d layers", ref, meth.sink, meth.recent, num_rows,
               (num_rows + 1) * tiers * int(cfg.num_hidden_layers) / 1e9, int(cfg.num_hidden_layers))
-    rt = _RUNTIMES[key] = Runtime(ref, settings, tuple(tensors), num_rows, block_size)
+    if rope is not None:
+        _log.info("oscar: keys centred by position (quant.key_mean rope): RoPE scaling %.4g, position table of %d rows",
+                  rope.scaling, rope.positions)
+    rt = _RUNTIMES[key] = Runtime(ref, settings, tuple(tensors), num_rows, block_size, rope)
     return rt
 
 
@@ -326,7 +332,7 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
             kernels = TritonKernels(pdl=debug.pdl_override(), torch_rotate=debug.torch_rotate_forced())
             self.core = PagedInt2Layer(self.rt.layers[idx], self.rt.settings, self.rt.num_rows, self.num_heads,
                                        self.num_kv_heads, self.head_size, self.rt.block_size, query.dtype,
-                                       query.device, sm_scale=self.scale, kernels=kernels)
+                                       query.device, sm_scale=self.scale, kernels=kernels, rope=self.rt.rope)
         return self.core
 
     def _carve(self, kv_cache: torch.Tensor) -> Any:

@@ -15,6 +15,11 @@ all layers); :class:`PagedInt2Layer` is one attention layer: its transforms and 
   dequantized copy of their INT2 pages (``ops.dequantize_history``, one launch per chunk), and to itself unquantized
   (causal), as the reference cache does.
 
+Keys centred by position (``quant.key_mean: rope``, a layer with ``k_mean_pre`` and the model's
+:class:`~oscar_cli.vllm.layout.RopeFrequencies`): writes take one mean per row (:meth:`PagedInt2Layer.key_means` at
+each token's position), the decode adds the mean's logit term in the kernel (``ops.RopeMean`` over a shared position
+table), and a prefill chunk's dequantized history gets each position's mean back.
+
 Semantics are the reference cache's (``oscar_cli.quant.int2_layer.Int2Layer``): the recent length follows its placement
 rule (:func:`oscar_cli.vllm.layout.next_recent_len`), so a decode step sees exactly the tokens the reference keeps
 in BF16; every token is also stored in INT2 at arrival, so a token that leaves the recent window needs no
@@ -31,6 +36,7 @@ import torch
 from oscar_cli.vllm.layout import (
     Int2Settings,
     LayerTensors,
+    RopeFrequencies,
     advance_recent,
     decode_lengths,
     ring_gather_index,
@@ -262,20 +268,33 @@ class TritonKernels:
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
                recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
-               out: torch.Tensor | None) -> torch.Tensor:
+               out: torch.Tensor | None, rope: object | None = None) -> torch.Tensor:
+        """``rope``: an ``ops.RopeMean`` (keys centred by position: stage 1 adds their logit term)."""
         from dataclasses import replace
 
         from oscar_kernels import ops
 
-        cfg = self.config or ops.default_config(int(q.shape[0]))
+        cfg = self.config or ops.default_config(int(q.shape[0]), rope_mean=rope is not None)
         if self.pdl is not None:
             cfg = replace(cfg, pdl=self.pdl)  # type: ignore[type-var]
         return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
                               recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
-                              sm_scale=scale, config=cfg, out=out).run()  # type: ignore[arg-type]
+                              sm_scale=scale, config=cfg, out=out, rope_mean=rope).run()  # type: ignore[arg-type]
 
 
 _GATHERED: dict[tuple[object, ...], Tiers] = {}
+_POSITION_TABLES: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def shared_position_table(rope: RopeFrequencies, device: torch.device) -> torch.Tensor:
+    """``ops.position_table`` of ``rope`` over its ``positions``, built once per engine and device and shared by all
+    layers (64 MB at 128K positions, D = 128), at a fixed address (CUDA graphs)."""
+    key = (str(device), rope.positions, tuple(rope.inv_freq.tolist()))
+    if key not in _POSITION_TABLES:
+        from oscar_kernels.rope_ops import position_table
+
+        _POSITION_TABLES[key] = position_table(rope.inv_freq, max(rope.positions, 128), device)
+    return _POSITION_TABLES[key]
 
 
 def gather_buffers(rows: int, h_kv: int, sink: int, ring: int, d: int, dtype: torch.dtype,
@@ -298,8 +317,12 @@ class PagedInt2Layer:
 
     def __init__(self, tensors: LayerTensors, s: Int2Settings, num_rows: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, block_size: int, act_dtype: torch.dtype, device: torch.device | str,
-                 sm_scale: float | None = None, kernels: TritonKernels | None = None) -> None:
+                 sm_scale: float | None = None, kernels: TritonKernels | None = None,
+                 rope: RopeFrequencies | None = None) -> None:
         self.t = tensors.to(device)
+        self.rope = rope if self.t.k_mean_pre is not None else None
+        if self.t.k_mean_pre is not None and rope is None:
+            raise ValueError("a layer with keys centred by position (k_mean_pre) needs the model's RopeFrequencies")
         self.s = s
         self.h_q, self.h_kv, self.d, self.block_size = num_heads, num_kv_heads, head_dim, block_size
         self.group = num_heads // num_kv_heads
@@ -315,12 +338,27 @@ class PagedInt2Layer:
         self.tiers: Tiers = (self.sink_k, self.sink_v, self.ring_k, self.ring_v)
         self.gathered = gather_buffers(num_rows, num_kv_heads, int(self.sink_k.shape[2]), int(self.ring_k.shape[2]),
                                        head_dim, act_dtype, self.sink_k.device)
+        if self.rope is not None:  # the decode's term: history slot n of every row sits at position S0 + n
+            self.position_table = shared_position_table(self.rope, self.sink_k.device)
+            self.first_position = torch.full((num_rows,), s.sink, dtype=torch.int32, device=self.sink_k.device)
 
     # ------------------------------------------------------------------ transforms
     def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``key @ R_K``, ``value @ R_V`` (``[N, H_kv, D]``, any row strides) in float32, cast to the activation dtype
         (what the reference cache stores): ``kernels.rotate_kv``."""
         return self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act)
+
+    def key_means(self, pos: torch.Tensor) -> torch.Tensor:
+        """``RoPE_p(k_mean_pre)·R_K`` float32 ``[n, H_kv, D]`` for int64 positions ``pos [n]`` (keys centred by
+        position), as the reference cache computes them (``oscar_cli.quant.key_mean.position_means`` over
+        ``reference.rope_cos_sin``'s float64 angles)."""
+        from oscar_cli.quant.key_mean import position_means
+        from oscar_kernels.reference import rope_cos_sin
+
+        assert self.rope is not None and self.t.k_mean_pre is not None
+        cos, sin = rope_cos_sin(self.rope.inv_freq, self.rope.scaling, pos.clamp(min=0)[None])
+        r = self.t.k_rotation if self.t.k_rotation.dim() == 3 else self.t.k_rotation[None]
+        return position_means(self.t.k_mean_pre, r, cos, sin)[0].transpose(0, 1).contiguous()
 
     def _per_q_head(self, r: torch.Tensor) -> torch.Tensor:
         return r.expand(self.h_kv, -1, -1).repeat_interleave(self.group, 0) if r.dim() == 2 else \
@@ -338,7 +376,8 @@ class PagedInt2Layer:
         the shared-word atomics (a prefill chunk's tokens share words)."""
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
-        self.kernels.quantize_write(kr, k_pages, slots, self.t.k_mean, self.t.k_clip, "rows")
+        k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n])  # one mean per row: rope
+        self.kernels.quantize_write(kr, k_pages, slots, k_mean, self.t.k_clip, "rows")
         self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads",
                                     exclusive_words=decode_only(st))
         self.kernels.tier_write(kr, vr, self.tiers, st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
@@ -356,8 +395,14 @@ class PagedInt2Layer:
         sink_k, sink_v, rec_k, rec_v = self.kernels.tier_gather(self.tiers, st.rows[:b], st.ring_index[:b],
                                                                 self.t.k_mean, self.t.v_mean, bufs)
         table = st.block_table[:b, self.s.sink // self.block_size:]
+        rope = None
+        if self.rope is not None:
+            from oscar_kernels.ops import RopeMean
+
+            assert self.t.k_mean_pre is not None
+            rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
         return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
-                                   (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out)
+                                   (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope)
 
     # ------------------------------------------------------------------ prefill
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
@@ -390,6 +435,11 @@ class PagedInt2Layer:
             v_all[:ns] = self.sink_v[row, :, :ns].transpose(0, 1)
             if c > s0:
                 self.history(k_pages, v_pages, st.block_table[i], s0, k_all[s0:c], v_all[s0:c])
+                if self.rope is not None:  # the history came back centred (k_mean is zero): add each position's mean
+                    for a in range(s0, c, 8192):
+                        e = min(c, a + 8192)
+                        pos = torch.arange(a, e, dtype=torch.int64, device=k_all.device)
+                        k_all[a:e] = (k_all[a:e].float() + self.key_means(pos)).to(k_all.dtype)
             k_all[c:] = kr[qs:qe]
             v_all[c:] = vr[qs:qe]
             qr = torch.einsum("nhd,hde->nhe", q[qs:qe].float(), rk).to(self.act)

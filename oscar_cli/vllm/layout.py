@@ -54,7 +54,9 @@ class Int2Settings:
 @dataclass(frozen=True)
 class LayerTensors:
     """One decoder layer's transforms, float32: ``k_rotation``/``v_rotation`` ``[D, D]`` (shared by the KV heads)
-    or ``[H_kv, D, D]``, ``k_mean``/``v_mean`` ``[H_kv, D]`` (rotated space), clip ratios (``<= 0``: off)."""
+    or ``[H_kv, D, D]``, ``k_mean``/``v_mean`` ``[H_kv, D]`` (rotated space), clip ratios (``<= 0``: off), and
+    ``k_mean_pre`` ``[H_kv, D]`` (unrotated, pre-RoPE) when keys are centred by position (``quant.key_mean: rope``:
+    then ``k_mean`` is zero and every INT2 key at position ``p`` is centred by ``RoPE_p(k_mean_pre)·R_K``)."""
 
     k_rotation: torch.Tensor
     v_rotation: torch.Tensor
@@ -62,13 +64,56 @@ class LayerTensors:
     v_mean: torch.Tensor
     k_clip: float
     v_clip: float
+    k_mean_pre: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> LayerTensors:
         def mv(t: torch.Tensor) -> torch.Tensor:
             return t.to(device).contiguous()
 
         return LayerTensors(mv(self.k_rotation), mv(self.v_rotation), mv(self.k_mean), mv(self.v_mean), self.k_clip,
-                            self.v_clip)
+                            self.v_clip, None if self.k_mean_pre is None else mv(self.k_mean_pre))
+
+
+@dataclass(frozen=True)
+class RopeFrequencies:
+    """The model's rotary embedding as the position-dependent key mean needs it: ``inv_freq`` float32 ``[D/2]``
+    (``rotate_half`` pairing), the attention ``scaling`` multiplying cos/sin (YaRN's factor; 1 for plain RoPE), and
+    the ``positions`` the engine serves (its ``max_model_len``: the position table's rows)."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+    positions: int
+
+
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # frequencies fixed for every length
+
+
+def rope_frequencies(config: Any, head_dim: int, positions: int) -> RopeFrequencies:
+    """:class:`RopeFrequencies` of a Hugging Face ``config`` (what vLLM's ``model_config.hf_config`` is): plain RoPE
+    from its ``rope_theta``, the scaled kinds through transformers' own RoPE initialisation (the functions its
+    rotary embeddings call). Raises :class:`UnsupportedModelError` for a RoPE whose frequencies change with the
+    length (``dynamic``, ``longrope``) or a head dim that is not the rotary dim."""
+    from oscar_cli.model.rope import rope_type
+
+    kind = rope_type(config)
+    if kind not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(f"{kind} RoPE with a position-dependent key mean (quant.key_mean rope: the "
+                                    f"backend supports {', '.join(STATIC_ROPE_TYPES)} RoPE)")
+    if kind == "default":
+        params = getattr(config, "rope_parameters", None) or {}
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)) if isinstance(params, dict)
+                      else getattr(config, "rope_theta", 10000.0))
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv, scaling = ROPE_INIT_FUNCTIONS[kind](config, None)
+    inv = inv.float().cpu()
+    if inv.numel() * 2 != head_dim:
+        raise UnsupportedModelError(f"rotary dim {inv.numel() * 2} != head_dim {head_dim} with a position-dependent "
+                                    "key mean (quant.key_mean rope)")
+    return RopeFrequencies(inv, float(scaling), int(positions))
 
 
 def _rotation(r: torch.Tensor | None, h_kv: int, d: int, what: str) -> torch.Tensor:
@@ -99,14 +144,19 @@ def layer_tensors(method: object, num_layers: int, num_kv_heads: int, head_dim: 
     layers = getattr(method, "layers", ())
     if len(layers) != num_layers:
         raise UnsupportedModelError(f"artifact has {len(layers)} layers, the model {num_layers}")
+    rope = getattr(method, "key_mean", "constant") == "rope"
     out = []
     for i, t in enumerate(layers):
+        pre = getattr(t, "k_mean_pre", None)
+        if rope and pre is None:
+            raise UnsupportedModelError(f"artifact layer {i}: quant.key_mean rope without its k_mean_pre")
         out.append(LayerTensors(
             _rotation(t.k_rotation, num_kv_heads, head_dim, f"layer {i} k_rotation"),
             _rotation(t.v_rotation, num_kv_heads, head_dim, f"layer {i} v_rotation"),
-            _mean(t.k_mean, num_kv_heads, head_dim, f"layer {i} k_mean"),
+            _mean(None if rope else t.k_mean, num_kv_heads, head_dim, f"layer {i} k_mean"),
             _mean(t.v_mean, num_kv_heads, head_dim, f"layer {i} v_mean"),
-            float(t.k_clip), float(t.v_clip)))
+            float(t.k_clip), float(t.v_clip),
+            _mean(pre, num_kv_heads, head_dim, f"layer {i} k_mean_pre") if rope else None))
     return out
 
 
@@ -129,10 +179,9 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if key_subspace:
         reasons.append(f"a BF16 key subspace (quant.key_subspace {key_subspace}: the kernels do not read it; serve it "
                        "through transformers with --backend reference)")
-    if key_mean != "constant":
-        reasons.append(f"a position-dependent key mean (quant.key_mean {key_mean}: this backend centres keys by one "
-                       "constant mean; calibrate with --key-mean constant for it, or serve this artifact through "
-                       "transformers (oscar generate, oscar_cli.kv_cache), whose Triton and reference paths read it)")
+    if key_mean not in ("constant", "rope"):
+        reasons.append(f"key mean {key_mean!r} (quant.key_mean: the backend centres keys by a constant mean or by "
+                       "RoPE_p(m_pre))")
     if head_dim not in KERNEL_HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} (the INT2 decode kernel supports {KERNEL_HEAD_DIMS})")
     if block_size not in BLOCK_SIZES:
