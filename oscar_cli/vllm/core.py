@@ -29,7 +29,7 @@ re-quantization (the codes are those the reference computes when it demotes it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -270,8 +270,6 @@ class TritonKernels:
                recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
                out: torch.Tensor | None, rope: object | None = None) -> torch.Tensor:
         """``rope``: an ``ops.RopeMean`` (keys centred by position: stage 1 adds their logit term)."""
-        from dataclasses import replace
-
         from oscar_kernels import ops
 
         cfg = self.config or ops.default_config(int(q.shape[0]), rope_mean=rope is not None)
@@ -341,6 +339,8 @@ class PagedInt2Layer:
         if self.rope is not None:  # the decode's term: history slot n of every row sits at position S0 + n
             self.position_table = shared_position_table(self.rope, self.sink_k.device)
             self.first_position = torch.full((num_rows,), s.sink, dtype=torch.int32, device=self.sink_k.device)
+            # the frequencies on the device once: a per-step host-to-device copy would break CUDA-graph capture
+            self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(self.sink_k.device))
 
     # ------------------------------------------------------------------ transforms
     def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
