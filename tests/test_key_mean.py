@@ -177,10 +177,13 @@ def test_triton_decode_with_a_rope_mean_on_cuda(pad: int) -> None:
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
 
 
-def test_vllm_refuses_a_rope_mean() -> None:
-    with pytest.raises(OscarError, match=r"key_mean rope: this backend centres keys by one constant mean"):
-        check_geometry(head_dim=128, block_size=16, settings=Int2Settings(sink=64, recent=256, meta_dtype=torch.bfloat16),
-                       group_size=None, key_mean="rope")
+def test_vllm_serves_a_rope_mean_and_refuses_other_means() -> None:
+    """The vLLM backend serves keys centred by position (tests/test_vllm_logic.py runs it against the reference
+    cache); a key mean it does not know is one line at engine start."""
+    settings = Int2Settings(sink=64, recent=256, meta_dtype=torch.bfloat16)
+    check_geometry(head_dim=128, block_size=16, settings=settings, group_size=None, key_mean="rope")
+    with pytest.raises(OscarError, match=r"key mean 'learned'"):
+        check_geometry(head_dim=128, block_size=16, settings=settings, group_size=None, key_mean="learned")
 
 
 def test_recipe_knob_left_out_while_constant() -> None:
