@@ -271,14 +271,13 @@ def test_rope_frequencies_from_the_model_config() -> None:
     frequencies); a RoPE whose frequencies change with the length is refused in one line."""
     import math
 
-    cfg = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    r = layout.rope_frequencies(cfg, 128, 32768)
-    want = 1.0 / 1_000_000.0 ** (torch.arange(0, 128, 2).float() / 128)
-    assert torch.equal(r.inv_freq, want) and r.scaling == 1.0 and r.positions == 32768
     from oscar_cli.model.rope import apply_yarn
 
     tiny = tiny_causal_lm("qwen3")
     d = int(tiny.config.head_dim)
+    r = layout.rope_frequencies(tiny.config, d, 32768)
+    assert torch.equal(r.inv_freq, tiny.model.rotary_emb.inv_freq.float().cpu()) and r.scaling == 1.0
+    assert r.positions == 32768
     apply_yarn(tiny, 4.0)
     y = layout.rope_frequencies(tiny.config, d, 4096)
     rotary = tiny.model.rotary_emb

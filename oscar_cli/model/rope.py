@@ -15,7 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from oscar_cli.errors import OscarError
+from oscar_cli.model.geometry import ModelGeometry
 
 MAX_YARN_FACTOR = 32.0
 ROPE_SCALINGS = ("yarn",)
@@ -37,18 +40,29 @@ def rope_type(config: Any) -> str:
     return str(kind or "default")
 
 
-def attention_scaling(config: Any) -> float:
-    """The factor the rotary embedding of ``config`` multiplies cos/sin by (YaRN's attention factor ``0.1·ln F + 1``
-    unless the config sets another; 1 for plain RoPE), from transformers' own RoPE initialisation."""
+def rotary_frequencies(config: Any) -> tuple[torch.Tensor, float]:
+    """``(inv_freq float32 [D/2], attention scaling)`` of the rotary embedding a transformers model builds from
+    ``config``: plain RoPE from its ``rope_theta`` and head dim (scaling 1), the scaled kinds (YaRN, llama3, linear,
+    ...) through transformers' own RoPE initialisation, the functions its rotary embeddings call."""
     kind = rope_type(config)
     if kind == "default":
-        return 1.0
+        geo = ModelGeometry.of(config)
+        theta = geo.rope_theta if geo.rope_theta is not None else 10000.0
+        d = geo.head_dim
+        return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     init = ROPE_INIT_FUNCTIONS.get(kind)
     if init is None:
         raise OscarError(f"{kind} RoPE: transformers has no initialisation for it", hint="use plain RoPE or YaRN")
-    return float(init(config, None)[1])
+    inv, scaling = init(config, None)
+    return inv.float().cpu(), float(scaling)
+
+
+def attention_scaling(config: Any) -> float:
+    """The factor the rotary embedding of ``config`` multiplies cos/sin by (YaRN's attention factor ``0.1·ln F + 1``
+    unless the config sets another; 1 for plain RoPE): :func:`rotary_frequencies`' second half."""
+    return 1.0 if rope_type(config) == "default" else rotary_frequencies(config)[1]
 
 
 def plan_yarn(

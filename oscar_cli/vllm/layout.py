@@ -89,31 +89,20 @@ STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # frequencies fixed
 
 
 def rope_frequencies(config: Any, head_dim: int, positions: int) -> RopeFrequencies:
-    """:class:`RopeFrequencies` of a Hugging Face ``config`` (what vLLM's ``model_config.hf_config`` is): plain RoPE
-    from its ``rope_theta``, the scaled kinds through transformers' own RoPE initialisation (the functions its
-    rotary embeddings call). Raises :class:`UnsupportedModelError` for a RoPE whose frequencies change with the
-    length (``dynamic``, ``longrope``) or a head dim that is not the rotary dim."""
-    from oscar_cli.model.rope import rope_type
+    """:class:`RopeFrequencies` of a Hugging Face ``config`` (what vLLM's ``model_config.hf_config`` is), from
+    :func:`oscar_cli.model.rope.rotary_frequencies`. Raises :class:`UnsupportedModelError` for a RoPE whose
+    frequencies change with the length (``dynamic``, ``longrope``) or a head dim that is not the rotary dim."""
+    from oscar_cli.model.rope import rope_type, rotary_frequencies
 
     kind = rope_type(config)
     if kind not in STATIC_ROPE_TYPES:
         raise UnsupportedModelError(f"{kind} RoPE with a position-dependent key mean (quant.key_mean rope: the "
                                     f"backend supports {', '.join(STATIC_ROPE_TYPES)} RoPE)")
-    if kind == "default":
-        params = getattr(config, "rope_parameters", None) or {}
-        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)) if isinstance(params, dict)
-                      else getattr(config, "rope_theta", 10000.0))
-        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        scaling = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv, scaling = ROPE_INIT_FUNCTIONS[kind](config, None)
-    inv = inv.float().cpu()
+    inv, scaling = rotary_frequencies(config)
     if inv.numel() * 2 != head_dim:
         raise UnsupportedModelError(f"rotary dim {inv.numel() * 2} != head_dim {head_dim} with a position-dependent "
                                     "key mean (quant.key_mean rope)")
-    return RopeFrequencies(inv, float(scaling), int(positions))
+    return RopeFrequencies(inv, scaling, int(positions))
 
 
 def _rotation(r: torch.Tensor | None, h_kv: int, d: int, what: str) -> torch.Tensor:
