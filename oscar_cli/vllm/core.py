@@ -73,6 +73,9 @@ class Step:
     ring_row: torch.Tensor
     ring_slot: torch.Tensor
     prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (request, q_start, q_end, seq_len)
+    # cos/sin of the new tokens' positions for keys centred by position, computed by the step's first layer and read
+    # by the others (:meth:`PagedInt2Layer.key_means`): (inv_freq, scaling, n) -> (cos, sin)
+    rope_cos_sin: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def split_decodes(query_start_loc_cpu: list[int]) -> int:
@@ -281,18 +284,21 @@ class TritonKernels:
 
 
 _GATHERED: dict[tuple[object, ...], Tiers] = {}
-_POSITION_TABLES: dict[tuple[object, ...], torch.Tensor] = {}
+_SHARED_ROPE: dict[tuple[object, ...], tuple[torch.Tensor, RopeFrequencies]] = {}
 
 
-def shared_position_table(rope: RopeFrequencies, device: torch.device) -> torch.Tensor:
-    """``ops.position_table`` of ``rope`` over its ``positions``, built once per engine and device and shared by all
-    layers (64 MB at 128K positions, D = 128), at a fixed address (CUDA graphs)."""
-    key = (str(device), rope.positions, tuple(rope.inv_freq.tolist()))
-    if key not in _POSITION_TABLES:
+def shared_rope(rope: RopeFrequencies, device: torch.device) -> tuple[torch.Tensor, RopeFrequencies]:
+    """``(ops.position_table over rope's positions, rope with its frequencies on device)``, built once per engine and
+    device and shared by all layers (64 MB at 128K positions, D = 128), at fixed addresses (CUDA graphs; the
+    frequencies on the device: a per-step host-to-device copy would break graph capture). One object for every
+    layer, so the step's cos/sin are shared too (``Step.rope_cos_sin``)."""
+    key = (str(device), rope.positions, rope.scaling, tuple(rope.inv_freq.tolist()))
+    if key not in _SHARED_ROPE:
         from oscar_kernels.rope_ops import position_table
 
-        _POSITION_TABLES[key] = position_table(rope.inv_freq, max(rope.positions, 128), device)
-    return _POSITION_TABLES[key]
+        _SHARED_ROPE[key] = (position_table(rope.inv_freq, max(rope.positions, 128), device),
+                             replace(rope, inv_freq=rope.inv_freq.to(device)))
+    return _SHARED_ROPE[key]
 
 
 def gather_buffers(rows: int, h_kv: int, sink: int, ring: int, d: int, dtype: torch.dtype,
@@ -337,10 +343,8 @@ class PagedInt2Layer:
         self.gathered = gather_buffers(num_rows, num_kv_heads, int(self.sink_k.shape[2]), int(self.ring_k.shape[2]),
                                        head_dim, act_dtype, self.sink_k.device)
         if self.rope is not None:  # the decode's term: history slot n of every row sits at position S0 + n
-            self.position_table = shared_position_table(self.rope, self.sink_k.device)
+            self.position_table, self.rope = shared_rope(self.rope, self.sink_k.device)
             self.first_position = torch.full((num_rows,), s.sink, dtype=torch.int32, device=self.sink_k.device)
-            # the frequencies on the device once: a per-step host-to-device copy would break CUDA-graph capture
-            self.rope = replace(self.rope, inv_freq=self.rope.inv_freq.to(self.sink_k.device))
 
     # ------------------------------------------------------------------ transforms
     def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,15 +352,22 @@ class PagedInt2Layer:
         (what the reference cache stores): ``kernels.rotate_kv``."""
         return self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act)
 
-    def key_means(self, pos: torch.Tensor) -> torch.Tensor:
+    def key_means(self, pos: torch.Tensor, st: Step | None = None) -> torch.Tensor:
         """``RoPE_p(k_mean_pre)·R_K`` float32 ``[n, H_kv, D]`` for int64 positions ``pos [n]`` (keys centred by
         position), as the reference cache computes them (``oscar_cli.quant.key_mean.position_means`` over
-        ``reference.rope_cos_sin``'s float64 angles)."""
+        ``reference.rope_cos_sin``'s float64 angles). ``st``: ``pos`` are that step's new tokens, whose cos/sin
+        every layer shares (``Step.rope_cos_sin``: computed once per step, not once per layer)."""
         from oscar_cli.quant.key_mean import position_means
         from oscar_kernels.reference import rope_cos_sin
 
         assert self.rope is not None and self.t.k_mean_pre is not None
-        cos, sin = rope_cos_sin(self.rope.inv_freq, self.rope.scaling, pos.clamp(min=0)[None])
+        key = (id(self.rope), int(pos.shape[0]))
+        cs = st.rope_cos_sin.get(key) if st is not None else None
+        if cs is None:
+            cs = rope_cos_sin(self.rope.inv_freq, self.rope.scaling, pos.clamp(min=0)[None])
+            if st is not None:
+                st.rope_cos_sin[key] = cs
+        cos, sin = cs
         r = self.t.k_rotation if self.t.k_rotation.dim() == 3 else self.t.k_rotation[None]
         return position_means(self.t.k_mean_pre, r, cos, sin)[0].transpose(0, 1).contiguous()
 
@@ -376,7 +387,7 @@ class PagedInt2Layer:
         the shared-word atomics (a prefill chunk's tokens share words)."""
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
-        k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n])  # one mean per row: rope
+        k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n], st)  # one mean per row: rope
         self.kernels.quantize_write(kr, k_pages, slots, k_mean, self.t.k_clip, "rows")
         self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads",
                                     exclusive_words=decode_only(st))
