@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -177,12 +178,29 @@ class RopeMean:
         return self
 
 
+# fp16 copies of position tables' first rows, per live table (by id, dropped when the table is freed; a table is
+# never written after position_table builds it), so a plan built every decode step does not cast them again
+_TABLE_HEADS: dict[int, tuple[weakref.ref[torch.Tensor], dict[int, torch.Tensor]]] = {}
+
+
+def _fp16_head(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``table[:rows]`` as fp16 (made once per table and row count: at fixed addresses for CUDA graphs)."""
+    key = id(table)
+    entry = _TABLE_HEADS.get(key)
+    if entry is None or entry[0]() is not table:
+        entry = _TABLE_HEADS[key] = (weakref.ref(table, lambda _: _TABLE_HEADS.pop(key, None)), {})
+    heads = entry[1]
+    if rows not in heads:
+        heads[rows] = table[:rows].to(torch.float16)
+    return heads[rows]
+
+
 def rope_args(q: torch.Tensor, rope: RopeMean, qk_scale: float, block_n: int) -> tuple[Any, ...]:
-    """Stage 1's ``HAS_ROPE`` arguments: raw q and its strides, ``m_pre`` and its head stride, the table, its rows
-    ``0, 4, .., block_n - 4`` as fp16 (the tile's fixed operand, made here: one small copy per plan), the first
-    positions and ``scaling·sm_scale·log2(e)`` (``qk_scale`` is ``sm_scale·log2(e)``)."""
+    """Stage 1's ``HAS_ROPE`` arguments: raw q and its strides, ``m_pre`` and its head stride, the table, its first
+    ``block_n`` rows as fp16 (the tiles' fixed operand), the first positions and ``scaling·sm_scale·log2(e)``
+    (``qk_scale`` is ``sm_scale·log2(e)``)."""
     return (q, q.stride(0), q.stride(1), rope.mean_pre, rope.mean_pre.stride(0), rope.table,
-            rope.table[:block_n].to(torch.float16), rope.position0, float(rope.scaling) * qk_scale)
+            _fp16_head(rope.table, block_n), rope.position0, float(rope.scaling) * qk_scale)
 
 
 class DecodePlan:
