@@ -162,12 +162,9 @@ def build_methods(
             if other is None or artifact is None:
                 raise
             method = build_method(m, other, artifact, windows)
-            scale = attention_scaling(config) if rope_type(other) == "default" else 1.0
-            if scale != 1.0 and method.key_mean == "constant" and any(t.k_mean is not None for t in method.layers):
-                method = with_scaled_constant_mean(method, scale)
-            else:
-                scale = 1.0
-            methods[m] = method
+            has_mean = method.key_mean == "constant" and any(t.k_mean is not None for t in method.layers)
+            scale = attention_scaling(config) if has_mean and rope_type(other) == "default" else 1.0
+            methods[m] = with_scaled_constant_mean(method, scale) if scale != 1.0 else method
             notes.append(rope_mismatch_note(artifact, rope_type(other), rope_type(config),
                                             scale if scale != 1.0 else None))
     return methods, notes
