@@ -3,8 +3,8 @@
 
 Every ``DecodeConfig`` field can be set (``hist_stages=2``, ``maxnreg=128``, ``pdl=false``, ``merge_cols=128`` ...);
 fields not named keep ``default_config(batch)``. Values: integers, ``true``/``false`` for flags, ``none`` for
-optional integers, words for text fields (``rope_prec=tf32x3``). Whether a combination is legal (e.g. ``block_n`` a power of two >= 64 on a GPU) is checked by
-the kernels' own validation when the bench builds its launch plan.
+optional integers, words for text fields (``rope_prec=tf32x3``). Whether a combination is legal (e.g. ``block_n``
+a power of two >= 64 on a GPU) is checked by the kernels' own validation when the bench builds its launch plan.
 """
 
 from __future__ import annotations
