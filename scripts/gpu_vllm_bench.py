@@ -607,11 +607,13 @@ def ruler(args: argparse.Namespace, llm: Any, model_dir: Path, ctxs: list[int], 
     for (task, length), items in build_samples(cfg, tok).items():
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in items], sp, use_tqdm=False)
-        scores = [100.0 * match_all(postprocess(str(tok.decode(o.outputs[0].token_ids, skip_special_tokens=True))),
-                                    sample.answers) for (sample, _), o in zip(items, outs, strict=True)]
+        preds = [postprocess(str(tok.decode(o.outputs[0].token_ids, skip_special_tokens=True))) for o in outs]
+        scores = [100.0 * match_all(p, sample.answers) for (sample, _), p in zip(items, preds, strict=True)]
         save(args.out, f"{base}/ruler/{task}/{length}", {"score": sum(scores) / len(scores), "samples": len(scores),
                                                          "scores": scores, "seconds": time.perf_counter() - t,
-                                                         "seed": cfg.seed})
+                                                         "seed": cfg.seed, "indices": [s.index for s, _ in items],
+                                                         "prompt_tokens": [len(ids) for _, ids in items],
+                                                         "preds": preds})
 
 
 def stepwise_record(n: int, ctx: int, run: StepRun, bytes_per_token: int | None,
