@@ -10,8 +10,11 @@ so MODEL only needs its tokenizer), and every record that scored below 100 is pu
 - ``partial``: every value it gave is an expected one, some are missing (multi-value tasks);
 - ``other-needle``: it gave a value that appears in the prompt but is not an expected one (retrieval picked the
   wrong needle; BF16 makes this error too);
-- ``chimera``: it gave a value found nowhere in the prompt; ``--show`` prints some with the prompt's value nearest
-  by edit distance (a copy that wandered from one needle's value into another's shows as a short distance);
+- ``garbled``: it gave a value found nowhere in the prompt whose nearest value there (by edit distance; an expected
+  one on ties) is an expected one: the right needle, copied with errors;
+- ``chimera``: it gave a value found nowhere in the prompt whose nearest value there is another needle's: the copy
+  wandered from one needle's value into another's, or started from the wrong one; ``--show`` prints some garbled
+  and chimera answers with that nearest value;
 - ``no-answer``: no value of the task's type in the answer;
 - ``prompt-differs``: the record's prompt length is not the rebuilt prompt's (another generator version, tokenizer
   or ``--haystack-dir``): not classified.
@@ -52,7 +55,8 @@ def edit_distance(a: str, b: str) -> int:
 
 
 def classify(pred: str, answers: list[str], text: str, pattern: re.Pattern[str]) -> tuple[str, str | None]:
-    """``(class, the first value not in the prompt or None)`` for one answer that scored below 100."""
+    """``(class, the first value not in the prompt or None)`` for one answer that scored below 100: ``partial``,
+    ``other-needle``, ``garbled``, ``chimera`` or ``no-answer`` (the module's docstring)."""
     given = pattern.findall(pred)
     if not given:
         return "no-answer", None
@@ -60,7 +64,10 @@ def classify(pred: str, answers: list[str], text: str, pattern: re.Pattern[str])
     if not wrong:
         return "partial", None
     stray = next((g for g in wrong if g not in text), None)
-    return ("chimera", stray) if stray is not None else ("other-needle", None)
+    if stray is None:
+        return "other-needle", None
+    near = min(pattern.findall(text) or [""], key=lambda v: (edit_distance(stray, v), v not in answers))
+    return ("garbled" if near in answers else "chimera"), stray
 
 
 def method_label(record: dict[str, Any]) -> str:
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} #{r['index']}: gave {stray}, expected {r['answers'][0]}; nearest in the prompt "
                       f"{near} (distance {edit_distance(stray, near)}, to the expected "
                       f"{edit_distance(stray, r['answers'][0])})")
-    classes = ("ok", "partial", "other-needle", "chimera", "no-answer", "prompt-differs")
+    classes = ("ok", "partial", "other-needle", "garbled", "chimera", "no-answer", "prompt-differs")
     print("| method / task / length | " + " | ".join(classes) + " |")
     print("|---|" + "---:|" * len(classes))
     for name in sorted(counts):

@@ -21,8 +21,10 @@ def _re() -> Any:
 @pytest.mark.parametrize(("pred", "answers", "kind", "stray"), [
     (" 1234567.", ["1234567", "7654321"], "partial", None),
     (" 7654321.", ["1234567"], "other-needle", None),
-    (" 1234321.", ["1234567"], "chimera", "1234321"),
-    (" 7654321 and 1234321", ["1234567"], "chimera", "1234321"),  # the first value not in the prompt
+    (" 1234561.", ["1234567"], "garbled", "1234561"),  # nearest: the expected value (1 edit)
+    (" 7654329.", ["1234567"], "chimera", "7654329"),  # nearest: another needle's value
+    (" 1234321.", ["1234567", "7654321"], "garbled", "1234321"),  # a tie (3 edits each): expected first
+    (" 7654321 and 7654320", ["1234567"], "chimera", "7654320"),  # the first value not in the prompt
     (" I do not know.", ["1234567"], "no-answer", None),
     (" 123456", ["1234567"], "no-answer", None),  # six digits is not a value of this task
 ])
@@ -36,6 +38,7 @@ def test_classify_uuids_and_task_patterns() -> None:
     assert m.value_pattern("niah_multikey_3") is m.UUID and m.value_pattern("niah_multikey_2") is m.NUMBER
     wrong = "0a1b2c3d-1111-4222-8333-444455550000"
     assert m.classify(f" {wrong}", ["ffffffff-1111-4222-8333-444455556666"], TEXT, m.UUID) == ("chimera", wrong)
+    assert m.classify(f" {wrong}", ["0a1b2c3d-1111-4222-8333-444455556666"], TEXT, m.UUID) == ("garbled", wrong)
     assert m.classify(" 0a1b2c3d-1111-4222-8333-444455556666", ["ffffffff-1111-4222-8333-444455556666"], TEXT,
                       m.UUID) == ("other-needle", None)
 
