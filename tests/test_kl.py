@@ -53,6 +53,7 @@ def test_eval_kl_cli_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert set(doc["metrics"]) == {"bf16", "quarot-int2"}
+    assert "eval-kl: quarot-int2 @ 256 2/2" in res.stderr  # progress in logs (stderr is not a terminal here)
     bad = CliRunner().invoke(app, ["eval-kl", "tiny", "--text", str(tmp_path / "missing.txt"), "--ctx", "256"])
     assert isinstance(bad.exception, EvalError) and "no such file" in bad.exception.message
 

@@ -135,7 +135,7 @@ def bench(
 
     config = BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
                          graphs=graphs, paged=paged, page_size=page_size, kernel=knobs, key_mean=key_mean)
-    with _output.progress() as p:
+    with _output.progress(log="bench") as p:
         task = p.add_task("bench", total=len(batches) * len(ctxs))
 
         def step(msg: str) -> None:

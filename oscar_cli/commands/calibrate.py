@@ -155,7 +155,7 @@ def calibrate(
     recipe_obj = load_recipe(recipe or recipe_for_model(model_slug(model)), overrides)
     _output.info(f"calibrating {model} with recipe {recipe_obj.name} ({recipe_obj.method}, "
                  f"{recipe_obj.data.tokens} tokens from {recipe_obj.data.source})")
-    with _output.progress() as p:
+    with _output.progress(log="calibrate") as p:
         result = run_calibrate(model, recipe=recipe_obj, device=device, dtype=dtype, revision=revision, out=out,
                                overwrite=overwrite, report=_progress_reporter(p), rope_scaling=rope_scaling,
                                rope_factor=rope_factor, strict=strict)

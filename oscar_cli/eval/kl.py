@@ -162,13 +162,14 @@ def run_kl(cfg: KLConfig, loaded: Any | None = None) -> KLResult:
         logger.warning(note)
     head_dim = loaded.geometry.head_dim
     metrics: dict[str, dict[int, dict[str, float]]] = {m: {} for m in names}
-    with progress() as p:
+    with progress(log="eval-kl") as p:
         bar = p.add_task("eval-kl", total=len(names) * len(cfg.lengths))
         for length in cfg.lengths:
             batch = cut_windows(ids, length, cfg.tokens, cfg.windows).to(loaded.device)
             targets = batch[:, length:]
             ref: torch.Tensor | None = None
             for m in names:
+                p.update(bar, description=f"{m} @ {length}")
                 lp = method_logprobs(model, methods[m], batch, length, cfg.chunk_size, cfg.backend)
                 if ref is None:
                     ref = lp
