@@ -315,8 +315,10 @@ def test_geometry_refusals_are_one_line() -> None:
              (dict(group_size=32), "quantization group 32"), (dict(sliding_window=4096), "sliding-window"),
              (dict(settings=layout.Int2Settings(sink=24, recent=256)), "sink 24"),
              (dict(keep_fraction=0.01), "BF16 keep budget"),
-             (dict(key_mean="learned"), "key mean 'learned'")]
+             (dict(key_mean="learned"), "key mean 'learned'"),
+             (dict(layer_kinds=("int2", "dense", "int2", "kivi", "dense")), r"\(BF16: layers 1, 4; KIVI: layer 3;")]
     layout.check_geometry(head_dim=128, block_size=16, settings=s, group_size=None, key_mean="rope")  # served
+    layout.check_geometry(head_dim=128, block_size=16, settings=s, group_size=None, layer_kinds=("int2",) * 3)
     for over, msg in cases:
         args = dict(head_dim=128, block_size=16, settings=s, group_size=None) | over
         with pytest.raises(UnsupportedModelError, match=msg) as e:
@@ -325,6 +327,38 @@ def test_geometry_refusals_are_one_line() -> None:
     assert layout.layer_index("model.layers.12.self_attn.attn") == 12
     with pytest.raises(UnsupportedModelError, match="decoder layer"):
         layout.layer_index("vision.attn")
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "kivi", "identity", "hadamard"])
+def test_an_artifact_with_a_fallback_layer_is_refused_or_served_as_stored(tmp_path, scheme: str) -> None:
+    """The calibration's per-layer fallback (calibration.layers[i].scheme): a layer it keeps in BF16 or serves by
+    KIVI is refused at engine start in one line (the backend would otherwise serve it as INT2 with an identity
+    transform: silently wrong); identity and Hadamard layers are INT2 layers and are served with their stored
+    transform."""
+    from oscar_cli.artifact import Manifest, write_artifact
+    from oscar_cli.model import architecture_fingerprint
+    from oscar_cli.quant.methods import oscar_from_artifact
+
+    model = tiny_causal_lm("qwen3", layers=3, head_dim=64, heads=2, kv_heads=1, intermediate=32)
+    d = model.config.head_dim
+    t = [replace(random_transform(i, d=d), k_eigenvalues=torch.zeros(1, d), v_eigenvalues=torch.zeros(1, d))
+         for i in range(3)]
+    rows = [{"scheme": "oscar"}, {"scheme": scheme}, {"scheme": "oscar"}]
+    m = Manifest(oscar_version="0.1.0", model={"reference": "t", "resolved": RESOLVED},
+                 architecture=architecture_fingerprint(model.config), method="oscar", recipe={},
+                 quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 16, "recent": 16}, data={}, seed=0,
+                 calibration={"layers": rows})
+    meth = oscar_from_artifact(str(write_artifact(tmp_path / "a", m, t, "{}\n")), model.config)
+    if scheme in ("bf16", "kivi"):
+        with pytest.raises(UnsupportedModelError, match=f"{'BF16' if scheme == 'bf16' else 'KIVI'}: layer 1;") as e:
+            layout.check_method(meth, head_dim=model.config.head_dim, block_size=16)
+        assert "\n" not in str(e.value) and "transformers" in str(e.value)
+        return
+    settings = layout.check_method(meth, head_dim=model.config.head_dim, block_size=16)
+    assert (settings.sink, settings.recent) == (16, 16)
+    tensors = layout.layer_tensors(meth, 3, model.config.num_key_value_heads, model.config.head_dim)
+    got = tensors[1].k_rotation if tensors[1].k_rotation.dim() == 2 else tensors[1].k_rotation[0]
+    assert torch.allclose(got.float(), torch.eye(d) if scheme == "identity" else t[1].k_rotation[0])
 
 
 # ---------------------------------------------------------------------------- simulated vLLM vs reference cache

@@ -66,11 +66,7 @@ def _load(vllm_config: Any, ref: str, num_kv_heads: int, head_dim: int, block_si
     cfg = vllm_config.model_config.hf_config
     with torch.device("cpu"):  # vLLM builds layers under a CUDA default device; the artifact is read on the CPU
         meth = oscar_from_artifact(ref, cfg)  # ArtifactError: missing, broken, or made for another model
-    settings = layout.Int2Settings(sink=meth.sink, recent=meth.recent, meta_dtype=meth.meta_dtype)
-    layout.check_geometry(head_dim=head_dim, block_size=block_size, settings=settings, group_size=meth.group_size,
-                          keep_fraction=meth.keep_fraction, levels=meth.levels,
-                          logit_correction=meth.logit_correction, key_subspace=meth.key_subspace,
-                          key_mean=meth.key_mean)
+    settings = layout.check_method(meth, head_dim=head_dim, block_size=block_size)
     tensors = layout.layer_tensors(meth, int(cfg.num_hidden_layers), num_kv_heads, head_dim)
     rope = (layout.rope_frequencies(cfg, head_dim, int(vllm_config.model_config.max_model_len))
             if meth.key_mean == "rope" else None)

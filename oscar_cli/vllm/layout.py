@@ -149,13 +149,38 @@ def layer_tensors(method: object, num_layers: int, num_kv_heads: int, head_dim: 
     return out
 
 
+def check_method(method: Any, *, head_dim: int, block_size: int) -> Int2Settings:
+    """The INT2 settings of an ``oscar`` method from an artifact (``oscar_from_artifact``), after
+    :func:`check_geometry` refused, in one line, whatever of it the backend cannot serve."""
+    settings = Int2Settings(sink=method.sink, recent=method.recent, meta_dtype=method.meta_dtype)
+    check_geometry(head_dim=head_dim, block_size=block_size, settings=settings, group_size=method.group_size,
+                   keep_fraction=method.keep_fraction, levels=method.levels,
+                   logit_correction=method.logit_correction, key_subspace=method.key_subspace,
+                   key_mean=method.key_mean, layer_kinds=tuple(method.layer_kinds))
+    return settings
+
+
+_KIND_NAMES = {"dense": "BF16", "kivi": "KIVI"}
+
+
 def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, group_size: int | None,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
                    alibi: bool = False, kv_sharing: bool = False, keep_fraction: float = 0.0,
                    levels: float = UNIFORM_INNER, logit_correction: str = "none", key_subspace: int = 0,
-                   key_mean: str = "constant") -> None:
-    """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16."""
+                   key_mean: str = "constant", layer_kinds: tuple[str, ...] = ()) -> None:
+    """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16.
+
+    ``layer_kinds``: the storage of each layer when the calibration's per-layer fallback chose another scheme for
+    some (``QuantMethod.layer_kinds``: ``int2``, ``kivi``, ``dense``); the backend serves INT2 layers only, and
+    serving a BF16 or KIVI layer as INT2 (without its rotation, means and clips) would be silently wrong."""
     reasons = []
+    other = {k: [i for i, x in enumerate(layer_kinds) if x == k] for k in dict.fromkeys(layer_kinds) if k != "int2"}
+    if other:
+        which = "; ".join(f"{_KIND_NAMES.get(k, k)}: layer{'s' if len(v) > 1 else ''} {', '.join(map(str, v))}"
+                          for k, v in other.items())
+        reasons.append(f"layers the calibration's per-layer fallback serves with another scheme ({which}; "
+                       "calibration.layers in the manifest: the backend serves INT2 layers only; serve this artifact "
+                       "through transformers, whose cache serves each layer's scheme)")
     if keep_fraction:
         reasons.append(f"a BF16 keep budget (quant.keep.fraction {keep_fraction:g}: the kernels do not read the "
                        "kept tier; serve it through transformers with --backend reference)")
