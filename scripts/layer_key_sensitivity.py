@@ -98,28 +98,30 @@ def layer_metrics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: Any, sin
             "attn_kl": float(kl.mean())}
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--artifact", required=True)
+    ap.add_argument("--out", required=True)
     ap.add_argument("--task", default="niah_multikey_2")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--answer-tokens", type=int, default=12, help="greedy BF16 answer tokens appended (the copy)")
     ap.add_argument("--sharp", type=float, default=0.3, help="top1_flip counts heads whose top key holds >= this")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = _args()
     from oscar_cli.artifact import open_artifact
     from oscar_cli.eval.ruler import RulerConfig, build_samples
     from oscar_cli.model import load_model
 
-    torch.set_num_threads(a.threads)
     t0 = time.time()
-    lm = load_model(a.model, device="cpu", dtype="float32")
-    art = open_artifact(a.artifact)
-    quant = art.manifest.quant
-    sink, recent = int(quant.get("sink", 64)), int(quant.get("recent", 256))
+    torch.set_num_threads(a.threads)
+    art, lm = open_artifact(a.artifact), load_model(a.model, device="cpu", dtype="float32")
+    sink, recent = int(art.manifest.quant.get("sink", 64)), int(art.manifest.quant.get("recent", 256))
     cfg = RulerConfig(lengths=[a.ctx], tasks=[a.task], methods=[], samples=a.samples)
     items = build_samples(cfg, lm.tokenizer)[(a.task, a.ctx)]
     sums: dict[int, dict[str, float]] = {}
