@@ -47,12 +47,13 @@ def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def check_one_config(records: list[dict[str, Any]]) -> None:
-    """Refuse records a table cannot mix: one method from two sources (e.g. two artifacts), or one length run
-    under two RoPE settings."""
+    """Refuse records a table cannot mix: one method from two sources (e.g. two artifacts, or one artifact path
+    rewritten with other serving settings: ``artifact_serving``), or one length run under two RoPE settings."""
     sources: dict[str, set[str]] = defaultdict(set)
     ropes: dict[int, set[str]] = defaultdict(set)
     for r in records:
-        sources[r["method"]].add(r.get("method_source", ""))
+        serving = r.get("artifact_serving")
+        sources[r["method"]].add(r.get("method_source", "") + (f" [serving {serving[7:19]}]" if serving else ""))
         ropes[int(r["length"])].add(r.get("rope", ""))
     for m, s in sources.items():
         if len(s) > 1:

@@ -128,6 +128,8 @@ _manifest_row("manifest-num-layers-huge", _set("architecture.num_layers", 50_000
 _manifest_row("manifest-path-traversal", lambda d: d["files"].__setitem__("../../x", "0" * 64))
 _manifest_row("manifest-absolute-path", lambda d: d["files"].__setitem__("/etc/hostname", "0" * 64))
 _manifest_row("manifest-no-digest", lambda d: d.pop("digest"), reseal=False)
+_manifest_row("manifest-unknown-scheme", _set("calibration.layers", [{"scheme": "oscar"}, {"scheme": "bf8"}]))
+_manifest_row("manifest-scheme-rows-short", _set("calibration.layers", [{"scheme": "bf16"}]))
 
 
 @row("manifest-not-utf8")

@@ -283,6 +283,44 @@ def test_an_artifact_differing_only_in_rope_is_accepted_for_the_same_weights(
     assert code == 0 and not any("calibrated with" in n for n in json.loads(out)["notes"]), err
 
 
+@pytest.mark.parametrize("change", ["quant.sink", "calibration.layers"])
+def test_an_artifact_rewritten_in_place_does_not_resume_the_old_answers(
+    tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str
+) -> None:
+    """The same path and the same rotations file, served otherwise (another sink, or a layer served as BF16):
+    eval-ruler reruns its samples instead of resuming the old artifact's, and the summary counts only new ones."""
+    from dataclasses import replace
+
+    from oscar_cli.artifact import load_artifact, write_artifact
+    from oscar_cli.artifact.manifest import RECIPE_NAME
+
+    art = _artifact(tmp_path, tiny, tiny.identity.resolved)
+    argv = ["--json", "eval-ruler", "tiny", "--tasks", "niah_single_1", "--samples", "2", "--methods", "bf16,oscar",
+            "--ctx", "1k", "--max-new-tokens", "1", "--batch-size", "2", "--artifact", str(art),
+            "--out", str(tmp_path / "o")]  # fmt: skip
+    code, out, err = _main(argv, capsys)
+    assert code == 0 and json.loads(out)["evaluated"] == 4, err
+    code, out, err = _main(argv, capsys)
+    assert code == 0 and json.loads(out)["resumed"] == 4, err
+    old = load_artifact(art)
+    m = old.manifest
+    if change == "quant.sink":
+        m = replace(m, quant={**m.quant, "sink": m.quant["sink"] + 8})
+    else:
+        rows = [{"index": i, "scheme": "bf16" if i == 0 else "oscar"} for i in range(m.num_layers)]
+        m = replace(m, calibration={**m.calibration, "layers": rows})
+    write_artifact(art, m, old.layers, (art / RECIPE_NAME).read_text(), overwrite=True)
+    assert load_artifact(art).manifest.files["rotations.safetensors"] == old.manifest.files["rotations.safetensors"]
+    code, out, err = _main(argv, capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["resumed"] == 2 and doc["evaluated"] == 2, err  # bf16 resumed, oscar rerun
+    assert doc["counts"]["oscar"]["niah_single_1"]["1024"] == 2
+    recs = [json.loads(x) for x in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
+    oscar = [r for r in recs if r["method"] == "oscar"]
+    assert len(oscar) == 4 and len({r["artifact_serving"] for r in oscar}) == 2
+    assert {r["artifact_serving"] for r in recs if r["method"] == "bf16"} == {""}
+
+
 def test_a_constant_key_mean_is_scaled_by_yarns_attention_factor(tiny: Any, tmp_path: Path) -> None:
     """An artifact calibrated under plain RoPE, served under YaRN: its constant key means times YaRN's cos/sin factor
     (0.1·ln F + 1 for factor F), everything else as calibrated; the note says so and names the measurement."""

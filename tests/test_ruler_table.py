@@ -60,6 +60,9 @@ def test_refuses_mixed_sources_and_ropes() -> None:
     rt = _rt()
     with pytest.raises(SystemExit, match="oscar has records from 2 sources"):
         rt.tables(_full("oscar", 4096, 100.0, source="A") + [_rec("oscar", TASK_NAMES[0], 4096, 5, 0.0, source="B")], 2)
+    served = [dict(r, artifact_serving="sha256:" + c * 64) for c, r in zip("ab", _full("oscar", 4096, 1.0, source="A")[:2], strict=True)]
+    with pytest.raises(SystemExit, match=r"oscar has records from 2 sources \(A \[serving aaaa"):
+        rt.tables(served, 2)
     with pytest.raises(SystemExit, match="length 65536 ran under 2 RoPE settings"):
         rt.tables(_full("bf16", 65536, 100.0) + _full("bf16", 65536, 100.0, rope="yarn x4"), 2)
 

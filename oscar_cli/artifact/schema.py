@@ -5,7 +5,8 @@ head_dim (:data:`MAX_LAYERS`, :data:`MAX_HEADS`, :data:`MAX_HEAD_DIM`), the BF16
 cache stores them), ``group_size`` (a multiple of 4 dividing ``head_dim``), file names (plain names inside the
 artifact folder, no paths) and digests. The recipe section is a full :class:`~oscar_cli.recipe.Recipe`.
 Free-form sections (``data``, ``calibration``, ``environment``, ``evaluation``) are only bounded in size and
-depth by the reader (:mod:`oscar_cli.artifact.io`).
+depth by the reader (:mod:`oscar_cli.artifact.io`), except ``calibration.layers``, which decides how the cache
+serves each layer: when present it lists every layer, each with a known ``scheme``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from oscar_cli._schema import Schema, StrictFloat
 from oscar_cli.recipe import MAX_KEY_SUBSPACE, MAX_WINDOW, InnerLevel, KeepConfig, LogitCorrection, Recipe
+from oscar_cli.transform import LAYER_SCHEMES
 
 MANIFEST_NAME = "manifest.json"
 TENSORS_NAME = "rotations.safetensors"
@@ -116,4 +118,14 @@ class ManifestSchema(Schema):
         g, d = self.quant.group_size, self.architecture.head_dim
         if g is not None and d % g:
             raise ValueError(f"quant.group_size {g} does not divide architecture.head_dim {d}")
+        rows = self.calibration.get("layers")
+        if rows is None:
+            return self
+        n = self.architecture.num_layers
+        if not isinstance(rows, list) or len(rows) != n:
+            raise ValueError(f"calibration.layers must list the {n} layers of architecture.num_layers")
+        for i, row in enumerate(rows):
+            scheme = row.get("scheme") if isinstance(row, dict) else None
+            if scheme not in LAYER_SCHEMES:
+                raise ValueError(f"calibration.layers[{i}].scheme {scheme!r} is not one of {', '.join(LAYER_SCHEMES)}")
         return self

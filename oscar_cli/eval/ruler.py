@@ -124,6 +124,15 @@ def resume_key(rec: dict[str, Any]) -> tuple[str, str, str, str, int, int]:
     )
 
 
+def same_artifact(rec: dict[str, Any], digests: dict[str, str]) -> bool:
+    """Whether a record was produced by the artifact its method serves now: its ``artifact_serving`` equals the
+    method's :attr:`~oscar_cli.quant.methods.QuantMethod.digest`. The source label alone names the artifact's
+    path and rotations file, so an artifact rewritten in place with other quant settings or per-layer schemes
+    would otherwise resume another artifact's answers. Records of an oscar before this field match by label."""
+    have = rec.get("artifact_serving")
+    return have is None or have == digests.get(rec["method"], "")
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Finished samples from ``samples.jsonl`` (a truncated last line — a killed run — is ignored)."""
     if not path.is_file():
@@ -367,6 +376,7 @@ def run_method_samples(
                     {
                         "method": method.name,
                         "method_source": method.source,
+                        "artifact_serving": method.digest,
                         "rope": rope,
                         "task": sample.task,
                         "length": sample.length,
@@ -391,7 +401,8 @@ def run_method_samples(
 
 
 def aggregate(
-    records: list[dict[str, Any]], cfg: RulerConfig, sources: dict[str, str], head_dim: int, methods: dict[str, Any]
+    records: list[dict[str, Any]], cfg: RulerConfig, sources: dict[str, str], head_dim: int, methods: dict[str, Any],
+    digests: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[int, float]]:
     """Scores, counts, per-length means and BPE from the records that belong to this run's configuration."""
     rope = rope_tag(cfg)
@@ -405,8 +416,9 @@ def aggregate(
     cell: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     bpe_meas: dict[tuple[str, int], list[float]] = defaultdict(list)
     ptoks: dict[int, list[int]] = defaultdict(list)
+    digests = digests if digests is not None else {m: getattr(meth, "digest", "") for m, meth in methods.items()}
     for r in records:
-        if resume_key(r) in wanted:
+        if resume_key(r) in wanted and same_artifact(r, digests):
             cell[(r["method"], r["task"], int(r["length"]))].append(float(r["score"]))
             bpe_meas[(r["method"], int(r["length"]))].append(float(r.get("bpe_measured_batch", float("nan"))))
             ptoks[int(r["length"])].append(int(r["prompt_tokens"]))
@@ -506,12 +518,13 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     for note in notes:
         _announce(note)
     sources = {m: meth.source for m, meth in methods.items()}
+    digests = {m: meth.digest for m, meth in methods.items()}
     head_dim = loaded.geometry.head_dim
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
-    done = {resume_key(r) for r in read_records(path)}
+    done = {resume_key(r) for r in read_records(path) if same_artifact(r, digests)}
     rope = rope_tag(cfg)
     wanted = [
         (length, m, t, i) for length in cfg.lengths for m in cfg.methods for t in cfg.tasks for i in range(cfg.samples)
@@ -567,7 +580,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
                     alone_first = evaluated == 0 and cfg.batch_size is None
                     complete = run_method_samples(loaded, methods[m], pending, cfg, write, report, deadline, alone_first)
             samples.forget(length)
-    scores, counts, mean, bpe, ptoks = aggregate(read_records(path), cfg, sources, head_dim, methods)
+    scores, counts, mean, bpe, ptoks = aggregate(read_records(path), cfg, sources, head_dim, methods, digests)
     result = RulerResult(
         config=asdict(cfg),
         model={

@@ -51,6 +51,8 @@ class QuantMethod:
         meta_dtype: scale/zero storage dtype (16-bit by default).
         layers: per-layer transforms (empty tuple = identity everywhere).
         source: where the transforms came from (artifact path, "hadamard", ...), for reports.
+        digest: what decides how the cache serves the method's artifact, hashed (:func:`serving_digest`; ``""``
+            for methods without an artifact): results resume only for the same served artifact.
         layer_kinds: per-layer storage overriding ``kind`` (empty = ``kind`` everywhere): an artifact may keep
             a layer in BF16 (``dense``) or serve it KIVI-style (``kivi``) where OSCAR's INT2 failed on it;
             see :meth:`for_layer`.
@@ -65,7 +67,7 @@ class QuantMethod:
             layer's ``k_subspace`` directions in BF16 (:mod:`oscar_cli.quant.key_subspace`; reference path only);
             0 = off.
         key_mean: ``constant`` or ``rope`` (recipe ``quant.key_mean``): ``rope`` centres ``int2`` layers' INT2 keys
-            at position ``p`` by ``RoPE_p(k_mean_pre)·R_K`` (:mod:`oscar_cli.quant.key_mean`; reference path only).
+            at position ``p`` by ``RoPE_p(k_mean_pre)·R_K`` (:mod:`oscar_cli.quant.key_mean`; both paths).
     """
 
     name: str
@@ -76,6 +78,7 @@ class QuantMethod:
     meta_dtype: torch.dtype = torch.bfloat16
     layers: tuple[LayerTransform, ...] = ()
     source: str = ""
+    digest: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     layer_kinds: tuple[MethodKind, ...] = ()
     keep_fraction: float = 0.0
@@ -240,12 +243,25 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
         source=f"{ref} ({art.manifest.method}, rotations {_short_hash(art.manifest.files)})",
     )
     keep = quant.get("keep") or {}
-    return replace(meth, layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
+    return replace(meth, digest=serving_digest(art.manifest, schemes), layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
                    extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
                    keep_score=str(keep.get("score", "qerr")), keep_side=str(keep.get("side", "both")), levels=float(quant.get("levels", UNIFORM_INNER)),
                    logit_correction=str(quant.get("logit_correction") or "none"),
                    key_subspace=int(quant.get("key_subspace") or 0),
                    key_mean=str(quant.get("key_mean") or "constant"))
+
+
+def serving_digest(manifest: Any, schemes: list[str]) -> str:
+    """``sha256:`` over what decides how an artifact is served: ``method``, ``grouping``, ``quant``, the per-layer
+    schemes and the sha256 of every file (tensors, recipe). Unlike the content digest it ignores documentation
+    fields (``evaluation``, ``environment``, ``created``), which change nothing the cache does."""
+    import hashlib
+    import json
+
+    doc = {"method": manifest.method, "grouping": manifest.grouping, "quant": manifest.quant, "schemes": schemes,
+           "files": manifest.files}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def artifact_schemes(calibration: dict[str, Any], n_layers: int, ref: str) -> list[str]:
