@@ -110,6 +110,9 @@ class KeepConfig(Schema):
     # which rows the tier keeps: both (K and V), or one side only (a diagnostic: with fraction 1 it serves that
     # side in BF16 and the other in INT2, which attributes an accuracy loss to keys or values)
     side: Literal["both", "keys", "values"] = "both"
+    # the decoder layers the budget applies to (absent: every INT2 layer); with fraction 1 and side keys it serves
+    # those layers' keys in BF16, a diagnostic of which layers' INT2 keys cost accuracy
+    layers: Annotated[list[Annotated[int, Field(ge=0, lt=1024)]], Field(min_length=1, max_length=1024)] | None = None
 
 
 class QuantConfig(Schema):
@@ -167,7 +170,8 @@ class Recipe(Schema):
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
-        ``quant.keep`` is left out while it is off (fraction 0) and its ``side`` while ``both``, ``quant.levels`` while uniform (1/3),
+        ``quant.keep`` is left out while it is off (fraction 0), its ``side`` while ``both`` and its ``layers`` while
+        absent, ``quant.levels`` while uniform (1/3),
         ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0, ``quant.key_mean`` while ``constant``,
         ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
@@ -175,8 +179,11 @@ class Recipe(Schema):
         out = self.full_dict()
         if self.quant.keep.fraction == 0.0:
             del out["quant"]["keep"]
-        elif self.quant.keep.side == "both":
-            del out["quant"]["keep"]["side"]
+        else:
+            if self.quant.keep.side == "both":
+                del out["quant"]["keep"]["side"]
+            if self.quant.keep.layers is None:
+                del out["quant"]["keep"]["layers"]
         if self.quant.levels == UNIFORM_INNER:
             del out["quant"]["levels"]
         if self.quant.logit_correction == "none":

@@ -204,3 +204,68 @@ def test_artifact_carries_the_keep_budget(tmp_path: Path) -> None:
     m = replace(plain, quant={**plain.quant, "keep": {"fraction": 2.0, "score": "knorm"}})
     with pytest.raises(ArtifactError, match="quant.keep.fraction must be <= 1"):
         write_artifact(tmp_path / "bad", m, _layers(0), recipe_yaml="name: tiny\n")
+
+
+@pytest.mark.parametrize("layers", [[1], [0, 2], [0, 1, 2]])
+def test_keep_layers_limit_the_budget_to_those_layers(layers: list[int]) -> None:
+    """``quant.keep.layers``: only the listed layers get a keep tier (a cache's other INT2 layers have none); the
+    bits per element are the mean over layers, each listed one paying :func:`keep_bits` of its side."""
+    from oscar_cli.quant.cache import Int2Cache
+
+    ts = [random_transform(i, 1, d=16) for i in range(3)]
+    base = oscar_method(ts, sink=8, recent=16)
+    meth = replace(base, keep_fraction=1.0, keep_side="keys", keep_layers=tuple(layers))
+    cache = Int2Cache(meth, 3)
+    assert [lay.keep is not None for lay in cache.oscar_layers] == [i in layers for i in range(3)]
+    assert all(lay.keep.side == "keys" for lay in cache.oscar_layers if lay.keep is not None)
+    L, d = 32768, 16
+    extra = keep_bits(L, d, 1.0, 8, 16, side="keys") * len(layers) / 3
+    assert meth.bits_per_element(L, d) == pytest.approx(base.bits_per_element(L, d) + extra)
+    everywhere = replace(base, keep_fraction=1.0, keep_side="keys")
+    assert (meth.bits_per_element(L, d) <= everywhere.bits_per_element(L, d)) and (len(layers) < 3) == (
+        meth.bits_per_element(L, d) < everywhere.bits_per_element(L, d))
+
+
+def test_keep_layers_in_the_recipe_and_the_artifact(tmp_path: Path) -> None:
+    """The recipe writes ``layers`` only when set; the artifact carries it to the served method and the model
+    card's BPE; a layer beyond the model is refused when the artifact is written."""
+    from helpers.fakehub.artifacts import _layers, make_manifest
+    from helpers.tiny import tiny_config
+
+    from oscar_cli.artifact import write_artifact
+    from oscar_cli.artifact.card import bpe_table
+    from oscar_cli.errors import ArtifactError
+    from oscar_cli.quant.methods import oscar_from_artifact
+
+    on = Recipe().replace({"quant": {"keep": {"fraction": 1.0, "side": "keys", "layers": [18]}}})
+    assert on.to_dict()["quant"]["keep"] == {"fraction": 1.0, "score": "qerr", "side": "keys", "layers": [18]}
+    assert recipe_from_dict(on.to_dict()) == on
+    for bad in ([], [-1], "18"):
+        with pytest.raises(RecipeError, match="quant.keep.layers"):
+            recipe_from_dict({"quant": {"keep": {"fraction": 1.0, "layers": bad}}})
+    plain = make_manifest(0)
+    keep = {"fraction": 1.0, "score": "qerr", "side": "keys", "layers": [1]}
+    m = replace(plain, quant={**plain.quant, "keep": keep}, recipe={"name": "t"})
+    meth = oscar_from_artifact(str(write_artifact(tmp_path / "art", m, _layers(0), recipe_yaml="name: t\n")),
+                               tiny_config())
+    assert meth.keep_layers == (1,) and meth.for_layer(0).keep_fraction == 0.0 and meth.for_layer(1).keep_fraction == 1
+    d = m.head_dim
+    assert bpe_table(m.to_dict())["32k"] == round(meth.bits_per_element(32768, d), 4)
+    assert bpe_table(m.to_dict())["32k"] == pytest.approx(
+        bpe_table(plain.to_dict())["32k"] + keep_bits(32768, d, 1.0, 64, 256, side="keys") / 2, abs=2e-4)
+    bad = replace(m, quant={**plain.quant, "keep": {**keep, "layers": [2]}})
+    with pytest.raises(ArtifactError, match="quant.keep.layers names layer 2; the model has 2 layers"):
+        write_artifact(tmp_path / "bad", bad, _layers(0), recipe_yaml="name: t\n")
+
+
+def test_the_model_cards_bits_count_layers_kept_in_bf16(tmp_path: Path) -> None:
+    """An artifact whose calibration keeps a layer in BF16 states the bits it is served at (the mean over layers,
+    that layer at 16), not the all-INT2 figure."""
+    from helpers.fakehub.artifacts import make_manifest
+
+    from oscar_cli.artifact.card import bpe_table
+
+    plain = make_manifest(0)
+    mixed = replace(plain, calibration={"layers": [{"scheme": "oscar"}, {"scheme": "bf16"}]})
+    for ctx in ("4k", "32k", "128k"):
+        assert bpe_table(mixed.to_dict())[ctx] == pytest.approx((bpe_table(plain.to_dict())[ctx] + 16) / 2, abs=1e-4)

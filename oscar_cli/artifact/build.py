@@ -66,7 +66,7 @@ def build_manifest(
             "meta_dtype": recipe.quant.meta_dtype,
             "sink": recipe.quant.sink,
             "recent": recipe.quant.recent,
-            **({"keep": recipe.quant.keep.model_dump()} if recipe.quant.keep.fraction else {}),
+            **({"keep": recipe.quant.keep.model_dump(exclude_none=True)} if recipe.quant.keep.fraction else {}),
             **({"levels": recipe.quant.levels} if recipe.quant.levels != UNIFORM_INNER else {}),
             **({"logit_correction": recipe.quant.logit_correction} if recipe.quant.logit_correction != "none" else {}),
             **({"key_subspace": recipe.quant.key_subspace} if recipe.quant.key_subspace else {}),

@@ -118,10 +118,13 @@ class ManifestSchema(Schema):
         g, d = self.quant.group_size, self.architecture.head_dim
         if g is not None and d % g:
             raise ValueError(f"quant.group_size {g} does not divide architecture.head_dim {d}")
+        n = self.architecture.num_layers
+        kept = self.quant.keep.layers if self.quant.keep is not None else None
+        if kept and max(kept) >= n:
+            raise ValueError(f"quant.keep.layers names layer {max(kept)}; the model has {n} layers")
         rows = self.calibration.get("layers")
         if rows is None:
             return self
-        n = self.architecture.num_layers
         if not isinstance(rows, list) or len(rows) != n:
             raise ValueError(f"calibration.layers must list the {n} layers of architecture.num_layers")
         for i, row in enumerate(rows):

@@ -253,11 +253,12 @@ def scheme_bpe(recipe: Any, head_dim: int) -> Callable[[list[str]], float]:
     q = recipe.quant
     base = QuantMethod(name="oscar", kind="int2", sink=q.sink, recent=q.recent, group_size=q.group_size,
                        meta_dtype=META_DTYPES[q.meta_dtype], keep_fraction=q.keep.fraction, keep_score=q.keep.score,
-                       keep_side=q.keep.side, levels=q.levels, key_subspace=q.key_subspace)
+                       keep_side=q.keep.side, keep_layers=tuple(q.keep.layers or ()), levels=q.levels,
+                       key_subspace=q.key_subspace)
 
     def bpe(schemes: list[str]) -> float:
         kinds = tuple(LAYER_SCHEMES[s] for s in schemes)
-        meth = replace(base, layer_kinds=kinds) if any(k != "int2" for k in kinds) else base
+        meth = replace(base, layer_kinds=kinds) if any(k != "int2" for k in kinds) or q.keep.layers else base
         return meth.bits_per_element(BPE_CONTEXT, head_dim)
 
     return bpe

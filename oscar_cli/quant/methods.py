@@ -58,6 +58,7 @@ class QuantMethod:
             see :meth:`for_layer`.
         keep_fraction, keep_score, keep_side: the per-token BF16 keep budget of ``int2`` layers (recipe
             ``quant.keep``, :mod:`oscar_cli.quant.keep`; 0 = off; side ``both``, ``keys`` or ``values``).
+        keep_layers: the layers the keep budget applies to (recipe ``quant.keep.layers``; empty = every layer).
         levels: the inner INT2 level ``a`` of ``int2`` layers (recipe ``quant.levels``): levels
             ``zero + scale·3·(0, a, 1 - a, 1)``; ``1/3`` = uniform (reference path only otherwise).
         logit_correction: ``none`` or ``scale`` (recipe ``quant.logit_correction``): ``scale`` subtracts each INT2
@@ -84,6 +85,7 @@ class QuantMethod:
     keep_fraction: float = 0.0
     keep_score: str = "qerr"
     keep_side: str = "both"
+    keep_layers: tuple[int, ...] = ()
     levels: float = UNIFORM_INNER
     logit_correction: str = "none"
     key_subspace: int = 0
@@ -99,6 +101,9 @@ class QuantMethod:
         """The method as decoder layer ``idx`` is served: itself, or (with ``layer_kinds``) a ``dense`` copy, or a
         ``kivi`` copy with KIVI-2's own layout (no sink, a BF16 residual of :data:`KIVI_RESIDUAL`, value groups of
         ``min(D, 128)``: what calibration scored)."""
+        if self.keep_layers:
+            kept = self.keep_fraction if idx in self.keep_layers else 0.0
+            return replace(self, keep_layers=(), keep_fraction=kept).for_layer(idx)
         if not self.layer_kinds:
             return self
         kind = self.layer_kinds[idx]
@@ -129,8 +134,10 @@ class QuantMethod:
         from oscar_cli.quant.key_subspace import subspace_bits
         from oscar_kernels.reference import bits_per_element
 
-        if self.layer_kinds:
-            n = len(self.layer_kinds)
+        if self.layer_kinds or self.keep_layers:
+            n = len(self.layer_kinds) or len(self.layers)
+            if not n:
+                raise ValueError("keep_layers needs the method's per-layer transforms or layer_kinds (the layer count)")
             return sum(self.for_layer(i).bits_per_element(context_len, head_dim) for i in range(n)) / n
 
         b = torch.finfo(self.meta_dtype).bits
@@ -245,7 +252,8 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
     keep = quant.get("keep") or {}
     return replace(meth, digest=serving_digest(art.manifest, schemes), layer_kinds=kinds if any(k != "int2" for k in kinds) else (),
                    extra={"schemes": schemes} if fixed else {}, keep_fraction=float(keep.get("fraction", 0.0)),
-                   keep_score=str(keep.get("score", "qerr")), keep_side=str(keep.get("side", "both")), levels=float(quant.get("levels", UNIFORM_INNER)),
+                   keep_score=str(keep.get("score", "qerr")), keep_side=str(keep.get("side", "both")),
+                   keep_layers=tuple(int(i) for i in keep.get("layers") or ()), levels=float(quant.get("levels", UNIFORM_INNER)),
                    logit_correction=str(quant.get("logit_correction") or "none"),
                    key_subspace=int(quant.get("key_subspace") or 0),
                    key_mean=str(quant.get("key_mean") or "constant"))
