@@ -131,6 +131,10 @@ class QuantConfig(Schema):
     # INT2 keys centred by one constant mean, or by RoPE_p(m_pre) at each key's position (oscar_cli.quant.key_mean;
     # reference path)
     key_mean: Literal["constant", "rope"] = "constant"
+    # keys in BF16 for the N layers whose INT2 keys most often change which history token a focused head picks on
+    # the held-out tokens (oscar_cli.calibration.copy_score); served through the keep tier (quant.keep.layers,
+    # reference path); 0 = off
+    bf16_keys: Annotated[int, Field(ge=0, le=1024)] = 0
 
 
 class Recipe(Schema):
@@ -167,12 +171,22 @@ class Recipe(Schema):
             )
         return self
 
+    @model_validator(mode="after")
+    def _bf16_keys_alone(self) -> Recipe:
+        if self.quant.bf16_keys and self.quant.keep.fraction:
+            raise ValueError(f"quant.bf16_keys {self.quant.bf16_keys} and quant.keep.fraction {self.quant.keep.fraction:g} "
+                             "both use the BF16 keep tier; set one of them")
+        if self.quant.bf16_keys and self.method != "oscar":
+            raise ValueError(f"quant.bf16_keys needs method oscar (layers are chosen on its held-out scores), "
+                             f"got {self.method}")
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
         ``quant.keep`` is left out while it is off (fraction 0), its ``side`` while ``both`` and its ``layers`` while
         absent, ``quant.levels`` while uniform (1/3),
-        ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0, ``quant.key_mean`` while ``constant``,
+        ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0, ``quant.key_mean`` while ``constant``, ``quant.bf16_keys`` while 0,
         ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
         knob."""
@@ -192,6 +206,8 @@ class Recipe(Schema):
             del out["quant"]["key_subspace"]
         if self.quant.key_mean == "constant":
             del out["quant"]["key_mean"]
+        if self.quant.bf16_keys == 0:
+            del out["quant"]["bf16_keys"]
         if self.statistics.v_metric == "none":
             del out["statistics"]["v_metric"]
         if self.rotation.dc == "min":

@@ -18,6 +18,10 @@ all query heads:
     python scripts/layer_key_sensitivity.py smollm2-135m --artifact ART --task niah_multikey_2 --ctx 2048 \\
         --samples 8 --out docs/results/layer-key-sensitivity-smollm2-135m-cpu.json
 
+With ``--text FILE`` the prompts are ``--samples`` evenly spaced windows of ``--ctx`` tokens of prose instead
+(:func:`oscar_cli.eval.kl.cut_windows`), and the scored queries are each window's last ``--answer-tokens``
+tokens, teacher-forced: what a calibration could measure on its own held-out text, without a task.
+
 Float32 model on the CPU; values are served by the model's own (BF16-exact) values here: keys only.
 """
 
@@ -109,6 +113,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--answer-tokens", type=int, default=12, help="greedy BF16 answer tokens appended (the copy)")
     ap.add_argument("--sharp", type=float, default=0.3, help="top1_flip counts heads whose top key holds >= this")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--text", help="prose file: windows of it instead of RULER prompts (module docstring)")
     return ap.parse_args()
 
 
@@ -122,27 +127,43 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     art, lm = open_artifact(a.artifact), load_model(a.model, device="cpu", dtype="float32")
     sink, recent = int(art.manifest.quant.get("sink", 64)), int(art.manifest.quant.get("recent", 256))
-    cfg = RulerConfig(lengths=[a.ctx], tasks=[a.task], methods=[], samples=a.samples)
-    items = build_samples(cfg, lm.tokenizer)[(a.task, a.ctx)]
+    if a.text:
+        from oscar_cli.eval.kl import cut_windows
+        from oscar_cli.eval.prepare import read_text_file
+
+        ids_all = lm.tokenizer(read_text_file(a.text), add_special_tokens=False)["input_ids"]
+        wins = cut_windows(ids_all, a.ctx - a.answer_tokens, a.answer_tokens, a.samples)
+        items: list[tuple[Any, list[int]]] = [(None, w.tolist()) for w in wins]
+    else:
+        cfg = RulerConfig(lengths=[a.ctx], tasks=[a.task], methods=[], samples=a.samples)
+        items = build_samples(cfg, lm.tokenizer)[(a.task, a.ctx)]
     sums: dict[int, dict[str, float]] = {}
-    for sample, ids in items:
-        prompt = torch.tensor([ids])
-        with torch.no_grad():
-            full = lm.model.generate(prompt, max_new_tokens=a.answer_tokens, do_sample=False)
+    for n_item, (sample, ids) in enumerate(items):
+        if a.text:  # teacher-forced prose: the last answer_tokens positions are the scored queries
+            full, first = torch.tensor([ids]), len(ids) - a.answer_tokens
+        else:
+            prompt = torch.tensor([ids])
+            with torch.no_grad():
+                full = lm.model.generate(prompt, max_new_tokens=a.answer_tokens, do_sample=False)
+            first = prompt.shape[1]
         qkv = capture(lm.model, full)
         for i, (q, k, v) in qkv.items():
-            m = layer_metrics(q, k, v, art.layers[i], sink, recent, prompt.shape[1], a.sharp)
+            m = layer_metrics(q, k, v, art.layers[i], sink, recent, first, a.sharp)
             acc = sums.setdefault(i, {key: 0.0 for key in m})
             for key, val in m.items():
                 acc[key] += val / len(items)
-        answer = lm.tokenizer.decode(full[0, prompt.shape[1]:], skip_special_tokens=True)
-        print(f"sample {sample.index}: BF16 answer {answer!r}, expected {sample.answers}", flush=True)
+        if sample is None:
+            print(f"window {n_item}: {full.shape[1]} tokens", flush=True)
+        else:
+            answer = lm.tokenizer.decode(full[0, first:], skip_special_tokens=True)
+            print(f"sample {sample.index}: BF16 answer {answer!r}, expected {sample.answers}", flush=True)
     rows = {str(i): {k: round(v, 5) for k, v in m.items()} for i, m in sorted(sums.items())}
     print("| layer | out_err | logit_rms | top1_flip | peaked | attn_kl |\n|---:|---:|---:|---:|---:|---:|")
     for name, m in rows.items():
         print(f"| {name} | {m['out_err']:.4f} | {m['logit_rms']:.3f} | {m['top1_flip']:.3f} | {m['peaked']:.3f} | "
               f"{m['attn_kl']:.4f} |")
-    doc = {"model": a.model, "artifact": a.artifact, "task": a.task, "ctx": a.ctx, "samples": len(items),
+    doc = {"model": a.model, "artifact": a.artifact, "task": None if a.text else a.task, "text": a.text,
+           "ctx": a.ctx, "samples": len(items),
            "answer_tokens": a.answer_tokens, "sharp": a.sharp, "sink": sink, "recent": recent, "layers": rows,
            "seconds": round(time.time() - t0, 1)}
     with open(a.out, "w", encoding="utf-8") as f:

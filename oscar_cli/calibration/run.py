@@ -31,12 +31,22 @@ from typing import Any
 import torch
 
 from oscar_cli.artifact import Manifest, build_manifest, check_output, model_slug, write_artifact
+from oscar_cli.artifact.card import bpe_table
 from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
-from oscar_cli.calibration.clipping import ClipChoice, LayerClipProblem, evaluate_clip, search_clip
+from oscar_cli.calibration.clipping import (
+    META_DTYPES,
+    ClipChoice,
+    LayerClipProblem,
+    evaluate_clip,
+    fake_quantize,
+    search_clip,
+)
+from oscar_cli.calibration.copy_score import COPY_QUERIES, CopyScore, choose_key_layers, copy_flips
 from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
 from oscar_cli.calibration.data import CalibrationData, check_source, prepare_data
 from oscar_cli.calibration.rotation import build_rotations, is_power_of_two, orthogonality_error
 from oscar_cli.calibration.schemes import (
+    BPE_CONTEXT,
     LayerScheme,
     SchemeReport,
     check_fallback,
@@ -49,7 +59,7 @@ from oscar_cli.calibration.wo_metric import model_output_metrics, wo_target
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.quant.key_mean import RopeTable, position_means, pre_rope_mean
-from oscar_cli.quant.key_subspace import subspace_basis
+from oscar_cli.quant.key_subspace import fake_subspace, subspace_basis
 from oscar_cli.recipe import Recipe, check_layout
 from oscar_cli.transform import LayerTransform
 
@@ -72,6 +82,7 @@ class LayerSummary:
     clip_error: float | None  # held-out relative output error at the chosen clips (None: not evaluated)
     scheme: str = "oscar"  # how the artifact serves the layer (calibration.schemes)
     scheme_errors: dict[str, float] = field(default_factory=dict)  # held-out error per scheme (empty: not scored)
+    copy_score: float | None = None  # flips of focused heads per (query, head) row (calibration.copy_score)
 
 
 @dataclass
@@ -98,6 +109,7 @@ class CalibrationResult:
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
             "layers": [vars(s) for s in self.layers],
             "schemes": self.schemes.to_dict() if self.schemes else None,
+            "bf16_keys": self.manifest.calibration.get("bf16_keys"),
         }
 
 
@@ -191,7 +203,9 @@ def _capture(
             run_forward(model, batch.to(device))
             seen += batch.numel()
             report("capture", start + batch.shape[0], total)
-    store = HoldoutStore(n_layers, recipe.clip.holdout_queries)
+    # the copy score reads more of each held-out sequence's last queries than the clip search (sliced in _clip)
+    copy = COPY_QUERIES if recipe.method == "oscar" else 0
+    store = HoldoutStore(n_layers, max(recipe.clip.holdout_queries, copy))
     with capture_attention(model, store):
         for i in range(n_stats, total):
             run_forward(model, seqs[i : i + 1].to(device))
@@ -262,7 +276,7 @@ def _clip(
     for i, s in enumerate(solved):
         problems = [
             LayerClipProblem(
-                qq,
+                qq[:, :, -c.holdout_queries:],
                 k,
                 v,
                 s.k_rotation,
@@ -290,11 +304,32 @@ def _clip(
             choices.append(evaluate_clip(problems, c.k_ratio, c.v_ratio))
         err = choices[-1].error
         if err is not None and recipe.method == "oscar":
-            scored.append(score_layer(i, store.layers[i], err, store.scaling, q.sink, q.recent, q.group_size,
+            held_out = [(qq[:, :, -c.holdout_queries:], k, v) for qq, k, v in store.layers[i]]
+            scored.append(score_layer(i, held_out, err, store.scaling, q.sink, q.recent, q.group_size,
                                       q.meta_dtype, q.levels))
+            scored[-1].copy = _copy_score(s, choices[-1].k_ratio, store.layers[i], store.scaling, recipe, key_mean)
         store.layers[i] = []  # free as we go
         report("clip", i + 1, len(solved))
     return choices, scored
+
+
+def _copy_score(
+    s: LayerTransform, k_ratio: float, held_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    scaling: float, recipe: Recipe, key_mean: Callable[[LayerTransform, torch.Tensor], torch.Tensor | None],
+) -> CopyScore:
+    """The layer's copy score (:mod:`copy_score`) on its held-out sequences, keys as the clip search serves them."""
+    q = recipe.quant
+    meta = META_DTYPES[q.meta_dtype]
+
+    def quantize(y: torch.Tensor) -> torch.Tensor:
+        return fake_subspace(y, s.k_subspace, lambda x: fake_quantize(x, k_ratio, q.group_size, meta, q.levels),
+                             torch.bfloat16)
+
+    total = CopyScore()
+    for qq, k, _ in held_out:
+        total = total.add(copy_flips(qq[:, :, -COPY_QUERIES:], k, s.k_rotation, key_mean(s, k), scaling, q.sink,
+                                     q.recent, quantize))
+    return total
 
 
 def default_output(
@@ -374,7 +409,8 @@ def calibrate_model(
         layers.append(served_transform(scheme, replace(s, k_clip=ch.k_ratio, v_clip=ch.v_ratio), d))
         summaries.append(
             LayerSummary(i, _spread(s.k_eigenvalues), _spread(s.v_eigenvalues), ch.k_ratio, ch.v_ratio, ch.error,
-                         scheme, fallback.layers[i].errors if fallback else {})
+                         scheme, fallback.layers[i].errors if fallback else {},
+                         _copy_of(fallback.layers[i].copy if fallback else None))
         )
     manifest = build_manifest(
         recipe,
@@ -392,9 +428,17 @@ def calibrate_model(
         device=device,
         dtype=next(model.parameters()).dtype,
     )
+    key_layers = _bf16_key_layers(recipe, fallback)
+    if key_layers:
+        keep = {"fraction": 1.0, "score": "knorm", "side": "keys", "layers": key_layers}
+        manifest = replace(manifest, quant={**manifest.quant, "keep": keep})
     if fallback is not None:
+        if key_layers:
+            fallback.bits_per_element["artifact"] = bpe_table(manifest.to_dict() | {
+                "calibration": {"layers": [x.to_dict() for x in fallback.layers]}})[f"{BPE_CONTEXT // 1024}k"]
         manifest = replace(manifest, calibration={**manifest.calibration, "schemes": fallback.to_dict(),
-                                                  "layers": [x.to_dict() for x in fallback.layers]})
+                                                  "layers": [x.to_dict() for x in fallback.layers],
+                                                  **({"bf16_keys": key_layers} if recipe.quant.bf16_keys else {})})
     path = Path(out) if out is not None else default_output(reference, recipe, resolved, data.identity["sha256"])
     write_artifact(path, manifest, layers, recipe.to_yaml(), overwrite=overwrite)
     timings["write"] = time.perf_counter() - t0
@@ -402,6 +446,24 @@ def calibrate_model(
     logger.info("wrote %s", path)
     return CalibrationResult(path, manifest, summaries, timings, data.identity, data.tokens_per_second,
                              schemes=fallback)
+
+
+def _copy_of(c: CopyScore | None) -> float | None:
+    return None if c is None else round(c.score, 6)
+
+
+def _bf16_key_layers(recipe: Recipe, fallback: SchemeReport | None) -> list[int]:
+    """The layers whose keys the artifact keeps in BF16 (recipe ``quant.bf16_keys``: that many, by copy score)."""
+    n = recipe.quant.bf16_keys
+    if not n:
+        return []
+    if fallback is None:
+        raise CalibrationError("quant.bf16_keys needs every layer's held-out scores; some layer had no INT2 "
+                               "history in the held-out sequences", hint="raise data.seq_len or clip.holdout_tokens")
+    chosen = choose_key_layers([x.copy for x in fallback.layers], n, [x.scheme for x in fallback.layers])
+    logger.info("keys in BF16 (quant.bf16_keys %d, by copy score): layers %s", n,
+                ", ".join(map(str, chosen)) or "none (no layer's INT2 keys flipped a focused head)")
+    return chosen
 
 
 def _spread(lam: torch.Tensor | None) -> float:

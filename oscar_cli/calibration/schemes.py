@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from oscar_cli.calibration.clipping import META_DTYPES, LayerClipProblem, evaluate_clip, fake_quantize, int2_pair_mask
+from oscar_cli.calibration.copy_score import CopyScore
 from oscar_cli.errors import CalibrationError
 from oscar_cli.quant.key_subspace import rebase
 from oscar_cli.transform import LAYER_SCHEMES, LayerTransform
@@ -66,10 +67,12 @@ class LayerScheme:
     errors: dict[str, float]  # scheme -> held-out error; schemes that cannot be scored are absent
     scheme: str = "oscar"
     reason: str = ""
+    copy: CopyScore | None = None  # the layer's copy score (oscar_cli.calibration.copy_score); None: not measured
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "scheme": self.scheme, "reason": self.reason,
-                "errors": {k: round(v, 6) for k, v in self.errors.items()}}
+                "errors": {k: round(v, 6) for k, v in self.errors.items()},
+                **({"copy": self.copy.to_dict()} if self.copy is not None else {})}
 
 
 @dataclass

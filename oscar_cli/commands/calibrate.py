@@ -69,6 +69,11 @@ def _render(result: Any) -> None:
                       f"{row['k_clip']:g}", f"{row['v_clip']:g}", "-" if err is None else f"{err:.4f}")
     out.print(table)
     _render_schemes(d.get("schemes"), d["layers"])
+    if d.get("bf16_keys") is not None:
+        chosen = d["bf16_keys"]
+        scores = {row["index"]: row["copy_score"] for row in d["layers"]}
+        text = ", ".join(f"{i} (copy score {scores[i]:.4f})" for i in chosen) or "none (no INT2 key flipped a focused head)"
+        out.print(f"keys in BF16 (quant.bf16_keys, reference path): layers {text}")
 
 
 def _render_schemes(schemes: dict[str, Any] | None, layers: list[dict[str, Any]]) -> None:
