@@ -91,9 +91,7 @@ class LayerClipProblem:
         h_kv, t = k.shape[1], k.shape[2]
         g = hq // h_kv
         dev = q.device
-        eye = torch.eye(d, device=dev).unsqueeze(0)
-        rk = (eye if k_rotation is None else k_rotation.to(dev, torch.float32)).expand(h_kv, d, d)
-        rv = (eye if v_rotation is None else v_rotation.to(dev, torch.float32)).expand(h_kv, d, d)
+        rk, rv = head_rotations(k_rotation, h_kv, d, dev), head_rotations(v_rotation, h_kv, d, dev)
         mk = torch.zeros(1, d, device=dev) if k_mean is None else k_mean.to(dev, torch.float32)
         mv = torch.zeros(1, d, device=dev) if v_mean is None else v_mean.to(dev, torch.float32)
         qg = q.float().reshape(b, h_kv, g * tq, d)  # query head j -> KV head j // g; rows (j % g, position)
@@ -189,6 +187,14 @@ class LayerClipProblem:
         centred and rotated like :attr:`out` (``[B, H_kv, g·Tq, D]``; add :attr:`mu_v` and apply ``R_Vᵀ`` for
         the model's output)."""
         return self._p_int2 @ self._fake(self.v, ratio) + self._exact_part
+
+
+def head_rotations(r: torch.Tensor | None, h_kv: int, d: int, device: torch.device) -> torch.Tensor:
+    """``[H_kv, D, D]`` float32 on ``device``: ``r`` (``[N, D, D]``, ``N`` 1 or ``H_kv``) per KV head, identity for
+    None."""
+    if r is None:
+        return torch.eye(d, device=device).expand(h_kv, d, d)
+    return r.to(device, torch.float32).expand(h_kv, d, d)
 
 
 def fake_quantize(x: torch.Tensor, ratio: float, group_size: int | None, meta: torch.dtype,

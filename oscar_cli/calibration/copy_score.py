@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from oscar_cli.calibration.clipping import head_rotations
+
 SHARP = 0.3
 COPY_QUERIES = 1024
 CHUNK = 256
@@ -88,8 +90,7 @@ def copy_flips(
     h_kv, t = k.shape[1], k.shape[2]
     g = hq // h_kv
     dev = q.device
-    eye = torch.eye(d, device=dev).unsqueeze(0)
-    rk = (eye if k_rotation is None else k_rotation.to(dev, torch.float32)).expand(h_kv, d, d)
+    rk = head_rotations(k_rotation, h_kv, d, dev)
     y = torch.einsum("bhtd,hde->bhte", k.float(), rk)
     if k_mean is None:
         mean = torch.zeros(1, 1, 1, d, device=dev)
