@@ -361,6 +361,29 @@ def test_an_artifact_with_a_fallback_layer_is_refused_or_served_as_stored(tmp_pa
     assert torch.allclose(got.float(), torch.eye(d) if scheme == "identity" else t[1].k_rotation[0])
 
 
+def test_an_artifact_with_bf16_keys_on_some_layers_is_refused(tmp_path) -> None:
+    """``quant.bf16_keys`` writes a keep tier on the chosen layers (quant.keep.layers): the kernels do not read it,
+    so engine start refuses the artifact in one line instead of serving those layers' keys as INT2."""
+    from oscar_cli.artifact import Manifest, write_artifact
+    from oscar_cli.model import architecture_fingerprint
+    from oscar_cli.quant.methods import oscar_from_artifact
+
+    model = tiny_causal_lm("qwen3", layers=3, head_dim=64, heads=2, kv_heads=1, intermediate=32)
+    d = model.config.head_dim
+    t = [replace(random_transform(i, d=d), k_eigenvalues=torch.zeros(1, d), v_eigenvalues=torch.zeros(1, d))
+         for i in range(3)]
+    keep = {"fraction": 1.0, "score": "knorm", "side": "keys", "layers": [1]}
+    m = Manifest(oscar_version="0.1.0", model={"reference": "t", "resolved": RESOLVED},
+                 architecture=architecture_fingerprint(model.config), method="oscar", recipe={},
+                 quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 16, "recent": 16, "keep": keep},
+                 data={}, seed=0, calibration={})
+    meth = oscar_from_artifact(str(write_artifact(tmp_path / "a", m, t, "{}\n")), model.config)
+    assert meth.keep_layers == (1,)
+    with pytest.raises(UnsupportedModelError, match="a BF16 keep budget") as e:
+        layout.check_method(meth, head_dim=d, block_size=16)
+    assert "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------------------- simulated vLLM vs reference cache
 P, HQ, HKV, D, S0, W = 16, 4, 2, 64, 16, 16
 ACT = torch.float16  # interpreter: fp16 operands (bf16 tl.dot is wrong there)
