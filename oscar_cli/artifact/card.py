@@ -49,13 +49,11 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
     """Bits per K/V element at 4k, 32k and 128k tokens as the artifact is served: its quant settings (sink/recent
     in BF16, the BF16 keep budget with its side and layers, a BF16 key subspace) and its per-layer schemes
     (``calibration.layers``: a layer kept in BF16 costs 16, one served by KIVI KIVI's layout), the mean over layers
-    (:meth:`~oscar_cli.quant.methods.QuantMethod.bits_per_element`, what eval-ruler and eval-kl report).
+    (:func:`oscar_cli.quant.bits.storage_bits`, what eval-ruler and eval-kl report).
 
     Returns ``{"4k": 2.9, ...}`` rounded to 4 decimals; empty when the manifest lacks ``head_dim``.
     """
-    import torch
-
-    from oscar_cli.quant.methods import QuantMethod
+    from oscar_cli.quant.bits import KIVI_RESIDUAL, storage_bits
     from oscar_cli.transform import LAYER_SCHEMES
 
     quant = manifest.get("quant") or {}
@@ -63,24 +61,28 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
     head_dim = arch.get("head_dim") or quant.get("head_dim")
     if not head_dim:
         return {}
-    meta = {"float32": torch.float32, "float16": torch.float16}.get(str(quant.get("meta_dtype")), torch.bfloat16)
+    meta_bits = {"float32": 32}.get(str(quant.get("meta_dtype")), 16)
     keep = quant.get("keep") or {}
+    kept_layers = keep.get("layers")
     rows = (manifest.get("calibration") or {}).get("layers")
     n = int(arch.get("num_layers") or 0)
-    kinds: tuple[Any, ...] = ()
     if isinstance(rows, list) and rows and all(isinstance(r, dict) and r.get("scheme") in LAYER_SCHEMES for r in rows):
-        kinds = tuple(LAYER_SCHEMES[r["scheme"]] for r in rows)
-    elif keep.get("layers") and n:
-        kinds = ("int2",) * n
-    if keep.get("layers") and not kinds:
-        return {}
-    meth = QuantMethod(name="oscar", kind="int2", sink=int(quant.get("sink", DEFAULT_SINK)),
-                       recent=int(quant.get("recent", DEFAULT_RECENT)), group_size=quant.get("group_size") or None,
-                       meta_dtype=meta, layer_kinds=kinds if any(k != "int2" for k in kinds) or keep.get("layers")
-                       else (), keep_fraction=float(keep.get("fraction") or 0.0),
-                       keep_side=str(keep.get("side", "both")), keep_layers=tuple(keep.get("layers") or ()),
-                       key_subspace=int(quant.get("key_subspace") or 0))
-    return {f"{ctx // 1024}k": round(meth.bits_per_element(ctx, int(head_dim)), 4) for ctx in BPE_CONTEXTS}
+        kinds = [LAYER_SCHEMES[r["scheme"]] for r in rows]
+    else:
+        kinds = ["int2"] * max(n, 1)
+    sink, recent = int(quant.get("sink", DEFAULT_SINK)), int(quant.get("recent", DEFAULT_RECENT))
+
+    def layer(i: int, kind: str, ctx: int) -> float:
+        if kind == "kivi":
+            return storage_bits("kivi", ctx, int(head_dim), group_size=None, meta_bits=meta_bits, sink=0,
+                                recent=KIVI_RESIDUAL)
+        kept = float(keep.get("fraction") or 0.0) if kind == "int2" and (kept_layers is None or i in kept_layers) else 0.0
+        return storage_bits(kind, ctx, int(head_dim), group_size=quant.get("group_size") or None, meta_bits=meta_bits,
+                            sink=sink, recent=recent, keep_fraction=kept, keep_side=str(keep.get("side", "both")),
+                            key_subspace=int(quant.get("key_subspace") or 0) if kind == "int2" else 0)
+
+    return {f"{ctx // 1024}k": round(sum(layer(i, k, ctx) for i, k in enumerate(kinds)) / len(kinds), 4)
+            for ctx in BPE_CONTEXTS}
 
 
 def evaluation_rows(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from oscar_cli.quant.append import AppendLayer
-from oscar_cli.quant.methods import KIVI_GROUP, KIVI_RESIDUAL, QuantMethod
+from oscar_cli.quant.bits import KIVI_GROUP, KIVI_RESIDUAL
+from oscar_cli.quant.methods import QuantMethod
 
 
 def quantize_channels(

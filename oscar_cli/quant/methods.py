@@ -29,13 +29,12 @@ import torch
 
 from oscar_cli.errors import ArtifactError, EvalError
 from oscar_cli.model.geometry import ModelGeometry
+from oscar_cli.quant.bits import KIVI_RESIDUAL, storage_bits
 from oscar_cli.transform import LAYER_SCHEMES, LayerStorage, LayerTransform
 from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK, UNIFORM_INNER
 
 MethodKind = LayerStorage
 
-KIVI_GROUP = 128
-KIVI_RESIDUAL = 128
 
 
 @dataclass(frozen=True)
@@ -130,30 +129,14 @@ class QuantMethod:
         many elements). A keep budget adds :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers, a key
         subspace :func:`oscar_cli.quant.key_subspace.subspace_bits`.
         """
-        from oscar_cli.quant.keep import keep_bits
-        from oscar_cli.quant.key_subspace import subspace_bits
-        from oscar_kernels.reference import bits_per_element
-
         if self.layer_kinds or self.keep_layers:
             n = len(self.layer_kinds) or len(self.layers)
             if not n:
                 raise ValueError("keep_layers needs the method's per-layer transforms or layer_kinds (the layer count)")
             return sum(self.for_layer(i).bits_per_element(context_len, head_dim) for i in range(n)) / n
-
-        b = torch.finfo(self.meta_dtype).bits
-        if self.kind == "dense":
-            return 16.0
-        if self.kind == "int2":
-            return (bits_per_element(context_len, head_dim, self.group_size, b, self.sink, self.recent)
-                    + keep_bits(context_len, head_dim, self.keep_fraction, self.sink, self.recent,
-                                side=self.keep_side)
-                    + subspace_bits(context_len, head_dim, self.key_subspace, self.sink, self.recent))
-        g = self.group_size or min(head_dim, KIVI_GROUP)
-        k_res = context_len % KIVI_GROUP
-        k_bits = (context_len - k_res) * (2 + 2 * b / KIVI_GROUP) + k_res * 16
-        v_res = min(context_len, KIVI_RESIDUAL)
-        v_bits = (context_len - v_res) * (2 + 2 * b / g) + v_res * 16
-        return (k_bits + v_bits) / (2 * context_len)
+        return storage_bits(self.kind, context_len, head_dim, group_size=self.group_size,
+                            meta_bits=torch.finfo(self.meta_dtype).bits, sink=self.sink, recent=self.recent,
+                            keep_fraction=self.keep_fraction, keep_side=self.keep_side, key_subspace=self.key_subspace)
 
 
 def _per_layer(n_layers: int, t: LayerTransform) -> tuple[LayerTransform, ...]:

@@ -1,0 +1,37 @@
+"""Stored bits per K/V element of one layer's storage, the formulas behind
+:meth:`oscar_cli.quant.methods.QuantMethod.bits_per_element` and the model card's table
+(:func:`oscar_cli.artifact.card.bpe_table`). A module of its own so the card, which the artifact writer renders,
+reads them without importing the methods (which open artifacts).
+"""
+
+from __future__ import annotations
+
+from oscar_cli.quant.keep import keep_bits
+from oscar_cli.quant.key_subspace import subspace_bits
+from oscar_kernels.reference import bits_per_element
+
+KIVI_GROUP = 128
+KIVI_RESIDUAL = 128
+
+
+def storage_bits(
+    kind: str, context_len: int, head_dim: int, *, group_size: int | None, meta_bits: int, sink: int, recent: int,
+    keep_fraction: float = 0.0, keep_side: str = "both", key_subspace: int = 0,
+) -> float:
+    """Bits per K/V element at ``context_len`` tokens (batch 1, recent window exactly ``W``) of one layer stored as
+    ``kind``: ``int2``: docs/METHOD.md §9 ``BPE(L)``, plus :func:`~oscar_cli.quant.keep.keep_bits` for a keep
+    budget and :func:`~oscar_cli.quant.key_subspace.subspace_bits` for a key subspace; ``kivi``: keys
+    ``(L - L mod 128)`` tokens at ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at
+    ``2 + 2·b/G`` plus 128 BF16, averaged over K and V (``sink`` / ``recent`` unused); ``dense``: 16."""
+    if kind == "dense":
+        return 16.0
+    if kind == "int2":
+        return (bits_per_element(context_len, head_dim, group_size, meta_bits, sink, recent)
+                + keep_bits(context_len, head_dim, keep_fraction, sink, recent, side=keep_side)
+                + subspace_bits(context_len, head_dim, key_subspace, sink, recent))
+    g = group_size or min(head_dim, KIVI_GROUP)
+    k_res = context_len % KIVI_GROUP
+    k_bits = (context_len - k_res) * (2 + 2 * meta_bits / KIVI_GROUP) + k_res * 16
+    v_res = min(context_len, KIVI_RESIDUAL)
+    v_bits = (context_len - v_res) * (2 + 2 * meta_bits / g) + v_res * 16
+    return (k_bits + v_bits) / (2 * context_len)
