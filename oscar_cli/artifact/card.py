@@ -53,7 +53,7 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
 
     Returns ``{"4k": 2.9, ...}`` rounded to 4 decimals; empty when the manifest lacks ``head_dim``.
     """
-    from oscar_cli.quant.bits import KIVI_RESIDUAL, storage_bits
+    from oscar_cli.quant.bits import mean_bits
     from oscar_cli.transform import LAYER_SCHEMES
 
     quant = manifest.get("quant") or {}
@@ -61,28 +61,18 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
     head_dim = arch.get("head_dim") or quant.get("head_dim")
     if not head_dim:
         return {}
-    meta_bits = {"float32": 32}.get(str(quant.get("meta_dtype")), 16)
     keep = quant.get("keep") or {}
-    kept_layers = keep.get("layers")
     rows = (manifest.get("calibration") or {}).get("layers")
-    n = int(arch.get("num_layers") or 0)
     if isinstance(rows, list) and rows and all(isinstance(r, dict) and r.get("scheme") in LAYER_SCHEMES for r in rows):
         kinds = [LAYER_SCHEMES[r["scheme"]] for r in rows]
     else:
-        kinds = ["int2"] * max(n, 1)
-    sink, recent = int(quant.get("sink", DEFAULT_SINK)), int(quant.get("recent", DEFAULT_RECENT))
-
-    def layer(i: int, kind: str, ctx: int) -> float:
-        if kind == "kivi":
-            return storage_bits("kivi", ctx, int(head_dim), group_size=None, meta_bits=meta_bits, sink=0,
-                                recent=KIVI_RESIDUAL)
-        kept = float(keep.get("fraction") or 0.0) if kind == "int2" and (kept_layers is None or i in kept_layers) else 0.0
-        return storage_bits(kind, ctx, int(head_dim), group_size=quant.get("group_size") or None, meta_bits=meta_bits,
-                            sink=sink, recent=recent, keep_fraction=kept, keep_side=str(keep.get("side", "both")),
-                            key_subspace=int(quant.get("key_subspace") or 0) if kind == "int2" else 0)
-
-    return {f"{ctx // 1024}k": round(sum(layer(i, k, ctx) for i, k in enumerate(kinds)) / len(kinds), 4)
-            for ctx in BPE_CONTEXTS}
+        kinds = ["int2"] * max(int(arch.get("num_layers") or 0), 1)
+    return {f"{ctx // 1024}k": round(mean_bits(
+        kinds, ctx, int(head_dim), group_size=quant.get("group_size") or None,
+        meta_bits=32 if quant.get("meta_dtype") == "float32" else 16, sink=int(quant.get("sink", DEFAULT_SINK)),
+        recent=int(quant.get("recent", DEFAULT_RECENT)), keep_fraction=float(keep.get("fraction") or 0.0),
+        keep_side=str(keep.get("side", "both")), keep_layers=keep.get("layers"),
+        key_subspace=int(quant.get("key_subspace") or 0)), 4) for ctx in BPE_CONTEXTS}
 
 
 def evaluation_rows(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -402,7 +402,7 @@ def run_method_samples(
 
 def aggregate(
     records: list[dict[str, Any]], cfg: RulerConfig, sources: dict[str, str], head_dim: int, methods: dict[str, Any],
-    digests: dict[str, str] | None = None,
+    digests: dict[str, str],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any], dict[int, float]]:
     """Scores, counts, per-length means and BPE from the records that belong to this run's configuration."""
     rope = rope_tag(cfg)
@@ -416,7 +416,6 @@ def aggregate(
     cell: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     bpe_meas: dict[tuple[str, int], list[float]] = defaultdict(list)
     ptoks: dict[int, list[int]] = defaultdict(list)
-    digests = digests if digests is not None else {m: getattr(meth, "digest", "") for m, meth in methods.items()}
     for r in records:
         if resume_key(r) in wanted and same_artifact(r, digests):
             cell[(r["method"], r["task"], int(r["length"]))].append(float(r["score"]))

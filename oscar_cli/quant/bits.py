@@ -1,10 +1,12 @@
-"""Stored bits per K/V element of one layer's storage, the formulas behind
+"""Stored bits per K/V element of one layer's storage (and their mean over layers), the formulas behind
 :meth:`oscar_cli.quant.methods.QuantMethod.bits_per_element` and the model card's table
 (:func:`oscar_cli.artifact.card.bpe_table`). A module of its own so the card, which the artifact writer renders,
 reads them without importing the methods (which open artifacts).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 from oscar_cli.quant.keep import keep_bits
 from oscar_cli.quant.key_subspace import subspace_bits
@@ -35,3 +37,20 @@ def storage_bits(
     v_res = min(context_len, KIVI_RESIDUAL)
     v_bits = (context_len - v_res) * (2 + 2 * meta_bits / g) + v_res * 16
     return (k_bits + v_bits) / (2 * context_len)
+
+
+def mean_bits(
+    kinds: Sequence[str], context_len: int, head_dim: int, *, group_size: int | None, meta_bits: int, sink: int,
+    recent: int, keep_fraction: float = 0.0, keep_side: str = "both", keep_layers: Collection[int] | None = None,
+    key_subspace: int = 0,
+) -> float:
+    """The mean of :func:`storage_bits` over layers stored as ``kinds`` (each layer stores as many elements): a
+    ``kivi`` layer in KIVI-2's own layout (value groups of ``min(D, 128)``), the keep budget on the ``int2`` layers
+    of ``keep_layers`` (None: every one)."""
+    def layer(i: int, kind: str) -> float:
+        kept = keep_fraction if keep_layers is None or i in keep_layers else 0.0
+        return storage_bits(kind, context_len, head_dim, group_size=None if kind == "kivi" else group_size,
+                            meta_bits=meta_bits, sink=sink, recent=recent, keep_fraction=kept, keep_side=keep_side,
+                            key_subspace=key_subspace)
+
+    return sum(layer(i, k) for i, k in enumerate(kinds)) / len(kinds)

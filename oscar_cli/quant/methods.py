@@ -29,7 +29,7 @@ import torch
 
 from oscar_cli.errors import ArtifactError, EvalError
 from oscar_cli.model.geometry import ModelGeometry
-from oscar_cli.quant.bits import KIVI_RESIDUAL, storage_bits
+from oscar_cli.quant.bits import KIVI_RESIDUAL, mean_bits, storage_bits
 from oscar_cli.transform import LAYER_SCHEMES, LayerStorage, LayerTransform
 from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK, UNIFORM_INNER
 
@@ -129,14 +129,17 @@ class QuantMethod:
         many elements). A keep budget adds :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers, a key
         subspace :func:`oscar_cli.quant.key_subspace.subspace_bits`.
         """
-        if self.layer_kinds or self.keep_layers:
-            n = len(self.layer_kinds) or len(self.layers)
-            if not n:
-                raise ValueError("keep_layers needs the method's per-layer transforms or layer_kinds (the layer count)")
-            return sum(self.for_layer(i).bits_per_element(context_len, head_dim) for i in range(n)) / n
-        return storage_bits(self.kind, context_len, head_dim, group_size=self.group_size,
-                            meta_bits=torch.finfo(self.meta_dtype).bits, sink=self.sink, recent=self.recent,
-                            keep_fraction=self.keep_fraction, keep_side=self.keep_side, key_subspace=self.key_subspace)
+        meta_bits = torch.finfo(self.meta_dtype).bits
+        if not (self.layer_kinds or self.keep_layers):
+            return storage_bits(self.kind, context_len, head_dim, group_size=self.group_size, meta_bits=meta_bits,
+                                sink=self.sink, recent=self.recent, keep_fraction=self.keep_fraction,
+                                keep_side=self.keep_side, key_subspace=self.key_subspace)
+        n = len(self.layer_kinds) or len(self.layers)
+        if not n:
+            raise ValueError("keep_layers needs the method's per-layer transforms or layer_kinds (the layer count)")
+        return mean_bits(self.layer_kinds or (self.kind,) * n, context_len, head_dim, group_size=self.group_size,
+                         meta_bits=meta_bits, sink=self.sink, recent=self.recent, keep_fraction=self.keep_fraction,
+                         keep_side=self.keep_side, keep_layers=self.keep_layers or None, key_subspace=self.key_subspace)
 
 
 def _per_layer(n_layers: int, t: LayerTransform) -> tuple[LayerTransform, ...]:
