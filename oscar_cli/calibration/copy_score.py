@@ -4,7 +4,7 @@ The clip search and the per-layer fallback (:mod:`oscar_cli.calibration.schemes`
 attention-output error. That metric misses what multi-key retrieval needs: a head that puts most of its weight on
 one earlier token (copying a value, following a name) must still pick that token when the keys are INT2. On
 SmolLM2-135M the layers ranked first by output error are not the ones whose INT2 keys cost RULER answers; the
-layers ranked first by this score are (docs/RESULTS.md, "Which layers' keys").
+layers ranked first by this score are (docs/RESULTS.md, "Per-layer BF16 keys chosen by the copy score").
 
 On the held-out sequences, per layer, with the layer's calibrated rotation, mean and key clip (the keys as the cache
 serves them), for each of the last :data:`COPY_QUERIES` query positions ``i`` and each query head:
