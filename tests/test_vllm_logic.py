@@ -308,6 +308,29 @@ def test_layer_tensors_of_a_rope_mean_artifact() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("key_mean", ["constant", "rope"])
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float16])
+def test_layer_tensors_are_float32_under_the_model_default_dtype(key_mean: str, default: torch.dtype) -> None:
+    """vLLM builds the attention layers under ``torch.set_default_dtype(model dtype)``: every operand the kernels
+    check as float32 (rotations, means, ``k_mean_pre``), including the zero key mean of a rope artifact and the
+    identity rotation of a layer without one, stays float32 (on the H200 a rope artifact failed engine start with
+    ``k_mean: expected float32 [2, 128], got torch.bfloat16`` before)."""
+    g = torch.Generator().manual_seed(1)
+    t = LayerTransform(k_mean=torch.randn(2, 64, generator=g), v_mean=torch.randn(1, 64, generator=g),
+                       k_mean_pre=torch.randn(2, 64, generator=g))
+    meth = replace(oscar_method([t], sink=16, recent=16), key_mean=key_mean)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = layout.layer_tensors(meth, 1, 2, 64)[0]
+    finally:
+        torch.set_default_dtype(before)
+    tensors = [got.k_rotation, got.v_rotation, got.k_mean, got.v_mean] + ([got.k_mean_pre] if key_mean == "rope" else [])
+    assert [x.dtype for x in tensors] == [torch.float32] * len(tensors)
+    assert (got.k_mean_pre is None) == (key_mean == "constant")
+
+
+@pytest.mark.unit
 def test_geometry_refusals_are_one_line() -> None:
     s = layout.Int2Settings(sink=64, recent=256)
     layout.check_geometry(head_dim=128, block_size=16, settings=s, group_size=None)

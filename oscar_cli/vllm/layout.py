@@ -119,7 +119,7 @@ def _rotation(r: torch.Tensor | None, h_kv: int, d: int, what: str) -> torch.Ten
 
 def _mean(m: torch.Tensor | None, h_kv: int, d: int, what: str) -> torch.Tensor:
     if m is None:
-        return torch.zeros(h_kv, d)
+        return torch.zeros(h_kv, d, dtype=torch.float32)  # vLLM loads under the model dtype as default
     m = m.float()
     if m.dim() == 1:
         m = m.unsqueeze(0)
