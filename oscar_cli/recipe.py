@@ -135,6 +135,9 @@ class QuantConfig(Schema):
     # the held-out tokens (oscar_cli.calibration.copy_score); served through the keep tier (quant.keep.layers,
     # reference path); 0 = off
     bf16_keys: Annotated[int, Field(ge=0, le=1024)] = 0
+    # keys at 4 bits (a second INT2 plane, reference formula 9; no clip) for the N layers of largest copy score,
+    # stored once: +2 bits on those layers' history keys (reference path); 0 = off
+    int4_keys: Annotated[int, Field(ge=0, le=1024)] = 0
 
 
 class Recipe(Schema):
@@ -181,12 +184,29 @@ class Recipe(Schema):
                              f"got {self.method}")
         return self
 
+    @model_validator(mode="after")
+    def _int4_keys_alone(self) -> Recipe:
+        q = self.quant
+        if not q.int4_keys:
+            return self
+        if self.method != "oscar":
+            raise ValueError(f"quant.int4_keys needs method oscar (layers are chosen on its held-out scores), "
+                             f"got {self.method}")
+        clash = [name for name, on in (("quant.bf16_keys", q.bf16_keys), ("quant.keep.fraction", q.keep.fraction),
+                                       ("quant.key_subspace", q.key_subspace),
+                                       ("quant.levels", q.levels != UNIFORM_INNER),
+                                       ("quant.logit_correction", q.logit_correction != "none")) if on]
+        if clash:
+            raise ValueError(f"quant.int4_keys stores keys in two uniform INT2 planes; it does not combine with "
+                             f"{', '.join(clash)}")
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists for tuples): YAML/JSON-ready; :func:`recipe_from_dict` inverts it.
 
         ``quant.keep`` is left out while it is off (fraction 0), its ``side`` while ``both`` and its ``layers`` while
         absent, ``quant.levels`` while uniform (1/3),
-        ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0, ``quant.key_mean`` while ``constant``, ``quant.bf16_keys`` while 0,
+        ``quant.logit_correction`` while it is ``none``, ``quant.key_subspace`` while it is 0, ``quant.key_mean`` while ``constant``, ``quant.bf16_keys`` and ``quant.int4_keys`` while 0,
         ``statistics.v_metric`` while it is ``none`` and ``rotation.dc`` while it is ``min``, so a recipe without them writes the same bytes (``recipe.yaml``, the manifest, the default output hash)
         that oscar wrote before the knobs existed, and older readers accept it; :meth:`full_dict` lists every
         knob."""
@@ -208,6 +228,8 @@ class Recipe(Schema):
             del out["quant"]["key_mean"]
         if self.quant.bf16_keys == 0:
             del out["quant"]["bf16_keys"]
+        if self.quant.int4_keys == 0:
+            del out["quant"]["int4_keys"]
         if self.statistics.v_metric == "none":
             del out["statistics"]["v_metric"]
         if self.rotation.dc == "min":

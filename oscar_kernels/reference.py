@@ -39,6 +39,13 @@ Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic 
    + 0.5)``, ``k = 1..3``: the nearest level, a value exactly halfway going up (round half up, as step 5); at
    ``a = 1/3`` the thresholds are 1, 2, 3 and the codes are step 5's bitwise. Dequantize:
    ``float(zero) + L[code] * float(scale)`` in float32 (step 7 with ``L[code]`` for ``code``).
+9. INT4 keys as two INT2 bit planes (optional, reference path only; recipe ``quant.int4_keys``): per group
+   ``scale = (max(mx - mn, 1e-8) · 4 / 15).to(meta_dtype)``, ``zero = mn.to(meta_dtype)`` (no clip); the fine
+   step is ``f = float(scale) / 4`` (exact); ``code = clamp(floor((y - float(zero)) / f + 0.5), 0, 15)`` (IEEE
+   division, round half up as step 5); the **high plane** ``code >> 2`` is stored exactly like an INT2 row
+   (quarter packing, this ``scale`` and ``zero``: read alone by step 7 it is a valid coarse INT2 row), the **low
+   plane** ``code & 3`` quarter-packed beside it (no metadata of its own). Dequantize: ``float(zero) + code · f``
+   in float32 with ``code = 4·hi + lo``. Storage: 4 bits per element plus the one ``scale``/``zero`` pair.
 
 Attention over the three tiers (sink: absolute positions ``[0, S0)``; history: INT2; recent: the last
 tokens) computes one partial ``(o_t, lse_t)`` per tier — softmax attention restricted to that tier, with
@@ -84,6 +91,7 @@ __all__ = [
     "clip_threshold",
     "decode_attention_reference",
     "dequantize_codes",
+    "dequantize_int4_planes",
     "dequantize_int2",
     "dequantize_rows",
     "fake_quantize_rows",
@@ -94,7 +102,9 @@ __all__ = [
     "pack_int2",
     "pack_token_quads",
     "quantize_int2",
+    "quantize_int4_planes",
     "quantize_rows",
+    "quantize_rows_int4",
     "rotate",
     "rows_to_token_quads",
     "token_quad_row",
@@ -232,6 +242,50 @@ def quantize_int2(
     else:
         codes = level_codes((y32 - zf) / sf + 0.5, inner)
     return codes.reshape(*y.shape[:-1], d), scale, zero
+
+
+def quantize_int4_planes(
+    y: torch.Tensor, group_size: int | None = None, meta_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Formula 9: asymmetric min-max INT4 per group of ``G`` channels, split into two INT2 planes.
+
+    Args:
+        y: ``[..., D]`` rows (already rotated and centred; not clipped), any float dtype; computed in float32.
+        group_size: ``G`` dividing ``D`` (default ``D``).
+        meta_dtype: storage dtype of scale and zero.
+
+    Returns:
+        ``hi``, ``lo`` uint8 ``[..., D]`` in ``{0..3}`` (the 4-bit code is ``4·hi + lo``), ``scale`` (the high
+        plane's step, 4 fine steps) and ``zero`` ``meta_dtype [..., D/G]``.
+    """
+    d = _check_rows("y", y)
+    g = d if group_size is None else int(group_size)
+    if g <= 0 or d % g:
+        raise ValueError(f"group_size: must divide D={d}, got {group_size}")
+    if meta_dtype not in _META_DTYPES:
+        raise ValueError(f"meta_dtype: expected one of {_META_DTYPES}, got {meta_dtype}")
+    y32 = y.float().reshape(*y.shape[:-1], d // g, g)
+    mn = y32.amin(dim=-1)
+    mx = y32.amax(dim=-1)
+    s = torch.clamp(mx - mn, min=1e-8) * torch.full_like(mx, 4.0) / torch.full_like(mx, 15.0)
+    scale = s.to(meta_dtype)
+    zero = mn.to(meta_dtype)
+    fine = (scale.float() / torch.full_like(mx, 4.0)).unsqueeze(-1)
+    codes = torch.floor((y32 - zero.float().unsqueeze(-1)) / fine + 0.5).clamp_(0, 15).to(torch.uint8)
+    codes = codes.reshape(*y.shape[:-1], d)
+    return codes >> 2, codes & 3, scale, zero
+
+
+def dequantize_int4_planes(
+    hi: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Formula 9's decode: ``float(zero) + (4·hi + lo) · (float(scale) / 4)`` per group, from unpacked planes
+    ``uint8 [..., D]``; returns ``out_dtype [..., D]``."""
+    if hi.shape != lo.shape:
+        raise ValueError(f"hi/lo: expected the same shape, got {tuple(hi.shape)} and {tuple(lo.shape)}")
+    code = (hi.to(torch.int32) * 4 + lo.to(torch.int32)).to(torch.uint8)
+    return dequantize_codes(code, scale.float() / 4, zero, out_dtype)
 
 
 def level_codes(v: torch.Tensor, inner: float) -> torch.Tensor:
@@ -382,6 +436,19 @@ def quantize_rows(
     y = _transform(x, rotation, mean, clip_ratio)
     codes, scale, zero = quantize_int2(y, group_size, meta_dtype, inner)
     return QuantizedRows(pack_int2(codes), scale, zero)
+
+
+def quantize_rows_int4(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None = None,
+    mean: torch.Tensor | None = None,
+    group_size: int | None = None,
+    meta_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """Formula 9's write path: rotate → center → INT4 (no clip) → the high plane as stored INT2 rows (quarter
+    packed, with the scale and zero) and the low plane quarter packed ``uint8 [..., D/4]``."""
+    hi, lo, scale, zero = quantize_int4_planes(_transform(x, rotation, mean, 0.0), group_size, meta_dtype)
+    return QuantizedRows(pack_int2(hi), scale, zero), pack_int2(lo)
 
 
 def dequantize_rows(

@@ -47,7 +47,7 @@ def base_model_of(manifest: Mapping[str, Any]) -> str | None:
 
 def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
     """Bits per K/V element at 4k, 32k and 128k tokens as the artifact is served: its quant settings (sink/recent
-    in BF16, the BF16 keep budget with its side and layers, a BF16 key subspace) and its per-layer schemes
+    in BF16, the BF16 keep budget with its side and layers, a BF16 key subspace, INT4 keys) and its per-layer schemes
     (``calibration.layers``: a layer kept in BF16 costs 16, one served by KIVI KIVI's layout), the mean over layers
     (:func:`oscar_cli.quant.bits.storage_bits`, what eval-ruler and eval-kl report).
 
@@ -72,7 +72,8 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
         meta_bits=32 if quant.get("meta_dtype") == "float32" else 16, sink=int(quant.get("sink", DEFAULT_SINK)),
         recent=int(quant.get("recent", DEFAULT_RECENT)), keep_fraction=float(keep.get("fraction") or 0.0),
         keep_side=str(keep.get("side", "both")), keep_layers=keep.get("layers"),
-        key_subspace=int(quant.get("key_subspace") or 0)), 4) for ctx in BPE_CONTEXTS}
+        key_subspace=int(quant.get("key_subspace") or 0), int4_key_layers=quant.get("int4_keys") or ()), 4)
+        for ctx in BPE_CONTEXTS}
 
 
 def evaluation_rows(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -77,6 +77,8 @@ class Quant(Schema):
     logit_correction: LogitCorrection | None = None  # absent: none
     key_subspace: Annotated[int, Field(ge=1, le=MAX_KEY_SUBSPACE)] | None = None  # absent: off (layers.{i}.k_subspace)
     key_mean: Literal["rope"] | None = None  # absent: constant key mean; rope: layers.{i}.k_mean_pre (quant.key_mean)
+    # the layers whose history keys are stored at 4 bits (two INT2 planes; recipe quant.int4_keys); absent: none
+    int4_keys: Annotated[list[Annotated[int, Field(ge=0, lt=1024)]], Field(min_length=1, max_length=1024)] | None = None
 
 
 class ManifestSchema(Schema):
@@ -122,6 +124,9 @@ class ManifestSchema(Schema):
         kept = self.quant.keep.layers if self.quant.keep is not None else None
         if kept and max(kept) >= n:
             raise ValueError(f"quant.keep.layers names layer {max(kept)}; the model has {n} layers")
+        four = self.quant.int4_keys
+        if four and max(four) >= n:
+            raise ValueError(f"quant.int4_keys names layer {max(four)}; the model has {n} layers")
         rows = self.calibration.get("layers")
         if rows is None:
             return self

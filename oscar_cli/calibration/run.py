@@ -110,6 +110,7 @@ class CalibrationResult:
             "layers": [vars(s) for s in self.layers],
             "schemes": self.schemes.to_dict() if self.schemes else None,
             "bf16_keys": self.manifest.calibration.get("bf16_keys"),
+            "int4_keys": self.manifest.calibration.get("int4_keys"),
         }
 
 
@@ -428,17 +429,21 @@ def calibrate_model(
         device=device,
         dtype=next(model.parameters()).dtype,
     )
-    key_layers = _bf16_key_layers(recipe, fallback)
+    key_layers = _key_layers(recipe.quant.bf16_keys, "quant.bf16_keys", "keys in BF16", fallback)
     if key_layers:
         keep = {"fraction": 1.0, "score": "knorm", "side": "keys", "layers": key_layers}
         manifest = replace(manifest, quant={**manifest.quant, "keep": keep})
+    int4_layers = _key_layers(recipe.quant.int4_keys, "quant.int4_keys", "keys in INT4", fallback)
+    if int4_layers:
+        manifest = replace(manifest, quant={**manifest.quant, "int4_keys": int4_layers})
     if fallback is not None:
-        if key_layers:
+        if key_layers or int4_layers:
             fallback.bits_per_element["artifact"] = bpe_table(manifest.to_dict() | {
                 "calibration": {"layers": [x.to_dict() for x in fallback.layers]}})[f"{BPE_CONTEXT // 1024}k"]
         manifest = replace(manifest, calibration={**manifest.calibration, "schemes": fallback.to_dict(),
                                                   "layers": [x.to_dict() for x in fallback.layers],
-                                                  **({"bf16_keys": key_layers} if recipe.quant.bf16_keys else {})})
+                                                  **({"bf16_keys": key_layers} if recipe.quant.bf16_keys else {}),
+                                                  **({"int4_keys": int4_layers} if recipe.quant.int4_keys else {})})
     path = Path(out) if out is not None else default_output(reference, recipe, resolved, data.identity["sha256"])
     write_artifact(path, manifest, layers, recipe.to_yaml(), overwrite=overwrite)
     timings["write"] = time.perf_counter() - t0
@@ -452,16 +457,16 @@ def _copy_of(c: CopyScore | None) -> float | None:
     return None if c is None else round(c.score, 6)
 
 
-def _bf16_key_layers(recipe: Recipe, fallback: SchemeReport | None) -> list[int]:
-    """The layers whose keys the artifact keeps in BF16 (recipe ``quant.bf16_keys``: that many, by copy score)."""
-    n = recipe.quant.bf16_keys
+def _key_layers(n: int, knob: str, what: str, fallback: SchemeReport | None) -> list[int]:
+    """The ``n`` layers whose keys the artifact stores with more precision (recipe ``knob``: ``quant.bf16_keys``
+    or ``quant.int4_keys``), by copy score."""
     if not n:
         return []
     if fallback is None:
-        raise CalibrationError("quant.bf16_keys needs every layer's held-out scores; some layer had no INT2 "
+        raise CalibrationError(f"{knob} needs every layer's held-out scores; some layer had no INT2 "
                                "history in the held-out sequences", hint="raise data.seq_len or clip.holdout_tokens")
     chosen = choose_key_layers([x.copy for x in fallback.layers], n, [x.scheme for x in fallback.layers])
-    logger.info("keys in BF16 (quant.bf16_keys %d, by copy score): layers %s", n,
+    logger.info("%s (%s %d, by copy score): layers %s", what, knob, n,
                 ", ".join(map(str, chosen)) or "none (no layer's INT2 keys flipped a focused head)")
     return chosen
 

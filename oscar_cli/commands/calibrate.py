@@ -69,11 +69,12 @@ def _render(result: Any) -> None:
                       f"{row['k_clip']:g}", f"{row['v_clip']:g}", "-" if err is None else f"{err:.4f}")
     out.print(table)
     _render_schemes(d.get("schemes"), d["layers"])
-    if d.get("bf16_keys") is not None:
-        chosen = d["bf16_keys"]
+    for knob, what in (("bf16_keys", "keys in BF16"), ("int4_keys", "keys in INT4")):
+        if d.get(knob) is None:
+            continue
         scores = {row["index"]: row["copy_score"] for row in d["layers"]}
-        text = ", ".join(f"{i} (copy score {scores[i]:.4f})" for i in chosen) or "none (no INT2 key flipped a focused head)"
-        out.print(f"keys in BF16 (quant.bf16_keys, reference path): layers {text}")
+        text = ", ".join(f"{i} (copy score {scores[i]:.4f})" for i in d[knob]) or "none (no INT2 key flipped a focused head)"
+        out.print(f"{what} (quant.{knob}, reference path): layers {text}")
 
 
 def _render_schemes(schemes: dict[str, Any] | None, layers: list[dict[str, Any]]) -> None:

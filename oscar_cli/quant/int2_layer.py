@@ -35,6 +35,12 @@ constant ``k_mean``, computed with the model's rotary embedding (the cache's ``R
 written and again when it is read; nothing is stored per token (the Triton path writes with one mean per row and its
 decode kernel adds the mean's logit term itself, ``oscar_kernels.ops.RopeMean``).
 
+With INT4 keys on this layer (recipe ``quant.int4_keys``, :attr:`QuantMethod.key_bits` 4) each history key is
+coded at 4 bits without clip (``oscar_kernels.reference`` formula 9): the high INT2 plane and its scale/zero go to
+the pages as any INT2 key row, the low plane (``uint8 [B, H_kv, cap, D/4]``, slot ``t`` of the history at index
+``t``, pad slots zero) is kept beside them; attention reads ``zero + (4·hi + lo)·scale/4`` (reference path only, the
+Triton path refuses such a method).
+
 Nothing else persists: no dense copy of the history exists between calls.
 
 All tiers hold **rotated** K (``k·R_K``, post-RoPE, computed here at run time in float32 and cast to the
@@ -75,7 +81,7 @@ from oscar_cli.quant.kernel_path import BACKENDS, centred, flat_mean, front, ker
 from oscar_cli.quant.key_mean import RopeTable
 from oscar_cli.quant.key_subspace import coefficients, residual, restore
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
-from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool
+from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool, unpack_rows
 from oscar_kernels.layout import UNIFORM_INNER
 
 log = logging.getLogger(__name__)
@@ -157,6 +163,13 @@ class Int2Layer(AppendLayer):
         # [B, H_kv, cap, m] in bfloat16, slot t of the history at index t (pad slots hold zeros)
         self.subspace = transform.k_subspace if method.key_subspace and transform.k_subspace is not None else None
         self.k_sub: torch.Tensor | None = None
+        # INT4 keys (quant.int4_keys): the low plane of every history key, quarter packed, slot t at index t
+        self.key4 = method.key_bits == 4
+        self.k_lo: torch.Tensor | None = None
+        if self.key4 and (self.subspace is not None or self.keep is not None or method.levels != UNIFORM_INNER
+                          or method.logit_correction != "none"):
+            raise OscarError(f"layer {layer_idx}: INT4 keys (quant.int4_keys) do not combine with a key subspace, a "
+                             "keep budget, non-uniform levels or a logit correction", hint="drop one of them")
         # the position-dependent key mean (quant.key_mean rope): pre-RoPE means [H_kv, D] and the model's RoPE
         self.rope_table = rope_table
         self.mean_pre = transform.k_mean_pre if method.key_mean == "rope" else None
@@ -207,6 +220,9 @@ class Int2Layer(AppendLayer):
         if self.method.levels != UNIFORM_INNER and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton kernels code and decode uniform INT2 levels only "
                              f"(quant.levels {self.method.levels:g})", hint="use --backend reference")
+        if self.key4 and (reason is None or self.backend == "triton"):
+            raise OscarError(f"backend {self.backend}: the Triton kernels read 2-bit keys only (layer "
+                             f"{self.layer_idx} has INT4 keys, quant.int4_keys)", hint="use --backend reference")
         if self.subspace is not None and (reason is None or self.backend == "triton"):
             raise OscarError(f"backend {self.backend}: the Triton kernels do not read the BF16 key subspace "
                              f"(quant.key_subspace {self.method.key_subspace})", hint="use --backend reference")
@@ -314,7 +330,7 @@ class Int2Layer(AppendLayer):
         hist0 = self.hist_slots
         self.hist_slots += m
         t, meth = self.transform, self.method
-        from oscar_kernels.reference import dequantize_rows, quantize_rows
+        from oscar_kernels.reference import dequantize_rows, quantize_rows, quantize_rows_int4
 
         scores = []
 
@@ -334,7 +350,11 @@ class Int2Layer(AppendLayer):
             if self.subspace is not None:  # the coordinates along the subspace in BF16, the residual to INT2
                 coeffs = self._store_coefficients(piece_k, hist0 + a, k_mean)
                 k_in = residual(piece_k, coeffs, self.subspace)
-            qk = quantize_rows(k_in, None, k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
+            if self.key4:  # formula 9: the high plane to the pages, the low plane beside them
+                qk, lo = quantize_rows_int4(k_in, None, k_mean, meth.group_size, meth.meta_dtype)
+                self._store_low_plane(lo, hist0 + a)
+            else:
+                qk = quantize_rows(k_in, None, k_mean, t.k_clip, meth.group_size, meth.meta_dtype, meth.levels)
             qv = quantize_rows(piece_v, None, self.v_mean, t.v_clip, meth.group_size, meth.meta_dtype, meth.levels)
             self.pool.write(_rows(qk, flat), _rows(qv, flat), to)
             if self.keep is not None:
@@ -363,6 +383,17 @@ class Int2Layer(AppendLayer):
         cos, sin = self.rope_table(pos)
         return position_means(self.mean_pre, self.transform.k_rotation, cos, sin)
 
+    def _store_low_plane(self, lo: torch.Tensor, at: int) -> None:
+        """Keep the low plane ``uint8 [B, H, n, D/4]`` of history slots ``[at, at + n)`` (grown by doubling)."""
+        b, h, n, w = lo.shape
+        if self.k_lo is None or self.k_lo.shape[2] < at + n:
+            cap = max(at + n, 2 * (0 if self.k_lo is None else self.k_lo.shape[2]), 64)
+            grown = torch.zeros(b, h, cap, w, dtype=torch.uint8, device=lo.device)
+            if self.k_lo is not None:
+                grown[:, :, : self.k_lo.shape[2]] = self.k_lo
+            self.k_lo = grown
+        self.k_lo[:, :, at : at + n] = lo
+
     def _store_coefficients(self, rows_k: torch.Tensor, at: int, mean: torch.Tensor | None) -> torch.Tensor:
         """Coefficients of rotated keys ``[B, H, n, D]`` (centred here by ``mean``) along the subspace, stored at
         history index ``at``; returns them (bfloat16, as stored)."""
@@ -388,7 +419,7 @@ class Int2Layer(AppendLayer):
         plus the centring mean), followed by ``k_new``/``v_new``. Transient: built from the tiers on each call,
         the history's pages gathered, unpacked and dequantized :data:`PIECE` tokens at a time straight into the
         returned tensors."""
-        from oscar_kernels.reference import dequantize_codes
+        from oscar_kernels.reference import dequantize_codes, dequantize_int4_planes
 
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
         assert self.recent_k is not None and self.recent_v is not None
@@ -418,7 +449,10 @@ class Int2Layer(AppendLayer):
             codes = self.pool.codes(self.hist_slots, e - a, start=a)
             k_mean = self.key_means(self.sink_slots + a, e - a)
             for out, q, mean in zip(outs, codes, (k_mean, self.v_mean), strict=True):
-                rows = dequantize_codes(*q, torch.float32, self.method.levels)
+                if out is outs[0] and self.k_lo is not None:  # INT4 keys: both planes
+                    rows = dequantize_int4_planes(q[0], unpack_rows(self.k_lo[:, :, a:e]), q[1], q[2])
+                else:
+                    rows = dequantize_codes(*q, torch.float32, self.method.levels)
                 if out is outs[0] and self.subspace is not None and self.k_sub is not None:
                     rows = restore(rows, self.k_sub[:, :, a:e], self.subspace)
                 out[..., s + a : s + e, :] = with_mean(rows, mean)
@@ -508,7 +542,8 @@ class Int2Layer(AppendLayer):
     # ---------------------------------------------------------------- inspection
     def history(self, which: str = "k") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The packed history ``(packed [B, H_kv, T_h, D/4], scale, zero)`` of keys (``"k"``) or values (``"v"``)
-        in the row layout (rows right-aligned, zeros left of a padded row's first token), or None when empty."""
+        in the row layout (rows right-aligned, zeros left of a padded row's first token), or None when empty; with
+        INT4 keys (quant.int4_keys) the keys' high plane."""
         from oscar_kernels.reference import pack_int2
 
         if self.pool is None or self.hist_slots == 0:
@@ -536,13 +571,14 @@ class Int2Layer(AppendLayer):
         dense = (self.n_sink + self.n_recent) * b * d * act
         kept = 0 if self.keep is None else self.keep.nbytes()
         sub = 0 if self.subspace is None else h * sum(self.pool.lengths) * int(self.subspace.shape[-1]) * 2
-        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist) + kept + sub)
+        low = h * sum(self.pool.lengths) * (d // 4) if self.key4 else 0
+        return int(2 * h * (dense + sum(self.pool.lengths) * per_hist) + kept + sub + low)
 
     def allocated_bytes(self) -> int:
         """Bytes of every tensor the layer holds: sink and recent buffers (capacity), the page pool, block table."""
         if not self.is_initialized or self.pool is None:
             return 0
-        bufs = (self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.k_sub)
+        bufs = (self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.k_sub, self.k_lo)
         kept = 0 if self.keep is None else self.keep.nbytes()
         return int(sum(t.nbytes for t in bufs if t is not None) + self.pool.allocated_bytes() + kept)
 
@@ -556,6 +592,8 @@ class Int2Layer(AppendLayer):
             setattr(self, name, getattr(self, name)[sel].contiguous())
         if self.k_sub is not None:
             self.k_sub = self.k_sub[sel].contiguous()
+        if self.k_lo is not None:
+            self.k_lo = self.k_lo[sel].contiguous()
         self.pool = self.pool.select(idx)
         if self.keep is not None:
             self.keep.select(sel)

@@ -68,6 +68,9 @@ class QuantMethod:
             0 = off.
         key_mean: ``constant`` or ``rope`` (recipe ``quant.key_mean``): ``rope`` centres ``int2`` layers' INT2 keys
             at position ``p`` by ``RoPE_p(k_mean_pre)·R_K`` (:mod:`oscar_cli.quant.key_mean`; both paths).
+        key_bits: 2, or 4 for history keys stored as two INT2 planes (``oscar_kernels.reference`` formula 9,
+            unclipped; reference path only).
+        int4_key_layers: the layers whose keys :meth:`for_layer` serves at 4 bits (recipe ``quant.int4_keys``).
     """
 
     name: str
@@ -89,6 +92,8 @@ class QuantMethod:
     logit_correction: str = "none"
     key_subspace: int = 0
     key_mean: str = "constant"
+    key_bits: int = 2
+    int4_key_layers: tuple[int, ...] = ()
 
     def layer(self, idx: int) -> LayerTransform:
         """The transforms of decoder layer ``idx`` (identity when the method has none)."""
@@ -103,6 +108,9 @@ class QuantMethod:
         if self.keep_layers:
             kept = self.keep_fraction if idx in self.keep_layers else 0.0
             return replace(self, keep_layers=(), keep_fraction=kept).for_layer(idx)
+        if self.int4_key_layers:
+            bits = 4 if idx in self.int4_key_layers else 2
+            return replace(self, int4_key_layers=(), key_bits=bits).for_layer(idx)
         if not self.layer_kinds:
             return self
         kind = self.layer_kinds[idx]
@@ -111,9 +119,9 @@ class QuantMethod:
         if kind == "kivi":
             return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=(),
                            keep_fraction=0.0, levels=UNIFORM_INNER, logit_correction="none", key_subspace=0,
-                           key_mean="constant")
+                           key_mean="constant", key_bits=2)
         return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0, levels=UNIFORM_INNER,
-                       logit_correction="none", key_subspace=0, key_mean="constant")
+                       logit_correction="none", key_subspace=0, key_mean="constant", key_bits=2)
 
     @property
     def demotion_block(self) -> int:
@@ -125,21 +133,24 @@ class QuantMethod:
 
         ``int2``: docs/METHOD.md §9 ``BPE(L)``; ``kivi``: keys ``(L - L mod 128)`` tokens at
         ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at ``2 + 2·b/G`` plus 128 BF16,
-        averaged over K and V; ``dense``: 16. With ``layer_kinds``: the mean over layers (each layer stores as
-        many elements). A keep budget adds :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers, a key
-        subspace :func:`oscar_cli.quant.key_subspace.subspace_bits`.
+        averaged over K and V; ``dense``: 16. With ``layer_kinds`` (or per-layer keep / INT4 keys): the mean over
+        layers (each layer stores as many elements). INT4 keys add 2 bits per history key. A keep budget adds
+        :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers, a key subspace
+        :func:`oscar_cli.quant.key_subspace.subspace_bits`.
         """
         meta_bits = torch.finfo(self.meta_dtype).bits
-        if not (self.layer_kinds or self.keep_layers):
+        if not (self.layer_kinds or self.keep_layers or self.int4_key_layers):
             return storage_bits(self.kind, context_len, head_dim, group_size=self.group_size, meta_bits=meta_bits,
                                 sink=self.sink, recent=self.recent, keep_fraction=self.keep_fraction,
-                                keep_side=self.keep_side, key_subspace=self.key_subspace)
+                                keep_side=self.keep_side, key_subspace=self.key_subspace, key_bits=self.key_bits)
         n = len(self.layer_kinds) or len(self.layers)
         if not n:
-            raise ValueError("keep_layers needs the method's per-layer transforms or layer_kinds (the layer count)")
+            raise ValueError("keep_layers / int4_key_layers need the method's per-layer transforms or layer_kinds "
+                             "(the layer count)")
         return mean_bits(self.layer_kinds or (self.kind,) * n, context_len, head_dim, group_size=self.group_size,
                          meta_bits=meta_bits, sink=self.sink, recent=self.recent, keep_fraction=self.keep_fraction,
-                         keep_side=self.keep_side, keep_layers=self.keep_layers or None, key_subspace=self.key_subspace)
+                         keep_side=self.keep_side, keep_layers=self.keep_layers or None, key_subspace=self.key_subspace,
+                         int4_key_layers=self.int4_key_layers)
 
 
 def _per_layer(n_layers: int, t: LayerTransform) -> tuple[LayerTransform, ...]:
@@ -242,7 +253,8 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
                    keep_layers=tuple(int(i) for i in keep.get("layers") or ()), levels=float(quant.get("levels", UNIFORM_INNER)),
                    logit_correction=str(quant.get("logit_correction") or "none"),
                    key_subspace=int(quant.get("key_subspace") or 0),
-                   key_mean=str(quant.get("key_mean") or "constant"))
+                   key_mean=str(quant.get("key_mean") or "constant"),
+                   int4_key_layers=tuple(int(i) for i in quant.get("int4_keys") or ()))
 
 
 def serving_digest(manifest: Any, schemes: list[str]) -> str:

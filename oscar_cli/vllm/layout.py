@@ -156,7 +156,8 @@ def check_method(method: Any, *, head_dim: int, block_size: int) -> Int2Settings
     check_geometry(head_dim=head_dim, block_size=block_size, settings=settings, group_size=method.group_size,
                    keep_fraction=method.keep_fraction, levels=method.levels,
                    logit_correction=method.logit_correction, key_subspace=method.key_subspace,
-                   key_mean=method.key_mean, layer_kinds=tuple(method.layer_kinds))
+                   key_mean=method.key_mean, layer_kinds=tuple(method.layer_kinds),
+                   int4_key_layers=tuple(getattr(method, "int4_key_layers", ())))
     return settings
 
 
@@ -167,7 +168,8 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
                    alibi: bool = False, kv_sharing: bool = False, keep_fraction: float = 0.0,
                    levels: float = UNIFORM_INNER, logit_correction: str = "none", key_subspace: int = 0,
-                   key_mean: str = "constant", layer_kinds: tuple[str, ...] = ()) -> None:
+                   key_mean: str = "constant", layer_kinds: tuple[str, ...] = (),
+                   int4_key_layers: tuple[int, ...] = ()) -> None:
     """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16.
 
     ``layer_kinds``: the storage of each layer when the calibration's per-layer fallback chose another scheme for
@@ -193,6 +195,10 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if key_subspace:
         reasons.append(f"a BF16 key subspace (quant.key_subspace {key_subspace}: the kernels do not read it; serve it "
                        "through transformers with --backend reference)")
+    if int4_key_layers:
+        reasons.append(f"INT4 keys on layer{'s' if len(int4_key_layers) > 1 else ''} "
+                       f"{', '.join(map(str, int4_key_layers))} (quant.int4_keys: the pages and kernels hold 2-bit keys; "
+                       "serve it through transformers with --backend reference)")
     if key_mean not in ("constant", "rope"):
         reasons.append(f"key mean {key_mean!r} (quant.key_mean: the backend centres keys by a constant mean or by "
                        "RoPE_p(m_pre))")
