@@ -206,6 +206,20 @@ def clip_rows(y: torch.Tensor, ratio: float) -> torch.Tensor:
     return torch.minimum(torch.maximum(y32, -tau), tau)
 
 
+def _group_ranges(
+    y: torch.Tensor, group_size: int | None, meta_dtype: torch.dtype
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked ``D``, rows as float32 groups ``[..., D/G, G]`` and each group's min and max ``[..., D/G]``."""
+    d = _check_rows("y", y)
+    g = d if group_size is None else int(group_size)
+    if g <= 0 or d % g:
+        raise ValueError(f"group_size: must divide D={d}, got {group_size}")
+    if meta_dtype not in _META_DTYPES:
+        raise ValueError(f"meta_dtype: expected one of {_META_DTYPES}, got {meta_dtype}")
+    y32 = y.float().reshape(*y.shape[:-1], d // g, g)
+    return d, y32, y32.amin(dim=-1), y32.amax(dim=-1)
+
+
 def quantize_int2(
     y: torch.Tensor, group_size: int | None = None, meta_dtype: torch.dtype = torch.bfloat16,
     inner: float = UNIFORM_INNER,
@@ -221,15 +235,7 @@ def quantize_int2(
     Returns:
         ``codes`` uint8 ``[..., D]`` in ``{0..3}``, ``scale`` and ``zero`` ``meta_dtype [..., D/G]``.
     """
-    d = _check_rows("y", y)
-    g = d if group_size is None else int(group_size)
-    if g <= 0 or d % g:
-        raise ValueError(f"group_size: must divide D={d}, got {group_size}")
-    if meta_dtype not in _META_DTYPES:
-        raise ValueError(f"meta_dtype: expected one of {_META_DTYPES}, got {meta_dtype}")
-    y32 = y.float().reshape(*y.shape[:-1], d // g, g)
-    mn = y32.amin(dim=-1)
-    mx = y32.amax(dim=-1)
+    d, y32, mn, mx = _group_ranges(y, group_size, meta_dtype)
     # Divide by a same-device tensor, not a Python scalar: torch on CUDA turns `x / 3.0` into `x * (1/3)`,
     # which is not IEEE division and would break bitwise agreement with the kernels (div_rn).
     s = torch.clamp(mx - mn, min=1e-8) / torch.full_like(mx, 3.0)
@@ -258,15 +264,7 @@ def quantize_int4_planes(
         ``hi``, ``lo`` uint8 ``[..., D]`` in ``{0..3}`` (the 4-bit code is ``4·hi + lo``), ``scale`` (the high
         plane's step, 4 fine steps) and ``zero`` ``meta_dtype [..., D/G]``.
     """
-    d = _check_rows("y", y)
-    g = d if group_size is None else int(group_size)
-    if g <= 0 or d % g:
-        raise ValueError(f"group_size: must divide D={d}, got {group_size}")
-    if meta_dtype not in _META_DTYPES:
-        raise ValueError(f"meta_dtype: expected one of {_META_DTYPES}, got {meta_dtype}")
-    y32 = y.float().reshape(*y.shape[:-1], d // g, g)
-    mn = y32.amin(dim=-1)
-    mx = y32.amax(dim=-1)
+    d, y32, mn, mx = _group_ranges(y, group_size, meta_dtype)
     s = torch.clamp(mx - mn, min=1e-8) * torch.full_like(mx, 4.0) / torch.full_like(mx, 15.0)
     scale = s.to(meta_dtype)
     zero = mn.to(meta_dtype)

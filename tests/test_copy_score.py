@@ -3,18 +3,16 @@ are chosen; what the artifact records and how it is served."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.calib import RESOLVED, random_orthogonal, serve_model_to_cli, tiny_recipe
+from helpers.calib import copy_chosen_pair, random_orthogonal, serve_model_to_cli, tiny_recipe
 from helpers.tiny import tiny_causal_lm
 from typer.testing import CliRunner
 
 from oscar_cli.calibration.copy_score import CopyScore, choose_key_layers, copy_flips
-from oscar_cli.calibration.run import calibrate_model
 from oscar_cli.errors import RecipeError
 from oscar_cli.method_registry import build_method
 from oscar_cli.quant import use_method
@@ -100,17 +98,9 @@ def test_calibration_records_copy_scores_and_keeps_the_chosen_keys_in_bf16(
     """Every layer's copy score is in the manifest; with ``quant.bf16_keys: 2`` the two layers of largest score
     get ``quant.keep`` (fraction 1, keys, those layers), the served method keeps only their keys and the reported
     bits per element count them. (The random tiny model has no focused heads: ``SHARP`` 0 makes every row peak.)"""
-    from oscar_cli.calibration import copy_score
-
-    monkeypatch.setattr(copy_score, "SHARP", 0.0)
-    model = tiny_causal_lm("llama", layers=4)
-    plain = calibrate_model(model, None, tiny_recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "p")
-    res = calibrate_model(model, None, tiny_recipe(quant={"bf16_keys": 2}), reference="t", resolved=RESOLVED,
-                          out=tmp_path / "a")
-    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    model, plain, res, manifest, want = copy_chosen_pair(tmp_path, monkeypatch, {"bf16_keys": 2}, 2)
     copies = [row["copy"] for row in manifest["calibration"]["layers"]]
     assert all(c["rows"] > 0 and 0 <= c["flipped"] <= c["peaked"] <= c["rows"] for c in copies)
-    want = choose_key_layers([CopyScore(c["rows"], c["peaked"], c["flipped"]) for c in copies], 2, ["oscar"] * 4)
     assert manifest["calibration"]["bf16_keys"] == want and res.to_dict()["bf16_keys"] == want
     assert [s.copy_score for s in res.layers] == [c["score"] for c in copies]
     meth = build_method("oscar", model.config, artifact=str(tmp_path / "a"))

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.calib import RESOLVED, random_transform, serve_model_to_cli, tiny_recipe
+from helpers.calib import RESOLVED, copy_chosen_pair, random_transform, serve_model_to_cli, tiny_recipe
 from helpers.layers import feed
 from helpers.tiny import tiny_causal_lm
 from typer.testing import CliRunner
 
 from oscar_cli.artifact.card import bpe_table
-from oscar_cli.calibration.copy_score import CopyScore, choose_key_layers
 from oscar_cli.calibration.run import calibrate_model
 from oscar_cli.errors import OscarError, RecipeError
 from oscar_cli.method_registry import build_method
@@ -157,16 +156,7 @@ def test_int4_keys_cost_two_bits_per_history_key(ctx: int, sink: int, recent: in
 def test_calibration_stores_the_chosen_layers_keys_in_int4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``quant.int4_keys: 2``: the two layers of largest copy score are recorded (``quant.int4_keys`` and
     ``calibration.int4_keys``), served with INT4 keys, and counted in the artifact's and the card's bits."""
-    from oscar_cli.calibration import copy_score
-
-    monkeypatch.setattr(copy_score, "SHARP", 0.0)
-    model = tiny_causal_lm("llama", layers=4)
-    plain = calibrate_model(model, None, tiny_recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "p")
-    res = calibrate_model(model, None, tiny_recipe(quant={"int4_keys": 2}), reference="t", resolved=RESOLVED,
-                          out=tmp_path / "a")
-    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    copies = [row["copy"] for row in manifest["calibration"]["layers"]]
-    want = choose_key_layers([CopyScore(c["rows"], c["peaked"], c["flipped"]) for c in copies], 2, ["oscar"] * 4)
+    model, plain, res, manifest, want = copy_chosen_pair(tmp_path, monkeypatch, {"int4_keys": 2}, 2)
     assert len(want) == 2 and manifest["quant"]["int4_keys"] == want
     assert manifest["calibration"]["int4_keys"] == want and res.to_dict()["int4_keys"] == want
     meth = build_method("oscar", model.config, artifact=str(tmp_path / "a"))

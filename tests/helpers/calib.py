@@ -97,3 +97,22 @@ def check_tampered_tensor(folder: Path, name: str, broken: Any, message: str) ->
     rewrite_tensors(folder, lambda t: t.pop(f"layers.1.{name}"))
     with pytest.raises(ArtifactError, match=rf"lacks layers.1.{name}"):
         open_artifact(folder)
+
+
+def copy_chosen_pair(tmp_path: Path, monkeypatch: Any, quant: dict[str, Any], count: int) -> tuple[Any, ...]:
+    """Calibrate a 4-layer tiny llama plainly (``tmp_path/p``) and with ``quant`` (``tmp_path/a``), every row
+    counted as peaked (``copy_score.SHARP`` 0: the random model has no focused heads); returns ``(model, plain,
+    result, manifest of a, the count layers the copy score chooses)``."""
+    from helpers.tiny import tiny_causal_lm
+    from oscar_cli.calibration import copy_score
+    from oscar_cli.calibration.copy_score import CopyScore, choose_key_layers
+    from oscar_cli.calibration.run import calibrate_model
+
+    monkeypatch.setattr(copy_score, "SHARP", 0.0)
+    model = tiny_causal_lm("llama", layers=4)
+    plain = calibrate_model(model, None, tiny_recipe(), reference="t", resolved=RESOLVED, out=tmp_path / "p")
+    res = calibrate_model(model, None, tiny_recipe(quant=quant), reference="t", resolved=RESOLVED, out=tmp_path / "a")
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    copies = [row["copy"] for row in manifest["calibration"]["layers"]]
+    want = choose_key_layers([CopyScore(c["rows"], c["peaked"], c["flipped"]) for c in copies], count, ["oscar"] * 4)
+    return model, plain, res, manifest, want
