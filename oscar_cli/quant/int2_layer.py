@@ -384,31 +384,16 @@ class Int2Layer(AppendLayer):
         return position_means(self.mean_pre, self.transform.k_rotation, cos, sin)
 
     def _store_low_plane(self, lo: torch.Tensor, at: int) -> None:
-        """Keep the low plane ``uint8 [B, H, n, D/4]`` of history slots ``[at, at + n)`` (grown by doubling)."""
-        b, h, n, w = lo.shape
-        if self.k_lo is None or self.k_lo.shape[2] < at + n:
-            cap = max(at + n, 2 * (0 if self.k_lo is None else self.k_lo.shape[2]), 64)
-            grown = torch.zeros(b, h, cap, w, dtype=torch.uint8, device=lo.device)
-            if self.k_lo is not None:
-                grown[:, :, : self.k_lo.shape[2]] = self.k_lo
-            self.k_lo = grown
-        self.k_lo[:, :, at : at + n] = lo
+        """Keep the low plane ``uint8 [B, H, n, D/4]`` of history slots ``[at, at + n)``."""
+        self.k_lo = store_slots(self.k_lo, lo, at)
 
     def _store_coefficients(self, rows_k: torch.Tensor, at: int, mean: torch.Tensor | None) -> torch.Tensor:
         """Coefficients of rotated keys ``[B, H, n, D]`` (centred here by ``mean``) along the subspace, stored at
         history index ``at``; returns them (bfloat16, as stored)."""
         assert self.subspace is not None
-        b, h, n, _ = rows_k.shape
         y = rows_k.float() if mean is None else with_mean(rows_k.float(), -mean)
         c = coefficients(y, self.subspace).to(torch.bfloat16)
-        m = c.shape[-1]
-        if self.k_sub is None or self.k_sub.shape[2] < at + n:  # grow by doubling (amortized appends)
-            cap = max(at + n, 2 * (0 if self.k_sub is None else self.k_sub.shape[2]), 64)
-            grown = torch.zeros(b, h, cap, m, dtype=torch.bfloat16, device=rows_k.device)
-            if self.k_sub is not None:
-                grown[:, :, : self.k_sub.shape[2]] = self.k_sub
-            self.k_sub = grown
-        self.k_sub[:, :, at : at + n] = c
+        self.k_sub = store_slots(self.k_sub, c, at)
         return c
 
     # ---------------------------------------------------------------- what attention reads
@@ -608,6 +593,20 @@ class Int2Layer(AppendLayer):
             self.method, self.transform, self.rotate_values, self.backend, layer_idx=self.layer_idx,
             page_size=self.page_size, rope_table=self.rope_table,
         )
+
+
+def store_slots(buf: torch.Tensor | None, rows: torch.Tensor, at: int) -> torch.Tensor:
+    """``buf [B, H, cap, X]`` (None: none yet) with ``rows [B, H, n, X]`` written at slots ``[at, at + n)``, grown by
+    doubling (amortized appends; new slots zero) when it is too short; returns the buffer."""
+    b, h, n, x = rows.shape
+    if buf is None or buf.shape[2] < at + n:
+        cap = max(at + n, 2 * (0 if buf is None else buf.shape[2]), 64)
+        grown = torch.zeros(b, h, cap, x, dtype=rows.dtype, device=rows.device)
+        if buf is not None:
+            grown[:, :, : buf.shape[2]] = buf
+        buf = grown
+    buf[:, :, at : at + n] = rows
+    return buf
 
 
 def with_mean(x: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
