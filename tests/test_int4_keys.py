@@ -200,8 +200,14 @@ def test_cli_prints_the_layers_whose_keys_are_int4(tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(copy_score, "SHARP", 0.0)
     recipe = serve_model_to_cli(monkeypatch, tiny_causal_lm("llama", layers=4), "tiny", tmp_path)
-    recipe.write_text(tiny_recipe(quant={"int4_keys": 1}).to_yaml())
-    result = CliRunner().invoke(app, ["calibrate", "tiny", "--recipe", str(recipe), "--out", str(tmp_path / "a")])
+    result = CliRunner().invoke(app, ["calibrate", "tiny", "--recipe", str(recipe), "--int4-keys", "1",
+                                      "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
     assert "keys in INT4 (quant.int4_keys, reference path): layers " in result.stdout
     assert "copy score 0." in result.stdout.split("keys in INT4")[1]
+    assert len(json.loads((tmp_path / "a" / "manifest.json").read_text())["quant"]["int4_keys"]) == 1
+    bad = CliRunner().invoke(app, ["calibrate", "tiny", "--recipe", str(recipe), "--int4-keys", "-1"])
+    assert bad.exit_code == 2 and "--int4-keys" in bad.output
+    clash = CliRunner().invoke(app, ["calibrate", "tiny", "--recipe", str(recipe), "--int4-keys", "1", "--key-mean",
+                                     "rope", "--out", str(tmp_path / "b")])
+    assert clash.exit_code == 0, clash.output  # the rope mean combines with INT4 keys
