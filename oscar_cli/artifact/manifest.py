@@ -73,7 +73,8 @@ class Manifest:
             the BF16 keep budget, when the recipe has one; ``levels``, the inner INT2 level, when not uniform;
             ``logit_correction`` when not ``none``; ``key_subspace`` ``m`` when on: then every layer stores
             ``layers.{i}.k_subspace`` ``[N, D, m]``; ``key_mean: rope`` when keys are centred by position: then
-            every layer stores ``layers.{i}.k_mean_pre`` ``[H_kv, D]``).
+            every layer stores ``layers.{i}.k_mean_pre`` ``[H_kv, D]``; ``int4_keys``, the layers whose history
+            keys are stored at 4 bits, when the recipe's ``quant.int4_keys`` chose any).
         data: calibration data identity: source, sha256 (of the token ids), tokens, sequences, ...
         seed: RNG seed.
         files: file name → sha256 hex of every hashed file (``rotations.safetensors``, ``recipe.yaml``).
