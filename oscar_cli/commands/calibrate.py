@@ -25,7 +25,7 @@ EXAMPLES = """
   oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
   oscar calibrate qwen2.5-coder-1.5b --device cuda   # its recipe centres keys by position (quant.key_mean rope)
   oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean constant   # one key mean: a faster decode
-  oscar calibrate smollm2-135m --int4-keys 3   # 4-bit keys on the 3 layers of largest copy score (reference path)
+  oscar calibrate smollm2-135m --int4-keys 3   # 4-bit keys on the 3 layers of largest copy score
 
 Writes [bold]artifacts/<model>/<recipe>-<hash>[/bold] unless --out says otherwise, e.g.
 artifacts/smollm2-135m/smollm2-135m-e1fda680 (the hash covers the model, the recipe and the data).
@@ -70,12 +70,13 @@ def _render(result: Any) -> None:
                       f"{row['k_clip']:g}", f"{row['v_clip']:g}", "-" if err is None else f"{err:.4f}")
     out.print(table)
     _render_schemes(d.get("schemes"), d["layers"])
-    for knob, what in (("bf16_keys", "keys in BF16"), ("int4_keys", "keys in INT4")):
+    for knob, what, where in (("bf16_keys", "keys in BF16", "reference path"),
+                              ("int4_keys", "keys in INT4", "not served by vLLM")):
         if d.get(knob) is None:
             continue
         scores = {row["index"]: row["copy_score"] for row in d["layers"]}
         text = ", ".join(f"{i} (copy score {scores[i]:.4f})" for i in d[knob]) or "none (no INT2 key flipped a focused head)"
-        out.print(f"{what} (quant.{knob}, reference path): layers {text}")
+        out.print(f"{what} (quant.{knob}, {where}): layers {text}")
 
 
 def _render_schemes(schemes: dict[str, Any] | None, layers: list[dict[str, Any]]) -> None:
@@ -136,8 +137,8 @@ def calibrate(
     int4_keys: Annotated[
         int | None, typer.Option("--int4-keys", min=0, max=1024,
                                  help="Store the history keys of the N layers of largest copy score at 4 bits "
-                                 "(recipe quant.int4_keys; +2 bits per history key of those layers; served by the "
-                                 "reference path only, the Triton kernels and vLLM refuse it; SmolLM2-135M, N = 3: "
+                                 "(recipe quant.int4_keys; +2 bits per history key of those layers; served through "
+                                 "transformers, the vLLM backend refuses it; SmolLM2-135M, N = 3: "
                                  "+13 / +27 RULER points at 1K / 2K for +0.10 bits per element; docs/RESULTS.md).")
     ] = None,
     strict: Annotated[
