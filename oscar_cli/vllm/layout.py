@@ -197,8 +197,8 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
                        "through transformers with --backend reference)")
     if int4_key_layers:
         reasons.append(f"INT4 keys on layer{'s' if len(int4_key_layers) > 1 else ''} "
-                       f"{', '.join(map(str, int4_key_layers))} (quant.int4_keys: the pages and kernels hold 2-bit keys; "
-                       "serve it through transformers with --backend reference)")
+                       f"{', '.join(map(str, int4_key_layers))} (quant.int4_keys: the backend's pages hold 2-bit keys; "
+                       "serve it through transformers, whose cache reads both key planes)")
     if key_mean not in ("constant", "rope"):
         reasons.append(f"key mean {key_mean!r} (quant.key_mean: the backend centres keys by a constant mean or by "
                        "RoPE_p(m_pre))")
