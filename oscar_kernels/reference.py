@@ -39,7 +39,8 @@ Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic 
    + 0.5)``, ``k = 1..3``: the nearest level, a value exactly halfway going up (round half up, as step 5); at
    ``a = 1/3`` the thresholds are 1, 2, 3 and the codes are step 5's bitwise. Dequantize:
    ``float(zero) + L[code] * float(scale)`` in float32 (step 7 with ``L[code]`` for ``code``).
-9. INT4 keys as two INT2 bit planes (optional, reference path only; recipe ``quant.int4_keys``): per group
+9. INT4 keys as two INT2 bit planes (optional, written by this quantizer on both cache paths; recipe
+   ``quant.int4_keys``): per group
    ``scale = (max(mx - mn, 1e-8) · 4 / 15).to(meta_dtype)``, ``zero = mn.to(meta_dtype)`` (no clip); the fine
    step is ``f = float(scale) / 4`` (exact); ``code = clamp(floor((y - float(zero)) / f + 0.5), 0, 15)`` (IEEE
    division, round half up as step 5); the **high plane** ``code >> 2`` is stored exactly like an INT2 row

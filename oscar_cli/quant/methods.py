@@ -69,7 +69,7 @@ class QuantMethod:
         key_mean: ``constant`` or ``rope`` (recipe ``quant.key_mean``): ``rope`` centres ``int2`` layers' INT2 keys
             at position ``p`` by ``RoPE_p(k_mean_pre)·R_K`` (:mod:`oscar_cli.quant.key_mean`; both paths).
         key_bits: 2, or 4 for history keys stored as two INT2 planes (``oscar_kernels.reference`` formula 9,
-            unclipped; reference path only).
+            unclipped; both transformers paths, not the vLLM backend).
         int4_key_layers: the layers whose keys :meth:`for_layer` serves at 4 bits (recipe ``quant.int4_keys``).
     """
 
