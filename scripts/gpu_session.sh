@@ -63,10 +63,14 @@
 #   bash scripts/gpu_session.sh ftests        (carry .stage/whl; no model needed: the rope mean's term inside the
 #                                              decode kernel, its gpu tests, then `oscar bench --key-mean rope`,
 #                                              constant, rope-gemm and rope uncapped, same cells at 32K and 128K)
-#   bash scripts/gpu_session.sh rruler [S]    (after rsetup; carry .stage/rruler when it exists: `oscar eval-ruler
-#                                              GGUF --artifact ARTR --ctx 4k,8k,16k,32k --methods oscar --samples 25
-#                                              --tasks all --backend auto`, resumable; returns res/rruler.tar)
-#   bash scripts/gpu_session.sh rkl           (after rsetup: eval-kl of ARTR at the sweep's lengths and windows)
+#   bash scripts/gpu_session.sh i4setup [N]   (rsetup's calibration plus `--int4-keys N` (4) into /tmp/q/art-rope-i4N,
+#                                              then tests/test_int4_keys.py's CUDA tests)
+#   bash scripts/gpu_session.sh rruler [S [ART [NAME]]]  (after rsetup; carry .stage/NAME (rruler) when it exists:
+#                                              `oscar eval-ruler GGUF --artifact ART --ctx 4k,8k,16k,32k --methods
+#                                              oscar --samples 25 --tasks all --backend auto`, ART defaults to ARTR,
+#                                              resumable; returns res/NAME.tar)
+#   bash scripts/gpu_session.sh rkl [ART [TAG [LENGTHS]]]  (after rsetup: eval-kl of ART (ARTR) at the sweep's
+#                                              lengths and windows, or the quoted LENGTHS)
 #   bash scripts/gpu_session.sh qsweep [S [STEPS [ARGS...]]]  (after setup; carry .stage/qsweep when it exists:
 #                                              #18 item 4 in priority order or the STEPS named (e.g. b-kivi,e-kl),
 #                                              scripts/qsweep.py (ARGS passed on, e.g. --samples 5 --long-samples 2),
@@ -326,24 +330,42 @@ ftests)  # #21: the rope mean's term inside the decode kernel on CUDA, then its 
         echo "[$tag] $(( $(date +%s) - t0 )) s"
     done
     ;;
+i4setup)  # #21: the Qwen recipe (rope mean) with keys of the N copy-score layers in INT4, same prose as rsetup,
+    # into /tmp/q/art-rope-i4N; then the INT4 keys' CUDA test (decode kernel + the low plane's bias)
+    n=${2:-4}; a=/tmp/q/art-rope-i4$n
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
+    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --int4-keys "$n" --data /tmp/q/calib \
+        --tokens 32k --seq-len 8192 --device cuda --out "$a" --overwrite > /tmp/res/calibrate-i4$n.json \
+        2> /tmp/res/calibrate-i4$n.log || { tail -30 /tmp/res/calibrate-i4$n.log; exit 1; }
+    tail -8 /tmp/res/calibrate-i4$n.log; cp "$a/manifest.json" /tmp/res/artifact-i4$n-manifest.json
+    echo "[calibrate] $(( $(date +%s) - t0 )) s"
+    PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_keys.py -m gpu 2>&1 | tail -6
+    ;;
 rruler)  # #21: RULER 4K-32K of the rope artifact on the serving (Triton) path, resumable across calls
-    [ -f "$ARTR/manifest.json" ] || { echo "rruler: run rsetup first"; exit 1; }
-    mkdir -p /tmp/q/rruler
-    [ -f .stage/rruler/samples.jsonl ] && [ ! -f /tmp/q/rruler/samples.jsonl ] && cp .stage/rruler/samples.jsonl /tmp/q/rruler/
-    oscar --json eval-ruler "$GGUF" --artifact "$ARTR" --ctx 4k,8k,16k,32k --methods oscar --samples 25 --tasks all \
-        --backend auto --out /tmp/q/rruler --time-budget "${2:-400}" > /tmp/res/rruler.json 2> /tmp/res/rruler.log
-    echo "rc=$?"; tail -6 /tmp/res/rruler.log; wc -l /tmp/q/rruler/samples.jsonl
-    mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/rruler -cf "${OUT:-/tmp/out}/res/rruler.tar" .
+    # rruler [S [ART [NAME]]]: ART (ARTR) into /tmp/q/NAME (rruler), carried back as .stage/NAME, returned as NAME.tar
+    a=${3:-$ARTR}; nm=${4:-rruler}
+    [ -f "$a/manifest.json" ] || { echo "rruler: no artifact at $a (run rsetup or i4setup)"; exit 1; }
+    mkdir -p /tmp/q/$nm
+    [ -f .stage/$nm/samples.jsonl ] && [ ! -f /tmp/q/$nm/samples.jsonl ] && cp .stage/$nm/samples.jsonl /tmp/q/$nm/
+    oscar --json eval-ruler "$GGUF" --artifact "$a" --ctx 4k,8k,16k,32k --methods oscar --samples 25 --tasks all \
+        --backend auto --out /tmp/q/$nm --time-budget "${2:-400}" > /tmp/res/$nm.json 2> /tmp/res/$nm.log
+    echo "rc=$?"; tail -6 /tmp/res/$nm.log; wc -l /tmp/q/$nm/samples.jsonl
+    mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/$nm -cf "${OUT:-/tmp/out}/res/$nm.tar" .
     ;;
 rkl)  # #21: eval-kl of the rope artifact, the sweep's protocol (8 windows x 64 tokens, Triton path)
-    [ -f "$ARTR/manifest.json" ] || { echo "rkl: run rsetup first"; exit 1; }
-    for L in 4k 8k 16k 32704; do
-        oscar --json eval-kl "$GGUF" --text /tmp/q/austen_persuasion.txt --artifact "$ARTR" --methods oscar \
-            --ctx $L --tokens 64 --windows 8 --backend auto > /tmp/res/rkl-$L.json 2> /tmp/res/rkl-$L.log \
-            || tail -5 /tmp/res/rkl-$L.log
+    # rkl [ART [TAG [LENGTHS]]]: ART (ARTR) -> /tmp/res/rklTAG-L.json
+    a=${2:-$ARTR}; tg=${3:-}; lens=${4:-4k 8k 16k 32704}
+    [ -f "$a/manifest.json" ] || { echo "rkl: no artifact at $a (run rsetup or i4setup)"; exit 1; }
+    for L in $lens; do
+        oscar --json eval-kl "$GGUF" --text /tmp/q/austen_persuasion.txt --artifact "$a" --methods oscar \
+            --ctx $L --tokens 64 --windows 8 --backend auto > /tmp/res/rkl$tg-$L.json 2> /tmp/res/rkl$tg-$L.log \
+            || tail -5 /tmp/res/rkl$tg-$L.log
         echo "$L $(( $(date +%s) - t0 )) s"
     done
-    python3 -c "import json,sys; [print(f, json.dumps(json.load(open(f)))[:600]) for f in sys.argv[1:]]" /tmp/res/rkl-*.json
+    python3 -c "import json,sys; [print(f, json.dumps(json.load(open(f)))[:600]) for f in sys.argv[1:]]" /tmp/res/rkl$tg-*.json
     ;;
 trace)  # summarise a torch profiler trace dir
     PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60
