@@ -178,6 +178,36 @@ class RopeMean:
         return self
 
 
+@dataclass(frozen=True)
+class LowPlane:
+    """INT4 keys (``reference`` formula 9) for stage 1: the key pages hold the high plane as INT2 rows with their
+    scale and zero; this is the low plane, read in the same tile and added at a quarter of the scale.
+
+    Attributes:
+        codes: uint8 ``[B, H_kv, C, D/4]`` quarter packed like the key rows, indexed by slot, rows contiguous.
+        first: int32 ``[B]``: the slot of each row's history token 0 (token ``n`` is slot ``first[b] + n``;
+            device tensor: CUDA-graph safe). Stage 1 reads slots ``first[b] .. first[b] + hist_len[b] - 1``:
+            ``OSCAR_KERNEL_DEBUG=1`` checks they exist, at the cost of a device sync.
+    """
+
+    codes: torch.Tensor
+    first: torch.Tensor
+
+    def checked(self, b: int, h_kv: int, d: int, hist_len: torch.Tensor, dev: torch.device) -> LowPlane:
+        """This, validated for a launch (raises ``ValueError`` naming the tensor)."""
+        check_tensor("low_plane.codes", self.codes, f"uint8 [{b}, {h_kv}, C, {d // 4}]", (b, h_kv, None, d // 4),
+                     (torch.uint8,), dev)
+        if self.codes.stride(-1) != 1 or self.codes.stride(-2) != d // 4:
+            raise bad_tensor("low_plane.codes", self.codes, "contiguous rows")
+        check_tensor("low_plane.first", self.first, f"int32 [{b}]", (b,), (torch.int32,), dev)
+        if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and b:
+            ends = self.first.long() + hist_len.long()
+            if int(self.first.min()) < 0 or int(ends.max()) > self.codes.shape[2]:
+                raise ValueError(f"low_plane.first: slots up to {int(ends.max())} outside the plane's "
+                                 f"{self.codes.shape[2]}")
+        return self
+
+
 # fp16 copies of position tables' first rows, per live table (by id, dropped when the table is freed; a table is
 # never written after position_table builds it), so a plan built every decode step does not cast them again
 _TABLE_HEADS: dict[int, tuple[weakref.ref[torch.Tensor], dict[int, torch.Tensor]]] = {}
@@ -220,6 +250,7 @@ class DecodePlan:
         config: DecodeConfig | None = None, out: torch.Tensor | None = None,
         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
         logit_bias: torch.Tensor | None = None, rope_mean: RopeMean | None = None,
+        low_plane: LowPlane | None = None,
     ) -> None:
         cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1, rope_mean is not None)
         dev = q.device
@@ -287,6 +318,7 @@ class DecodePlan:
         if cfg.rope_prec not in ("tf32x3", "ieee", "tf32", "fp16"):
             raise ConfigError(f"config: rope_prec must be tf32x3, ieee, tf32 or fp16, got {cfg.rope_prec!r}")
         rope = rope_mean.checked(b, h_kv, d, cap, cfg.block_n, dev) if rope_mean is not None else None
+        lo = low_plane.checked(b, h_kv, d, hl, dev) if low_plane is not None else None
         vc = v_cache.packed
         g = h_q // h_kv
         gp = max(cfg.min_gp, 1 << (g - 1).bit_length())
@@ -306,6 +338,7 @@ class DecodePlan:
             bias, bias.stride(0) if logit_bias is not None else 0, bias.stride(1) if logit_bias is not None else 0,
             *(rope_args(q, rope, scale, cfg.block_n) if rope is not None else
               (o_part, 0, 0, o_part, 0, o_part, o_part, hl, 0.0)),
+            *((lo.codes, lo.codes.stride(0), lo.codes.stride(1), lo.first) if lo is not None else (kc, 0, 0, hl)),
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
@@ -313,6 +346,7 @@ class DecodePlan:
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
+                 HAS_LO=lo is not None,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -380,6 +414,7 @@ def decode_attention(
             ``logit_bias`` (float32 ``[B, H_q, L]``, ``L`` at least the block table's capacity: added to the scaled
             logit ``q·k·sm_scale`` of INT2 history token ``n`` of each query head; the BF16 tiers take none),
             ``rope_mean`` (:class:`RopeMean`: the position-dependent key mean's term, computed in stage 1),
+            ``low_plane`` (:class:`LowPlane`: INT4 keys' low plane, read in stage 1 beside the pages' high plane),
             ``num_splits`` (default from static shapes), ``config`` (:class:`DecodeConfig`), ``out``
             (``[B, H_q, D]`` result buffer), ``workspace`` (from :func:`make_workspace`).
 
@@ -404,7 +439,7 @@ def decode_attention_contiguous(
             (``reference.rows_to_token_quads``); both with ``scale``/``zero`` ``[B, H_kv, T, 1]``.
         sink_k, sink_v, recent_k, recent_v: ``[B, H_kv, T_tier, D]`` rotated tiers.
         hist_len, sink_len, recent_len: valid rows per sequence (default: all ``T`` rows).
-        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, logit_bias, rope_mean, num_splits, config,
+        kwargs: passed on (rotation_k, rotation_v, mean_v, sm_scale, logit_bias, rope_mean, low_plane, num_splits, config,
             out, workspace).
     """
     squeeze = q.dim() == 4

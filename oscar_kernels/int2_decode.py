@@ -40,6 +40,12 @@ raw codes and every per-token factor is applied once per token, outside the dot.
 residues like the metadata); the BF16 tiers take none. The position-dependent key mean uses it
 (``oscar_kernels.rope_ops``).
 
+**INT4 keys** (``HAS_LO``; ``reference`` formula 9): the pages hold the high plane as an INT2 row with its own
+scale and zero; the low plane, ``uint8 [B, H_kv, C, D/4]`` quarter packed like the key rows and indexed by slot
+(history token ``n`` of row ``b`` at slot ``first[b] + n``), is read with the same field dots and added at a quarter
+of the scale: ``score = s_n·(q·hi_n + q·lo_n/4) + m_n·Σq``. One more ``D/4``-byte row per token and four more MMAs
+per residue, in the layers that have it.
+
 **Position-dependent key mean** (``HAS_ROPE``): the term ``t(p) = Σ_k A_k·cos θ_k p + B_k·sin θ_k p`` of keys
 centred by ``RoPE_p(m_pre)`` (``oscar_kernels.rope_ops``), computed in the tile instead of read from a ``[B, H_q, L]``
 buffer. Each program forms ``A``, ``B`` (``[D/2, GP]`` float32, times ``a·sm_scale·log2(e)``) once from the raw
@@ -189,10 +195,11 @@ def _field_dots(kb, q0, q1, q2, q3, PTX: tl.constexpr):
 
 
 @triton.jit
-def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, valid,
-                    D: tl.constexpr, PTX: tl.constexpr, MASKED: tl.constexpr):
+def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, valid, lo_ptr, lrow,
+                    D: tl.constexpr, PTX: tl.constexpr, MASKED: tl.constexpr, HAS_LO: tl.constexpr):
     """Scoresᵀ ``[NQ, GP]`` (log2 domain) of one token residue: K rows at ``kbase + koff`` (``[NQ]`` each), K
-    scales ``ks`` and zeros ``kz`` (float32 ``[NQ]``).
+    scales ``ks`` and zeros ``kz`` (float32 ``[NQ]``); ``HAS_LO``: INT4 keys, the low plane's rows at
+    ``lo_ptr + lrow`` (``[NQ]`` element offsets), worth a quarter of the stored scale per code.
 
     ``q0..q3`` are the fp16 field operands (see :func:`_int2_split`); ``kmul`` undoes their power of two and the
     fields' ``2^-24``."""
@@ -201,7 +208,15 @@ def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, val
         kb = tl.load(kptr, mask=valid[:, None], other=0)
     else:
         kb = tl.load(kptr)
-    s = _field_dots(kb, q0, q1, q2, q3, PTX) * (ks * kmul)[:, None] + kz[:, None] * qsum[None, :]
+    raw = _field_dots(kb, q0, q1, q2, q3, PTX)
+    if HAS_LO:  # formula 9: zero + hi·scale + lo·scale/4
+        lptr = lo_ptr + lrow[:, None] + tl.arange(0, D // 4)[None, :]
+        if MASKED:
+            lb = tl.load(lptr, mask=valid[:, None], other=0)
+        else:
+            lb = tl.load(lptr)
+        raw += _field_dots(lb, q0, q1, q2, q3, PTX) * 0.25
+    s = raw * (ks * kmul)[:, None] + kz[:, None] * qsum[None, :]
     if MASKED:
         s = tl.where(valid[:, None], s, float("-inf"))
     return s
@@ -462,11 +477,11 @@ def _int2_tile(
     n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv,
     kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb, bias_ptr, bbase, stride_bh,
-    ca, cb, rinv, rt_ptr, rl_ptr, rpos,
+    ca, cb, rinv, rt_ptr, rl_ptr, rpos, lo_ptr, lbase,
     GROUP: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     VROW: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr,
-    ROPE_PREC: tl.constexpr,
+    ROPE_PREC: tl.constexpr, HAS_LO: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
     ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
@@ -505,10 +520,18 @@ def _int2_tile(
     kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
     vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
     vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
-    s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, D, PTX, MASKED)
-    s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, D, PTX, MASKED)
-    s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, D, PTX, MASKED)
-    s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, D, PTX, MASKED)
+    if HAS_LO:  # the low plane's row of each quad's first token
+        lrow = lbase + (n0 + quad).to(tl.int64) * (D // 4)
+    else:
+        lrow = quad
+    s0 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks0, kz0, kc_ptr, kb_j, koff, ok0, lo_ptr, lrow,
+                         D, PTX, MASKED, HAS_LO)
+    s1 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks1, kz1, kc_ptr, kb_j, koff + 1, ok1, lo_ptr, lrow + D // 4,
+                         D, PTX, MASKED, HAS_LO)
+    s2 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks2, kz2, kc_ptr, kb_j, koff + 2, ok2, lo_ptr, lrow + D // 2,
+                         D, PTX, MASKED, HAS_LO)
+    s3 = _residue_scores(q0, q1, q2, q3, qsum, kmul, ks3, kz3, kc_ptr, kb_j, koff + 3, ok3, lo_ptr,
+                         lrow + 3 * (D // 4), D, PTX, MASKED, HAS_LO)
     if HAS_BIAS:  # a per-key logit term (masked tokens stay -inf)
         b0, b1, b2, b3 = _tile_bias(bias_ptr, bbase, stride_bh, n0, quad, end, GROUP, GP, MASKED)
         s0 += b0
@@ -552,10 +575,12 @@ def _int2_split(
     bt_ptr, stride_btb, hist_len_ptr,  # block table [B, max_pages] int32, lengths [B] int32
     bias_ptr, stride_bb, stride_bh,  # per-key logit bias [B, H_q, L] float32 (natural units); unused without
     rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rl_ptr, rpos_ptr, rope_scale,  # HAS_ROPE (stage 1)
+    lo_ptr, stride_lob, stride_loh, lo_first_ptr,  # HAS_LO: INT4 keys' low plane [B, H_kv, C, D/4], first slot [B]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, HIST_STAGES: tl.constexpr,
     HOIST_Q: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, ROPE_PREC: tl.constexpr,
+    HAS_LO: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -609,6 +634,11 @@ def _int2_split(
             rinv = 1.0
     else:
         ca, cb, rpos, rinv = 0.0, 0.0, 0, 1.0
+    if HAS_LO:  # history token n of this row is low-plane slot first[b] + n
+        lbase = (b.to(tl.int64) * stride_lob + h * stride_loh
+                 + tl.load(lo_first_ptr + b).to(tl.int64) * (D // 4))
+    else:
+        lbase = 0
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     accm = tl.zeros([GP], tl.float32)
@@ -619,16 +649,14 @@ def _int2_split(
         m_i, l_i, acc, accm, fv = _int2_tile(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
-            VROW, False,
-            HAS_BIAS, HAS_ROPE, ROPE_PREC)
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, lo_ptr, lbase,
+            GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, False, HAS_BIAS, HAS_ROPE, ROPE_PREC, HAS_LO)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
-            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE,
-            VROW, True,
-            HAS_BIAS, HAS_ROPE, ROPE_PREC)
+            bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, lo_ptr, lbase,
+            GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, True, HAS_BIAS, HAS_ROPE, ROPE_PREC, HAS_LO)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -708,6 +736,8 @@ def _decode_stage1_kernel(
     # HAS_ROPE: raw (unrotated) q [B, H_q, D], m_pre [H_kv, D] float32, position table [P, D] float32 (contiguous
     # rows [cos θp | sin θp]), first history position per row pos0 [B] int32, a·sm_scale·log2(e)
     rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rl_ptr, rpos_ptr, rope_scale,
+    # HAS_LO: INT4 keys' low plane [B, H_kv, C, D/4] uint8 (quarter packed, slot-indexed), first slot per row [B] int32
+    lo_ptr, stride_lob, stride_loh, lo_first_ptr,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
@@ -717,7 +747,7 @@ def _decode_stage1_kernel(
     PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
-    ROPE_PREC: tl.constexpr = "tf32x3",
+    ROPE_PREC: tl.constexpr = "tf32x3", HAS_LO: tl.constexpr = False,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -746,9 +776,10 @@ def _decode_stage1_kernel(
                     ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
                     bt_ptr, stride_btb, hist_len_ptr, bias_ptr, stride_bb, stride_bh,
                     rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rl_ptr, rpos_ptr, rope_scale,
+                    lo_ptr, stride_lob, stride_loh, lo_first_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q, HAS_BIAS, HAS_ROPE,
-                    ROPE_PREC)
+                    ROPE_PREC, HAS_LO)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

@@ -22,6 +22,8 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
   backend's prefill chunks attend to it).
 - :class:`RopeMean` — the position-dependent key mean (``quant.key_mean: rope``) for :func:`decode_attention`'s
   ``rope_mean``: stage 1 adds the term ``q·RoPE_p(m_pre)`` of every INT2 key itself, from :func:`position_table`.
+- :class:`LowPlane` — INT4 keys' low plane (``quant.int4_keys``) for :func:`decode_attention`'s ``low_plane``:
+  stage 1 reads it beside the pages' high plane, in the same tile.
 - :func:`rope_mean_logits` — the same term as a ``[B, H_q, L]`` tensor (one float32 GEMM over the table) for the
   kernel's ``logit_bias``: the unfused form, kept to measure the fused one against.
 - :func:`new_paged_cache`, :func:`make_workspace`, :class:`DecodeConfig`, :func:`default_config`,
@@ -43,6 +45,7 @@ from oscar_kernels.decode_ops import (
     ConfigError,
     DecodeConfig,
     DecodePlan,
+    LowPlane,
     RopeMean,
     decode_attention,
     decode_attention_contiguous,
@@ -63,6 +66,7 @@ __all__ = [
     "ConfigError",
     "DecodeConfig",
     "DecodePlan",
+    "LowPlane",
     "RopeMean",
     "decode_attention",
     "decode_attention_contiguous",

@@ -213,8 +213,8 @@ def test_cli_prints_the_layers_whose_keys_are_int4(tmp_path: Path, monkeypatch: 
 @pytest.mark.parametrize("key_mean", ["constant", "rope"])
 def test_triton_decode_with_int4_keys_matches_the_reference_path(pad: int, key_mean: str) -> None:
     """The Triton path (CPU: TRITON_INTERPRET=1, fp16) on an INT4-key layer: the history written bitwise as the
-    reference path writes it (both planes), and decode through the kernel (high plane) plus the low plane's logit
-    bias gives the reference path's logits; without the bias the logits move (the low plane matters)."""
+    reference path writes it (both planes), and decode through the kernel reading both planes (the low plane as
+    ``low_plane``) gives the reference path's logits; without the low plane the logits move (it matters)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter case")
     from helpers.layers import decode_logits, kernel_model_and_method
@@ -229,7 +229,7 @@ def test_triton_decode_with_int4_keys_matches_the_reference_path(pad: int, key_m
     real = ops.decode_attention
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(kwargs.get("logit_bias") is not None)
+        calls.append(kwargs.get("low_plane") is not None and kwargs.get("logit_bias") is None)
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -242,9 +242,11 @@ def test_triton_decode_with_int4_keys_matches_the_reference_path(pad: int, key_m
         assert all(torch.equal(x, y) for x, y in zip(a.history(which), b.history(which), strict=True)), which
     assert torch.equal(a.k_lo, b.k_lo)
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
+    def high_plane_only(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return real(*args, **{**kwargs, "low_plane": None})
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Int2Layer, "_low_plane_bias", lambda self, q, scaling: torch.zeros(
-            q.shape[0], q.shape[1], int(self.pool.device_table().shape[1]) * self.page_size))
+        mp.setattr(ops, "decode_attention", high_plane_only)
         coarse = decode_logits(model, meth, "triton", "cpu", 3, pad=pad, length=90)
     err, coarse_err = (fast - ref).abs().max().item(), (coarse - ref).abs().max().item()
     assert coarse_err > 4 * err, (coarse_err, err)
@@ -254,7 +256,7 @@ def test_triton_decode_with_int4_keys_matches_the_reference_path(pad: int, key_m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 @pytest.mark.parametrize("key_mean", ["constant", "rope"])
 def test_triton_decode_with_int4_keys_on_cuda(key_mean: str) -> None:
-    """The same check on CUDA (compiled kernel, the bias in torch): logits within the decode budget of the
+    """The same check on CUDA (compiled kernel reading both planes): logits within the decode budget of the
     reference path's; the low plane bitwise (both paths write it with the reference quantizer)."""
     from helpers.layers import decode_logits, kernel_model_and_method
 

@@ -28,9 +28,12 @@ def _orth(d: int, gen: torch.Generator) -> torch.Tensor:
 
 def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], sink: list[int], recent: list[int],
               page: int, dtype: torch.dtype, device: str, meta: torch.dtype = torch.bfloat16,
-              q_mag: float = 1.0, v_mag: float = 1.0, v_ramp: float = 0.0, bias_mag: float = 0.0) -> dict:
+              q_mag: float = 1.0, v_mag: float = 1.0, v_ramp: float = 0.0, bias_mag: float = 0.0,
+              int4_keys: bool = False) -> dict:
     """Random paged INT2 cache (pages shuffled), ragged tiers, rotations; everything the op and refs need.
 
+    ``int4_keys``: keys by formula 9, the pages holding the high plane and ``lo_rows`` the quarter-packed low plane
+    ``[B, H_kv, T, D/4]`` of the same rows (:func:`add_low_plane` makes the kernel's argument from it).
     ``v_ramp``: value magnitudes grow along the sequence by ``2^v_ramp`` overall (per-tile scales differ).
     ``bias_mag``: a per-key logit bias ``[B, H_q, cap]`` of that scale (a smooth wave plus noise, like the
     position-dependent key mean's term), else none."""
@@ -40,7 +43,8 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
     y_k = torch.randn(b, h_kv, n_pp * page, d, generator=gen) * 2.0
     y_v = torch.randn(b, h_kv, n_pp * page, d, generator=gen) * v_mag
     y_v = y_v * torch.exp2(torch.linspace(-v_ramp / 2, v_ramp / 2, n_pp * page))[:, None]
-    qk = ref.quantize_rows(y_k, clip_ratio=0.96, meta_dtype=meta)
+    qk, lo = ref.quantize_rows_int4(y_k, meta_dtype=meta) if int4_keys else \
+        (ref.quantize_rows(y_k, clip_ratio=0.96, meta_dtype=meta), None)
     qv = ref.quantize_rows(y_v, clip_ratio=0.92, meta_dtype=meta)
     n_pages = b * n_pp + 3
     perm = torch.randperm(n_pages, generator=gen)[: b * n_pp].reshape(b, n_pp)
@@ -66,6 +70,8 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
         "recent_len": torch.tensor(recent, dtype=torch.int32),
         "rotation_k": _orth(d, gen), "rotation_v": _orth(d, gen), "mean_v": torch.randn(d, generator=gen) * 0.1,
     }
+    if lo is not None:
+        case["lo_rows"] = lo
     if bias_mag:
         cap = n_pp * page
         wave = torch.sin(torch.arange(cap) * 0.05 + torch.rand(b, h_q, 1, generator=gen) * 6.28)
@@ -207,6 +213,94 @@ def add_rope_mean(c: dict, pos0: list[int], scaling: float = 1.0, seed: int = 0)
     c["rope_mean"] = ops.RopeMean(mean_pre, table, torch.tensor(pos0, dtype=torch.int32, device=dev), scaling)
     c["logit_bias"] = ops.rope_mean_logits(c["q"], mean_pre, table, scaling, pos0, d ** -0.5,
                                            torch.empty(b, h_q, cap, device=dev))
+
+
+def add_low_plane(c: dict, first: list[int]) -> None:
+    """Give INT4-key case ``c`` (``make_case(int4_keys=True)``) its low plane as the kernel takes it (``low_plane``:
+    slot-indexed rows, row ``b``'s history starting at slot ``first[b]``, other slots garbage) and, as
+    ``logit_bias``, the plane's float64 logit term ``sm_scale·(scale/4)·(q·R_K)·lo``, which the references add."""
+    lo = c["lo_rows"]
+    b, h_kv, t, dq = (int(x) for x in lo.shape)
+    h_q, d = int(c["q"].shape[1]), 4 * dq
+    dev = c["q"].device
+    slots = max(first) + t + 5
+    codes = torch.randint(0, 256, (b, h_kv, slots, dq), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(sum(first) + t)).to(dev)
+    for i, f in enumerate(first):
+        codes[i, :, f : f + t] = lo[i]
+    c["low_plane"] = ops.LowPlane(codes, torch.tensor(first, dtype=torch.int32, device=dev))
+    q64 = c["q"].double() @ c["rotation_k"].double().to(dev)  # [B, H_q, D]
+    lo64 = ref.unpack_int2(lo).double().repeat_interleave(h_q // h_kv, 1)  # [B, H_q, T, D]
+    scale = c["qk"].scale[..., 0].double().repeat_interleave(h_q // h_kv, 1)  # [B, H_q, T]
+    c["logit_bias"] = (torch.einsum("bhd,bhtd->bht", q64, lo64) * scale / 4 * d ** -0.5).float()
+
+
+LOW_PLANE_CASES = [
+    # id, (B, H_q, H_kv, D), hist, sink, recent, page, splits, first slots
+    ("ragged-1-31-page16", (2, 8, 2, 64), [1, 31], [4, 4], [5, 3], 16, 2, [0, 6]),
+    ("hist97-page-boundary", (1, 4, 1, 64), [97], [3], [16], 16, 3, [11]),
+    ("qwen-heads-D128-page64", (2, 12, 2, 128), [70, 45], [2, 1], [3, 4], 64, 2, [3, 0]),
+    ("page128-two-rows-ragged", (2, 4, 2, 64), [150, 70], [2, 1], [3, 4], 128, 3, [0, 80]),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config_id", ["four-warps", "one-warp-q-hoisted"])
+@pytest.mark.parametrize("case", LOW_PLANE_CASES, ids=[c[0] for c in LOW_PLANE_CASES])
+def test_decode_int4_keys_low_plane_in_tile_interpreter(case: tuple, config_id: str) -> None:
+    """INT4 keys (formula 9) with the low plane read in stage 1 (``low_plane``: slot-indexed rows from a first slot
+    per row, masked tails, page boundaries, 6 query heads per KV head padded to 8) against the float64 oracle of
+    the high plane plus the low plane's exact logit term; close to the same kernel given that term as
+    ``logit_bias``, and far from the high plane alone."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits, first = case
+    config, seed = CONFIGS[config_id]
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(len(name) * seed + 9, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev,
+                  meta=torch.float16, int4_keys=True)
+    add_low_plane(c, first)
+    fused = run_op({k: v for k, v in c.items() if k != "logit_bias"}, low_plane=c["low_plane"], num_splits=splits,
+                   config=config, out=_poisoned(c))
+    assert_budget(fused, c)
+    unfused = run_op(c, num_splits=splits, config=config)
+    tol = 4 * torch.finfo(torch.float16).eps * unfused.abs().max()
+    assert (fused.float() - unfused.float()).abs().max() <= tol
+    coarse = run_op({k: v for k, v in c.items() if k != "logit_bias"}, num_splits=splits, config=config)
+    assert (coarse.float() - fused.float()).abs().max() > 10 * tol, "the low plane changed nothing"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("change,match", [
+    ("codes-heads", "low_plane.codes"),
+    ("codes-int32", "low_plane.codes"),
+    ("codes-strided-rows", "low_plane.codes"),
+    ("first-int64", "low_plane.first"),
+    ("first-for-one-row", "low_plane.first"),
+])
+def test_decode_low_plane_bad_arguments_are_refused(change: str, match: str) -> None:
+    c = make_case(3, 2, 4, 2, 64, [40, 9], [2, 2], [2, 2], 16, torch.float16, "cpu", meta=torch.float16,
+                  int4_keys=True)
+    add_low_plane(c, [0, 2])
+    codes, first = c["low_plane"].codes, c["low_plane"].first
+    bad = {"codes-heads": ops.LowPlane(codes[:, :1], first),
+           "codes-int32": ops.LowPlane(codes.to(torch.int32), first),
+           "codes-strided-rows": ops.LowPlane(torch.cat([codes, codes], -1)[..., ::2], first),
+           "first-int64": ops.LowPlane(codes, first.long()),
+           "first-for-one-row": ops.LowPlane(codes, first[:1])}[change]
+    with pytest.raises(ValueError, match=match):
+        run_op({k: v for k, v in c.items() if k != "logit_bias"}, low_plane=bad)
+
+
+@pytest.mark.unit
+def test_decode_low_plane_slots_are_range_checked_in_debug_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OSCAR_KERNEL_DEBUG=1``: a first slot that puts a row's history past the plane is one error, not a read out
+    of bounds."""
+    c = make_case(3, 2, 4, 2, 64, [40, 9], [2, 2], [2, 2], 16, torch.float16, "cpu", meta=torch.float16,
+                  int4_keys=True)
+    add_low_plane(c, [0, 2])
+    short = ops.LowPlane(c["low_plane"].codes[:, :, :30], c["low_plane"].first)
+    monkeypatch.setenv("OSCAR_KERNEL_DEBUG", "1")
+    with pytest.raises(ValueError, match="low_plane.first"):
+        run_op({k: v for k, v in c.items() if k != "logit_bias"}, low_plane=short)
 
 
 ROPE_CASES = [

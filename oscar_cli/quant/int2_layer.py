@@ -39,8 +39,8 @@ With INT4 keys on this layer (recipe ``quant.int4_keys``, :attr:`QuantMethod.key
 coded at 4 bits without clip (``oscar_kernels.reference`` formula 9): the high INT2 plane and its scale/zero go to
 the pages as any INT2 key row, the low plane (``uint8 [B, H_kv, cap, D/4]``, slot ``t`` of the history at index
 ``t``, pad slots zero) is kept beside them; attention reads ``zero + (4·hi + lo)·scale/4`` (the reference path; the
-Triton path reads the high plane from the pages in its kernel and the low plane's logit term as a per-key bias
-computed in torch each decode step, :meth:`Int2Layer._low_plane_bias`).
+Triton path's decode kernel reads both: the high plane from the pages, the low plane beside them,
+``oscar_kernels.ops.LowPlane``).
 
 Nothing else persists: no dense copy of the history exists between calls.
 
@@ -460,7 +460,7 @@ class Int2Layer(AppendLayer):
         new token was demoted on arrival (``W = 0``) it is attended unquantized from the recent tier and left out
         of the history, as on the reference path.
         """
-        from oscar_kernels.ops import decode_attention
+        from oscar_kernels.ops import LowPlane, decode_attention
 
         self.kernel_step, self.kernel_key = False, None
         assert self.sink_k is not None and self.sink_v is not None and self.pool is not None
@@ -486,7 +486,10 @@ class Int2Layer(AppendLayer):
         k_mean, rope = self.k_mean, None
         if self.mean_pre is not None:  # keys centred by position: the BF16 tiers as they are, the INT2 term added
             k_mean, rope = None, self._rope_mean(q.device)
-        bias = None if self.k_lo is None else self._low_plane_bias(q, scaling)
+        low = None
+        if self.k_lo is not None:  # INT4 keys: history token n of row b is low-plane slot hist_slots - len_b + n
+            first = (self.hist_slots - self.pool.device_lengths()).to(torch.int32)
+            low = LowPlane(self.k_lo, first)
         out = decode_attention(
             q,
             self.pool.k,
@@ -503,38 +506,9 @@ class Int2Layer(AppendLayer):
             mean_v=None if self.v_mean is None else flat_mean(self.v_mean),
             sm_scale=scaling,
             rope_mean=rope,
-            logit_bias=bias,
+            low_plane=low,
         )
         return out.unsqueeze(2)
-
-    def _low_plane_bias(self, q: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """INT4 keys on the Triton path: the kernel reads the high plane from the pages (``zero + hi·scale``);
-        the low plane's part of each history logit, ``sm_scale·(scale/4)·(q·R_K)·lo``, goes in as its per-key
-        ``logit_bias`` (float32 ``[B, H_q, cap]``, history token ``n`` of each row at index ``n``; zero past a
-        row's length). Computed here in torch, :data:`PIECE` tokens at a time: one more pass over the low plane
-        per decode step of such a layer."""
-        assert self.pool is not None and self.pool.k is not None and self.k_lo is not None
-        b, h_q, d = q.shape
-        h = self.dims[1]
-        p = self.page_size
-        table = self.pool.device_table().long()
-        cap = int(table.shape[1]) * p
-        lengths = self.pool.device_lengths().long()
-        rot = self._kernel_rot  # R_K ([D, D] or [H_kv, D, D]; None: identity), as the kernel applies it
-        qg = q.float().view(b, h, h_q // h, d)
-        q_rot = qg if rot is None else qg @ rot if rot.dim() == 2 else torch.einsum("bhgd,hde->bhge", qg, rot)
-        sm = float(scaling) if scaling is not None else d ** -0.5
-        out = torch.zeros(b, h_q, cap, dtype=torch.float32, device=q.device)
-        rows = torch.arange(b, device=q.device)[:, None]
-        for a in range(0, cap, PIECE):
-            n = torch.arange(a, min(cap, a + PIECE), device=q.device)
-            scale = self.pool.k.scale[table[:, n // p], :, n % p][..., 0].float().permute(0, 2, 1)  # [B, H, n]
-            slot = (self.hist_slots - lengths[:, None] + n[None, :]).clamp(0, self.k_lo.shape[2] - 1)
-            lo = unpack_rows(self.k_lo[rows, :, slot]).permute(0, 2, 1, 3).float()  # [B, H, n, D]
-            dots = torch.einsum("bhgd,bhnd->bhgn", q_rot, lo) * (scale * (sm / 4))[:, :, None, :]
-            valid = (n[None, :] < lengths[:, None])[:, None, None, :]
-            out[:, :, a : a + len(n)] = torch.where(valid, dots, 0.0).reshape(b, h_q, len(n))
-        return out
 
     def _rope_mean(self, device: torch.device) -> Any:
         """What the decode kernel needs to add the logit term of keys centred by position (``quant.key_mean:
