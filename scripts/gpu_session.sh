@@ -65,6 +65,10 @@
 #                                              constant, rope-gemm and rope uncapped, same cells at 32K and 128K)
 #   bash scripts/gpu_session.sh i4setup [N]   (rsetup's calibration plus `--int4-keys N` (4) into /tmp/q/art-rope-i4N,
 #                                              then tests/test_int4_keys.py's CUDA tests)
+#   bash scripts/gpu_session.sh i4bench       (carry .stage/whl; no model: the decode kernel's low-plane read (INT4
+#                                              keys) on CUDA, its tests, then `oscar bench --key-mean rope --key-bits
+#                                              2` and `4`, same cells; then `i4setup 4` + `rruler 520 /tmp/q/art-rope-i44
+#                                              ri4` re-measures RULER and batch time on Qwen)
 #   bash scripts/gpu_session.sh rruler [S [ART [NAME]]]  (after rsetup; carry .stage/NAME (rruler) when it exists:
 #                                              `oscar eval-ruler GGUF --artifact ART --ctx 4k,8k,16k,32k --methods
 #                                              oscar --samples 25 --tasks all --backend auto`, ART defaults to ARTR,
@@ -343,6 +347,21 @@ i4setup)  # #21: the Qwen recipe (rope mean) with keys of the N copy-score layer
     tail -8 /tmp/res/calibrate-i4$n.log; cp "$a/manifest.json" /tmp/res/artifact-i4$n-manifest.json
     echo "[calibrate] $(( $(date +%s) - t0 )) s"
     PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_keys.py -m gpu 2>&1 | tail -6
+    ;;
+i4bench)  # #21: INT4 keys' low plane read inside the decode kernel (HAS_LO): its tests on CUDA, then its cost
+    # against plain INT2 keys and BF16 in oscar bench, the same cells (no model needed; carry .stage/whl)
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
+        -k low_plane tests/test_int4_keys.py 2>&1 | tail -6
+    echo "[tests] $(( $(date +%s) - t0 )) s"
+    for kb in 2 4; do
+        timeout 150 env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" --json bench \
+            --batch 1,16,64 --ctx 4k,32k,128k --key-mean rope --key-bits $kb > /tmp/res/bench-keybits-$kb.json \
+            2> /tmp/res/bench-keybits-$kb.log || tail -3 /tmp/res/bench-keybits-$kb.log
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('key_bits', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-keybits-$kb.json $kb 2>/dev/null
+        echo "[key_bits $kb] $(( $(date +%s) - t0 )) s"
+    done
     ;;
 rruler)  # #21: RULER 4K-32K of the rope artifact on the serving (Triton) path, resumable across calls
     # rruler [S [ART [NAME]]]: ART (ARTR) into /tmp/q/NAME (rruler), carried back as .stage/NAME, returned as NAME.tar

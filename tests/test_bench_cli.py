@@ -351,6 +351,54 @@ def test_rope_mean_step_is_the_decode_with_the_float64_term(key_mean: str) -> No
     assert (got - plain).abs().max() > 1e-2  # the term is not zero
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; the GPU runs it in `oscar bench`")
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "non-paged"])
+def test_int4_key_step_reads_the_low_plane(paged: bool) -> None:
+    """``--key-bits 4``: each timed INT2 step reads the keys' low plane beside the pages' high plane (a
+    ``LowPlane`` over every slot of the block table's capacity), its bytes counted: the same output as the decode
+    given the plane's float64 logit term as a bias, not the plain decode's."""
+    from oscar_cli.bench.cases import int2_bytes, int2_plans
+    from oscar_cli.bench.config import BenchConfig
+    from oscar_cli.bench.shapes import NAMED_SHAPES
+    from oscar_kernels import ops
+    from oscar_kernels import reference as ref
+
+    shape = NAMED_SHAPES["smollm2-135m"]
+    cfg = BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)), page_size=64,
+                      key_bits=4, paged=paged)
+    plans, cases, _ = int2_plans(shape, 1, 512, cfg, torch.device("cpu"), 1 << 20)
+    plan, c = plans[0], cases[0]
+    got = plan.run().float().clone()
+    low = c["low_plane"]
+    cap = int(c["block_table"].shape[1]) * int(c["k_cache"].packed.shape[2])
+    assert low.codes.shape == (1, shape.h_kv, cap, shape.d // 4) and int(low.first.abs().max()) == 0
+    g = shape.h_q // shape.h_kv
+    q = c["q"].double() @ c["rotation_k"].double()
+    lo = ref.unpack_int2(low.codes).double().repeat_interleave(g, 1)  # [1, H_q, cap, D]
+    table = c["block_table"].long()
+    n = torch.arange(cap)
+    page = int(c["k_cache"].packed.shape[2])
+    scale = c["k_cache"].scale[table[0, n // page], :, n % page, 0].double().T.repeat_interleave(g, 0)[None]
+    bias = (torch.einsum("bhd,bhtd->bht", q, lo) * scale / 4 * shape.d ** -0.5).float()
+    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+            "recent_k", "recent_v", "recent_len")
+    kw = dict(rotation_k=c["rotation_k"], rotation_v=c["rotation_v"], mean_v=c["mean_v"], config=plan.config,
+              paged=paged)
+    want = ops.decode_attention(c["q"], *(c[k] for k in keys), logit_bias=bias, **kw).float()
+    plain = ops.decode_attention(c["q"], *(c[k] for k in keys), **kw).float()
+    err, moved = float((got - want).abs().max()), float((got - plain).abs().max())
+    assert err < 2e-3 * max(1.0, float(want.abs().max()))
+    assert moved > 4 * err, (moved, err)  # the bench's small random scales: the plane moves the output a little
+    hist = 512 - cfg.sink - cfg.recent
+    assert int2_bytes(shape, 1, 512, cfg.sink, cfg.recent, 64, key_bits=4) - \
+        int2_bytes(shape, 1, 512, cfg.sink, cfg.recent, 64) == hist * shape.h_kv * shape.d // 4
+
+
+def test_bench_key_bits_must_be_2_or_4() -> None:
+    r = CliRunner().invoke(app, ["bench", "--key-bits", "3"])
+    assert r.exit_code == 2 and "--key-bits must be 2 or 4" in r.output
+
+
 def test_bench_key_mean_must_be_constant_or_rope() -> None:
     r = CliRunner().invoke(app, ["bench", "--key-mean", "learned"])
     assert r.exit_code == 2 and "--key-mean must be constant, rope or rope-gemm" in r.output

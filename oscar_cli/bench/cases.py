@@ -14,12 +14,13 @@ from oscar_cli.bench.shapes import AttnShape
 from oscar_cli.bench.timing import rotating
 
 
-def int2_bytes(shape: AttnShape, batch: int, ctx: int, sink: int, recent: int, page: int, meta_bytes: int = 2) -> int:
-    """Bytes one INT2 decode step must move (G = D): history codes + scale + zero, BF16 tiers, q, out,
-    R_K, R_V, mu_V and the block table."""
+def int2_bytes(shape: AttnShape, batch: int, ctx: int, sink: int, recent: int, page: int, meta_bytes: int = 2,
+               key_bits: int = 2) -> int:
+    """Bytes one INT2 decode step must move (G = D): history codes + scale + zero (``key_bits`` 4: the keys' low
+    plane too), BF16 tiers, q, out, R_K, R_V, mu_V and the block table."""
     hp = min(ctx, sink + recent)
     hist = ctx - hp
-    per_tok = 2 * shape.h_kv * (shape.d // 4 + 2 * meta_bytes)
+    per_tok = 2 * shape.h_kv * (shape.d // 4 + 2 * meta_bytes) + (shape.h_kv * shape.d // 4 if key_bits == 4 else 0)
     tiers = 2 * hp * shape.h_kv * shape.d * 2
     qo = 2 * shape.h_q * shape.d * 2
     table = math.ceil(hist / page) * 4
@@ -131,6 +132,17 @@ def add_rope_mean(case: dict[str, Any], table: torch.Tensor, fused: bool = True)
                                          device=device)
 
 
+def add_low_plane(case: dict[str, Any]) -> None:
+    """Give a case INT4 keys (``quant.int4_keys``): random low-plane codes for every history slot of the block
+    table's capacity, each row's history from slot 0, as the decode's ``low_plane``."""
+    from oscar_kernels import ops
+
+    _, h_kv, page, dq = (int(x) for x in case["k_cache"].packed.shape)
+    b, cap = int(case["q"].shape[0]), int(case["block_table"].shape[1]) * page
+    codes = torch.randint(0, 256, (b, h_kv, cap, dq), dtype=torch.uint8, device=case["q"].device)
+    case["low_plane"] = ops.LowPlane(codes, torch.zeros(b, dtype=torch.int32, device=case["q"].device))
+
+
 def rope_frequencies(d: int) -> torch.Tensor:
     """``inv_freq`` of a RoPE with base :data:`ROPE_THETA` and head dim ``d``."""
     return 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
@@ -148,7 +160,8 @@ def int2_plan(case: dict[str, Any], splits: int, config: Any, workspace: Any, ou
     plan = ops.DecodePlan(case["q"], *(case[k] for k in keys), rotation_k=case["rotation_k"],
                           rotation_v=case["rotation_v"], mean_v=case["mean_v"], num_splits=splits,
                           config=config, workspace=workspace, out=out, paged=paged,
-                          logit_bias=case.get("logit_bias"), rope_mean=case.get("rope_mean"))
+                          logit_bias=case.get("logit_bias"), rope_mean=case.get("rope_mean"),
+                          low_plane=case.get("low_plane"))
     if "logit_bias" not in case:
         return plan
     return RopeMeanStep(plan, case["q"], case["mean_pre"], case["position_table"], case["position0"],
@@ -182,7 +195,7 @@ def int2_plans(
     hist = max(ctx - cfg.sink - cfg.recent, 0)
     ps, n_pp = page_geometry(cfg, hist)
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
-    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size)
+    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size, key_bits=cfg.key_bits)
     table = (ops.position_table(rope_frequencies(shape.d), min(ctx, cfg.sink) + ps * n_pp, device)
              if cfg.key_mean != "constant" else None)  # one position table for every case
 
@@ -190,6 +203,8 @@ def int2_plans(
         case = build_int2_case(shape, batch, ctx, cfg, device, cfg.seed + i)
         if table is not None:
             add_rope_mean(case, table, fused=cfg.key_mean == "rope")
+        if cfg.key_bits == 4:
+            add_low_plane(case)
         return case
 
     cases = rotating(make, nbytes, l2)

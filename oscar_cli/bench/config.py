@@ -34,6 +34,9 @@ class BenchConfig:
     # rope`` on the Triton path); "rope-gemm": each INT2 step first writes the term as a float32 [B, H_q, L] tensor
     # (one GEMM) that the kernel reads (the unfused form); "constant": the plain decode
     key_mean: str = "constant"
+    # 4: every INT2 step reads keys at 4 bits (``quant.int4_keys`` layers): the pages' high plane plus the low plane
+    # (``oscar_kernels.ops.LowPlane``) in the same tile; 2: the plain INT2 keys
+    key_bits: int = 2
 
     @property
     def activation_dtype(self) -> torch.dtype:

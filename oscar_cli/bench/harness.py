@@ -55,6 +55,10 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
         notes.append("INT2 times include the position-dependent key mean (quant.key_mean rope) in its unfused form: "
                      "per step a GEMM writing the float32 [B, H_q, L] logit term, then the decode kernel reading it; "
                      "bytes and % copy count the INT2 format's bytes only, so the term's traffic shows as a lower share")
+    if config.key_bits == 4:
+        notes.append("INT2 times read keys at 4 bits (quant.int4_keys): the pages' high plane plus the low plane in "
+                     "the same tile, as every layer of an artifact with INT4 keys on all layers would; bytes count "
+                     "the low plane")
     cfg = {k: (v.__dict__ if isinstance(v, AttnShape) else v) for k, v in config.__dict__.items()}
     return BenchResult(config=cfg, environment=env, copy_gbps=copy, cells=cells, quantize=quant, notes=notes)
 
@@ -69,7 +73,8 @@ def _cell(config: BenchConfig, batch: int, ctx: int, splits: int, i_us: float, i
         )
     best = min(avail, key=lambda k: avail[k])
     best_g = [v for v in b_g.values() if v is not None]
-    nbytes = int2_bytes(config.shape, batch, ctx, config.sink, config.recent, config.page_size)
+    nbytes = int2_bytes(config.shape, batch, ctx, config.sink, config.recent, config.page_size,
+                        key_bits=config.key_bits)
     gbps = nbytes / (i_us * 1e-6) / 1e9
     return CellResult(
         batch=batch,

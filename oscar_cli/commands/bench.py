@@ -24,6 +24,7 @@ EXAMPLES = """
   oscar bench --batch 16 --page-size 16                  # vLLM-sized pages (INT2 and FlashInfer alike)
   oscar bench --ctx 32k,128k --key-mean rope           # with the position-dependent key mean's logit term
   oscar bench --ctx 128k --key-mean rope-gemm          # the same term as a GEMM the kernel reads (unfused)
+  oscar bench --key-mean rope --key-bits 4             # a layer with INT4 keys (quant.int4_keys): both planes
   oscar bench --replot bench.json --plot bench.png      # plot a saved --json record again (no GPU needed)
 """
 
@@ -105,6 +106,10 @@ def bench(
                            "runs on the Triton path (the decode kernel adds the per-key logit term itself); rope-gemm "
                            "the unfused form (the term's GEMM into a [B, H_q, L] tensor, then the kernel reading "
                            "it).")] = "constant",
+    key_bits: Annotated[int, typer.Option(
+        "--key-bits", help="2 | 4: 4 times each INT2 step reading keys at 4 bits, as the layers of an artifact's "
+                           "quant.int4_keys run on the Triton path (the decode kernel reads the low plane beside the "
+                           "pages' high plane).")] = 2,
 ) -> None:
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
     from oscar_cli.bench.kernel_options import parse_kernel_options
@@ -128,13 +133,16 @@ def bench(
         raise typer.BadParameter(f"--page-size must be a multiple of 16 (of 64 above 64), got {page_size}")
     if key_mean not in ("constant", "rope", "rope-gemm"):
         raise typer.BadParameter(f"--key-mean must be constant, rope or rope-gemm, got {key_mean!r}")
+    if key_bits not in (2, 4):
+        raise typer.BadParameter(f"--key-bits must be 2 or 4, got {key_bits}")
     if dtype not in ("bf16", "fp16"):
         raise typer.BadParameter(f"--dtype must be bf16 or fp16, got {dtype!r}")
     from oscar_cli.bench import harness, report
     from oscar_cli.bench.config import BenchConfig
 
     config = BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
-                         graphs=graphs, paged=paged, page_size=page_size, kernel=knobs, key_mean=key_mean)
+                         graphs=graphs, paged=paged, page_size=page_size, kernel=knobs, key_mean=key_mean,
+                         key_bits=key_bits)
     with _output.progress(log="bench") as p:
         task = p.add_task("bench", total=len(batches) * len(ctxs))
 
