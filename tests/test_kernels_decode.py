@@ -215,6 +215,15 @@ def add_rope_mean(c: dict, pos0: list[int], scaling: float = 1.0, seed: int = 0)
                                            torch.empty(b, h_q, cap, device=dev))
 
 
+ROPE_CASES = [
+    # id, (B, H_q, H_kv, D), hist, sink, recent, page, splits, first positions
+    ("ragged-1-31-page16", (2, 8, 2, 64), [1, 31], [4, 4], [5, 3], 16, 2, [4, 4]),
+    ("hist97-past-128k", (1, 4, 1, 64), [97], [3], [16], 16, 3, [131_000]),
+    ("qwen-heads-D128-two-starts", (2, 12, 2, 128), [70, 45], [2, 1], [3, 4], 64, 2, [64, 3]),
+    ("page128-two-rows-ragged", (2, 4, 2, 64), [150, 70], [2, 1], [3, 4], 128, 3, [0, 7]),
+]
+
+
 def add_low_plane(c: dict, first: list[int]) -> None:
     """Give INT4-key case ``c`` (``make_case(int4_keys=True)``) its low plane as the kernel takes it (``low_plane``:
     slot-indexed rows, row ``b``'s history starting at slot ``first[b]``, other slots garbage) and, as
@@ -235,13 +244,8 @@ def add_low_plane(c: dict, first: list[int]) -> None:
     c["logit_bias"] = (torch.einsum("bhd,bhtd->bht", q64, lo64) * scale / 4 * d ** -0.5).float()
 
 
-LOW_PLANE_CASES = [
-    # id, (B, H_q, H_kv, D), hist, sink, recent, page, splits, first slots
-    ("ragged-1-31-page16", (2, 8, 2, 64), [1, 31], [4, 4], [5, 3], 16, 2, [0, 6]),
-    ("hist97-page-boundary", (1, 4, 1, 64), [97], [3], [16], 16, 3, [11]),
-    ("qwen-heads-D128-page64", (2, 12, 2, 128), [70, 45], [2, 1], [3, 4], 64, 2, [3, 0]),
-    ("page128-two-rows-ragged", (2, 4, 2, 64), [150, 70], [2, 1], [3, 4], 128, 3, [0, 80]),
-]
+# the rope cases' shapes, with the first low-plane slot of each row instead of its first position
+LOW_PLANE_CASES = [(*case[:-1], first) for case, first in zip(ROPE_CASES, ([0, 6], [11], [3, 0], [0, 80]), strict=True)]
 
 
 @pytest.mark.unit
@@ -301,15 +305,6 @@ def test_decode_low_plane_slots_are_range_checked_in_debug_mode(monkeypatch: pyt
     monkeypatch.setenv("OSCAR_KERNEL_DEBUG", "1")
     with pytest.raises(ValueError, match="low_plane.first"):
         run_op({k: v for k, v in c.items() if k != "logit_bias"}, low_plane=short)
-
-
-ROPE_CASES = [
-    # id, (B, H_q, H_kv, D), hist, sink, recent, page, splits, first positions
-    ("ragged-1-31-page16", (2, 8, 2, 64), [1, 31], [4, 4], [5, 3], 16, 2, [4, 4]),
-    ("hist97-past-128k", (1, 4, 1, 64), [97], [3], [16], 16, 3, [131_000]),
-    ("qwen-heads-D128-two-starts", (2, 12, 2, 128), [70, 45], [2, 1], [3, 4], 64, 2, [64, 3]),
-    ("page128-two-rows-ragged", (2, 4, 2, 64), [150, 70], [2, 1], [3, 4], 128, 3, [0, 7]),
-]
 
 
 @pytest.mark.unit
