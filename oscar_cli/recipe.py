@@ -119,7 +119,7 @@ class QuantConfig(Schema):
     """The INT2 layout the rotations and clips are calibrated for (recorded in the artifact)."""
 
     group_size: Annotated[int, Field(ge=4, le=1024, multiple_of=4)] | None = None
-    meta_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    meta_dtype: Literal["bfloat16", "float16", "float32", "uint8"] = "bfloat16"
     sink: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_SINK
     recent: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)] = DEFAULT_RECENT
     keep: KeepConfig = Field(default_factory=KeepConfig)

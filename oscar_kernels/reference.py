@@ -47,6 +47,18 @@ Formulas (per row ``x``: one token of one KV head, ``D`` values; all arithmetic 
    (quarter packing, this ``scale`` and ``zero``: read alone by step 7 it is a valid coarse INT2 row), the **low
    plane** ``code & 3`` quarter-packed beside it (no metadata of its own). Dequantize: ``float(zero) + code · f``
    in float32 with ``code = 4·hi + lo``. Storage: 4 bits per element plus the one ``scale``/``zero`` pair.
+10. 8-bit metadata (optional; recipe ``quant.meta_dtype: uint8``; also written and read by the Triton kernels): ``scale`` and ``zero`` are
+   one byte each, so a row of ``D = 64`` costs 2.25 bits per element instead of 2.5 (``D = 128``: 2.125, not 2.25).
+   Per group, from formula 4's (or 9's) ``mn``, ``mx`` and step ``s`` (``s = max(mx - mn, 1e-8) / 3``; INT4:
+   ``· 4 / 15``), with ``n = 3`` grid steps (INT4: ``15/4`` coarse steps): ``mid = (mn + mx) · 0.5``,
+   ``s' = max(s, |mid| / 5.5)`` (IEEE division; only rows far off centre widen their step, so ``zero`` fits).
+   **Scale byte** ``e << 3 | m`` (unsigned e5m3, exponent bias 16): ``s'``'s float32 bits rounded half up to 3
+   mantissa bits, ``r = (bits + 2^19) >> 20``, ``e = (r >> 3) - 127 + 16``, ``m = r & 7``; ``e < 0`` stores byte 0,
+   ``e > 31`` byte 255. Decoded ``sf = 2^(e - 16) · (1 + m/8)`` (built from its bits: exact; range
+   ``2^-16 … 61440``: a smaller step is stored as ``2^-16``, a larger one saturates and clips). **Zero byte** ``z + 128``: ``z = clamp(floor((mid - n·sf/2) / (sf/16) + 0.5), -128, 127)``
+   (float32, IEEE division), decoded ``zf = z · (sf / 16)`` (exact). So the grid ``zf + code·sf`` is centred on
+   the group's range (error of the centre ≤ ``sf/32``) and its step is ``s`` to within ``±1/16``. Codes and
+   dequantization are formulas 5 / 7 / 8 / 9 with ``sf`` and ``zf`` for ``float(scale)`` and ``float(zero)``.
 
 Attention over the three tiers (sink: absolute positions ``[0, S0)``; history: INT2; recent: the last
 tokens) computes one partial ``(o_t, lse_t)`` per tier — softmax attention restricted to that tier, with
@@ -56,7 +68,8 @@ tokens) computes one partial ``(o_t, lse_t)`` per tier — softmax attention res
 single-pass softmax attention over the concatenated (dequantized) keys and values.
 
 Bits per element (per stored K or V element, all tiers, docs/METHOD.md §9):
-``BPE(L) = [(L - S0 - W)·(2 + 2·b_meta/G) + (S0 + W)·16] / L`` (for ``L <= S0 + W`` everything is 16-bit).
+``BPE(L) = [(L - S0 - W)·(2 + 2·b_meta/G) + (S0 + W)·16] / L`` (for ``L <= S0 + W`` everything is 16-bit;
+``b_meta`` = 16, or 8 with formula 10).
 
 What can be asserted
 --------------------
@@ -68,6 +81,10 @@ What can be asserted
   ``mx``); with 16-bit metadata the extremes are reproduced to the metadata's rounding.
 - **Bounded**: for clipped rows, ``|x_hat - y| <= scale/2 + |zero - mn| + 3·|scale - s| + tiny`` elementwise;
   with float32 metadata that is ``scale/2`` up to float32 rounding.
+- **Formula 10** (8-bit metadata): ``decode_meta`` is exact (every byte pair decodes to a float32 without rounding);
+  for a group whose centre is within ``5.5·s`` of 0, ``|float(scale) - s| <= s/16`` and
+  ``|x_hat - y| <= sf/2 + 1.5·|sf - s| + sf/32``; otherwise the step widens to ``|mid|/5.5`` and the grid still
+  covers the group (``tests/test_meta8.py``).
 - **Tolerance only**: attention outputs. Fast paths follow the flash-attention error budget
   ``|fast - ref64| <= 2·|ref_same_dtype - ref64| + floor`` where both references dequantize the same codes.
 - ``merge_partials`` over any split of the keys equals ``attention_partial`` over all of them (float64:
@@ -97,9 +114,13 @@ __all__ = [
     "dequantize_rows",
     "fake_quantize_rows",
     "hadamard",
+    "decode_meta",
+    "encode_meta",
     "level_codes",
     "level_table",
     "merge_partials",
+    "META8",
+    "meta_bits",
     "pack_int2",
     "pack_token_quads",
     "quantize_int2",
@@ -114,7 +135,44 @@ __all__ = [
     "unpack_token_quads",
 ]
 
-_META_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_META_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8)
+META8 = torch.uint8  # formula 10: one byte of scale and one of zero per group
+_E5M3_BIAS = 16
+
+
+def meta_bits(meta_dtype: torch.dtype) -> int:
+    """Stored bits of one ``scale`` (or ``zero``): 16 / 32 for the float dtypes, 8 for formula 10."""
+    if meta_dtype not in _META_DTYPES:
+        raise ValueError(f"meta_dtype: expected one of {_META_DTYPES}, got {meta_dtype}")
+    return 8 if meta_dtype == META8 else torch.finfo(meta_dtype).bits
+
+
+def decode_meta(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored ``scale`` and ``zero`` as float32 (formula 10's bytes decoded, other dtypes widened)."""
+    if scale.dtype != META8:
+        return scale.float(), zero.float()
+    b = scale.to(torch.int32)
+    sf = ((((b >> 3) - _E5M3_BIAS + 127) << 23) | ((b & 7) << 20)).view(torch.float32)
+    zf = (zero.to(torch.int32) - 128).float() * (sf / 16)
+    return sf, zf
+
+
+def encode_meta(
+    s: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, steps: float, meta_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored ``(scale, zero)`` for a grid ``zero + k·scale`` of ``steps`` steps over ``[mn, mx]`` (float32
+    ``[..., D/G]``; ``s`` the step formula 4 / 9 chose): rounded to ``meta_dtype`` (formula 4), or formula 10."""
+    if meta_dtype != META8:
+        return s.to(meta_dtype), mn.to(meta_dtype)
+    mid = (mn + mx) * 0.5
+    wide = torch.maximum(s, mid.abs() / torch.full_like(mid, 5.5))
+    r = (wide.contiguous().view(torch.int32) + (1 << 19)) >> 20
+    e = (r >> 3) - 127 + _E5M3_BIAS
+    byte = torch.where(e < 0, 0, torch.where(e > 31, 255, (e << 3) | (r & 7)))
+    scale = byte.to(torch.uint8)
+    sf, _ = decode_meta(scale, scale)
+    z = torch.floor((mid - sf * (steps / 2)) / (sf / 16) + 0.5).clamp_(-128, 127)
+    return scale, (z.to(torch.int32) + 128).to(torch.uint8)
 
 
 def level_table(inner: float = UNIFORM_INNER) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -240,10 +298,8 @@ def quantize_int2(
     # Divide by a same-device tensor, not a Python scalar: torch on CUDA turns `x / 3.0` into `x * (1/3)`,
     # which is not IEEE division and would break bitwise agreement with the kernels (div_rn).
     s = torch.clamp(mx - mn, min=1e-8) / torch.full_like(mx, 3.0)
-    scale = s.to(meta_dtype)
-    zero = mn.to(meta_dtype)
-    sf = scale.float().unsqueeze(-1)
-    zf = zero.float().unsqueeze(-1)
+    scale, zero = encode_meta(s, mn, mx, 3.0, meta_dtype)
+    sf, zf = (t.unsqueeze(-1) for t in decode_meta(scale, zero))
     if inner == UNIFORM_INNER:
         codes = torch.floor((y32 - zf) / sf + 0.5).clamp_(0, 3).to(torch.uint8)
     else:
@@ -267,10 +323,10 @@ def quantize_int4_planes(
     """
     d, y32, mn, mx = _group_ranges(y, group_size, meta_dtype)
     s = torch.clamp(mx - mn, min=1e-8) * torch.full_like(mx, 4.0) / torch.full_like(mx, 15.0)
-    scale = s.to(meta_dtype)
-    zero = mn.to(meta_dtype)
-    fine = (scale.float() / torch.full_like(mx, 4.0)).unsqueeze(-1)
-    codes = torch.floor((y32 - zero.float().unsqueeze(-1)) / fine + 0.5).clamp_(0, 15).to(torch.uint8)
+    scale, zero = encode_meta(s, mn, mx, 15 / 4, meta_dtype)
+    sf, zf = decode_meta(scale, zero)
+    fine = (sf / torch.full_like(mx, 4.0)).unsqueeze(-1)
+    codes = torch.floor((y32 - zf.unsqueeze(-1)) / fine + 0.5).clamp_(0, 15).to(torch.uint8)
     codes = codes.reshape(*y.shape[:-1], d)
     return codes >> 2, codes & 3, scale, zero
 
@@ -284,7 +340,8 @@ def dequantize_int4_planes(
     if hi.shape != lo.shape:
         raise ValueError(f"hi/lo: expected the same shape, got {tuple(hi.shape)} and {tuple(lo.shape)}")
     code = (hi.to(torch.int32) * 4 + lo.to(torch.int32)).to(torch.uint8)
-    return dequantize_codes(code, scale.float() / 4, zero, out_dtype)
+    sf, zf = decode_meta(scale, zero)
+    return dequantize_codes(code, sf / 4, zf, out_dtype)
 
 
 def level_codes(v: torch.Tensor, inner: float) -> torch.Tensor:
@@ -398,7 +455,8 @@ def dequantize_codes(
         )
     g = d // n_groups
     c = codes.reshape(*codes.shape[:-1], n_groups, g)
-    x = zero.float().unsqueeze(-1) + c * scale.float().unsqueeze(-1)
+    sf, zf = decode_meta(scale, zero)
+    x = zf.unsqueeze(-1) + c * sf.unsqueeze(-1)
     return x.reshape(*codes.shape[:-1], d).to(out_dtype)
 
 

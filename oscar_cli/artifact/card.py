@@ -53,7 +53,7 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
 
     Returns ``{"4k": 2.9, ...}`` rounded to 4 decimals; empty when the manifest lacks ``head_dim``.
     """
-    from oscar_cli.quant.bits import mean_bits
+    from oscar_cli.quant.bits import META_BITS, mean_bits
     from oscar_cli.transform import LAYER_SCHEMES
 
     quant = manifest.get("quant") or {}
@@ -69,7 +69,7 @@ def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
         kinds = ["int2"] * max(int(arch.get("num_layers") or 0), 1)
     return {f"{ctx // 1024}k": round(mean_bits(
         kinds, ctx, int(head_dim), group_size=quant.get("group_size") or None,
-        meta_bits=32 if quant.get("meta_dtype") == "float32" else 16, sink=int(quant.get("sink", DEFAULT_SINK)),
+        meta_bits=META_BITS.get(str(quant.get("meta_dtype")), 16), sink=int(quant.get("sink", DEFAULT_SINK)),
         recent=int(quant.get("recent", DEFAULT_RECENT)), keep_fraction=float(keep.get("fraction") or 0.0),
         keep_side=str(keep.get("side", "both")), keep_layers=keep.get("layers"),
         key_subspace=int(quant.get("key_subspace") or 0), int4_key_layers=quant.get("int4_keys") or ()), 4)

@@ -69,7 +69,7 @@ class Quant(Schema):
     """The INT2 layout the clips were chosen for (what the cache uses when serving the artifact)."""
 
     group_size: Annotated[int, Field(ge=4, le=MAX_HEAD_DIM, multiple_of=4)] | None
-    meta_dtype: Literal["bfloat16", "float16", "float32"]
+    meta_dtype: Literal["bfloat16", "float16", "float32", "uint8"]
     sink: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)]
     recent: Annotated[int, Field(ge=0, le=MAX_WINDOW, multiple_of=8)]
     keep: KeepConfig | None = None  # absent: no BF16 keep budget

@@ -34,7 +34,7 @@ import torch
 from oscar_cli.quant.key_subspace import fake_subspace
 from oscar_kernels.layout import UNIFORM_INNER
 
-META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
 OBJECTIVES = ("mean", "topk")
 
 

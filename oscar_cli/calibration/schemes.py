@@ -121,6 +121,8 @@ class KiviProblem:
         h_kv, t = k.shape[1], k.shape[2]
         g = hq // h_kv
         dev, meta = q.device, META_DTYPES[meta_dtype]
+        if meta == torch.uint8:  # the cache serves a KIVI layer with 16-bit metadata (QuantMethod.for_layer)
+            meta = torch.bfloat16
         qg = q.float().reshape(b, h_kv, g * tq, d)
         kf, vf = k.float(), v.float()
         n_blocks = t // KIVI_BLOCK

@@ -13,6 +13,7 @@ from oscar_cli.quant.key_subspace import subspace_bits
 from oscar_kernels.reference import bits_per_element
 
 KIVI_GROUP = 128
+META_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "uint8": 8}  # recipe quant.meta_dtype -> bits per scale/zero
 KIVI_RESIDUAL = 128
 
 
@@ -26,7 +27,8 @@ def storage_bits(
     (``key_bits`` 4: a second 2-bit plane, recipe ``quant.int4_keys``), 2 bits on every history key, i.e.
     ``(L - S0 - W) / L`` per K/V element; ``kivi``: keys
     ``(L - L mod 128)`` tokens at ``2 + 2·b/128`` plus ``L mod 128`` BF16, values ``L - 128`` tokens at
-    ``2 + 2·b/G`` plus 128 BF16, averaged over K and V (``sink`` / ``recent`` unused); ``dense``: 16."""
+    ``2 + 2·b/G`` plus 128 BF16 (``b`` at least 16), averaged over K and V (``sink`` / ``recent`` unused);
+    ``dense``: 16."""
     if kind == "dense":
         return 16.0
     if kind == "int2":
@@ -35,6 +37,7 @@ def storage_bits(
                 + subspace_bits(context_len, head_dim, key_subspace, sink, recent)
                 + (key_bits - 2) / 2 * max(0, context_len - sink - recent) / context_len)
     g = group_size or min(head_dim, KIVI_GROUP)
+    meta_bits = max(meta_bits, 16)  # a KIVI layer keeps 16-bit metadata (8-bit is formula 10, per-token rows only)
     k_res = context_len % KIVI_GROUP
     k_bits = (context_len - k_res) * (2 + 2 * meta_bits / KIVI_GROUP) + k_res * 16
     v_res = min(context_len, KIVI_RESIDUAL)

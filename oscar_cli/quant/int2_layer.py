@@ -84,6 +84,7 @@ from oscar_cli.quant.key_subspace import coefficients, residual, restore
 from oscar_cli.quant.methods import LayerTransform, QuantMethod
 from oscar_cli.quant.pages import DEFAULT_PAGE, PagePool, unpack_rows
 from oscar_kernels.layout import UNIFORM_INNER
+from oscar_kernels.reference import meta_bits
 
 log = logging.getLogger(__name__)
 PIECE = 1024  # tokens quantized (prefill writes) or dequantized (what attention reads) at a time
@@ -553,7 +554,7 @@ class Int2Layer(AppendLayer):
             return 0
         b, h, d = self.dims
         act = torch.finfo(self.dtype).bits // 8
-        md = torch.finfo(self.method.meta_dtype).bits // 8
+        md = meta_bits(self.method.meta_dtype) // 8
         groups = d // (self.method.group_size or d)
         per_hist = d // 4 + 2 * groups * md
         dense = (self.n_sink + self.n_recent) * b * d * act

@@ -53,6 +53,8 @@ def quantize_channels(
         mn = torch.where(empty, torch.zeros_like(mn), mn)
         mx = torch.where(empty, torch.zeros_like(mx), mx)
     s = torch.clamp(mx - mn, min=1e-8) / 3.0
+    if meta_dtype == torch.uint8:
+        raise ValueError("KIVI keeps 16-bit (or float32) scale/zero; 8-bit metadata is for per-token INT2 rows")
     scale, zero = s.to(meta_dtype), mn.to(meta_dtype)
     codes = torch.floor((y - zero.float()) / scale.float() + 0.5).clamp_(0, 3).to(torch.uint8)
     return pack_int2(codes), scale, zero

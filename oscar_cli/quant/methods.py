@@ -32,6 +32,7 @@ from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.quant.bits import KIVI_RESIDUAL, mean_bits, storage_bits
 from oscar_cli.transform import LAYER_SCHEMES, LayerStorage, LayerTransform
 from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK, UNIFORM_INNER
+from oscar_kernels.reference import META8, meta_bits
 
 MethodKind = LayerStorage
 
@@ -47,7 +48,8 @@ class QuantMethod:
         sink: BF16 sink tokens ``S0`` (absolute positions ``[0, S0)``).
         recent: BF16 recent window ``W`` (demotion in blocks of :data:`DEMOTION_BLOCK` when ``W > 0``).
         group_size: ``G`` along head_dim (None = D).
-        meta_dtype: scale/zero storage dtype (16-bit by default).
+        meta_dtype: scale/zero storage dtype (16-bit by default; ``torch.uint8``: formula 10's 8-bit metadata of
+            ``oscar_kernels.reference``, ``int2`` layers only: a ``kivi`` layer of such a method keeps bfloat16).
         layers: per-layer transforms (empty tuple = identity everywhere).
         source: where the transforms came from (artifact path, "hadamard", ...), for reports.
         digest: what decides how the cache serves the method's artifact, hashed (:func:`serving_digest`; ``""``
@@ -117,7 +119,9 @@ class QuantMethod:
         if kind == self.kind:
             return replace(self, layer_kinds=())
         if kind == "kivi":
+            meta = torch.bfloat16 if self.meta_dtype == META8 else self.meta_dtype
             return replace(self, kind="kivi", sink=0, recent=KIVI_RESIDUAL, group_size=None, layers=(), layer_kinds=(),
+                           meta_dtype=meta,
                            keep_fraction=0.0, levels=UNIFORM_INNER, logit_correction="none", key_subspace=0,
                            key_mean="constant", key_bits=2)
         return replace(self, kind=kind, layer_kinds=(), keep_fraction=0.0, levels=UNIFORM_INNER,
@@ -138,9 +142,9 @@ class QuantMethod:
         :func:`oscar_cli.quant.keep.keep_bits` to ``int2`` layers, a key subspace
         :func:`oscar_cli.quant.key_subspace.subspace_bits`.
         """
-        meta_bits = torch.finfo(self.meta_dtype).bits
+        bits = meta_bits(self.meta_dtype)
         if not (self.layer_kinds or self.keep_layers or self.int4_key_layers):
-            return storage_bits(self.kind, context_len, head_dim, group_size=self.group_size, meta_bits=meta_bits,
+            return storage_bits(self.kind, context_len, head_dim, group_size=self.group_size, meta_bits=bits,
                                 sink=self.sink, recent=self.recent, keep_fraction=self.keep_fraction,
                                 keep_side=self.keep_side, key_subspace=self.key_subspace, key_bits=self.key_bits)
         n = len(self.layer_kinds) or len(self.layers)
@@ -148,7 +152,7 @@ class QuantMethod:
             raise ValueError("keep_layers / int4_key_layers need the method's per-layer transforms or layer_kinds "
                              "(the layer count)")
         return mean_bits(self.layer_kinds or (self.kind,) * n, context_len, head_dim, group_size=self.group_size,
-                         meta_bits=meta_bits, sink=self.sink, recent=self.recent, keep_fraction=self.keep_fraction,
+                         meta_bits=bits, sink=self.sink, recent=self.recent, keep_fraction=self.keep_fraction,
                          keep_side=self.keep_side, keep_layers=self.keep_layers or None, key_subspace=self.key_subspace,
                          int4_key_layers=self.int4_key_layers)
 
@@ -215,7 +219,7 @@ def oscar_method(
     )
 
 
-_META = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_META = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": META8}
 
 
 def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
@@ -243,7 +247,7 @@ def oscar_from_artifact(ref: str, config: Any) -> QuantMethod:
         sink=int(quant.get("sink", DEFAULT_SINK)),
         recent=int(quant.get("recent", DEFAULT_RECENT)),
         group_size=quant.get("group_size"),
-        meta_dtype=_META.get(str(quant.get("meta_dtype", "bfloat16")), torch.bfloat16),
+        meta_dtype=_META[str(quant.get("meta_dtype", "bfloat16"))],  # the manifest's schema allows only these
         source=f"{ref} ({art.manifest.method}, rotations {_short_hash(art.manifest.files)})",
     )
     keep = quant.get("keep") or {}

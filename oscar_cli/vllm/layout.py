@@ -211,7 +211,10 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if group_size not in (None, head_dim):
         reasons.append(f"quantization group {group_size} (the kernels need G = head_dim)")
     if settings.meta_dtype not in (torch.bfloat16, torch.float16):
-        reasons.append(f"metadata dtype {settings.meta_dtype} (pages hold 16-bit scale/zero)")
+        what = ("8-bit metadata (quant.meta_dtype: uint8, formula 10: oscar's reference path reads it; serve it through "
+                "transformers with --backend reference)" if settings.meta_dtype == torch.uint8
+                else f"metadata dtype {settings.meta_dtype} (pages hold 16-bit scale/zero)")
+        reasons.append(what)
     if sliding_window is not None:
         reasons.append("sliding-window attention")
     if logits_soft_cap:
