@@ -14,7 +14,7 @@ import torch
 
 from oscar_kernels.launch_checks import (
     ACT,
-    META,
+    META_WRITE,
     bad_tensor,
     check_tensor,
     mean_arg,
@@ -346,7 +346,7 @@ class DecodePlan:
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
-                 HAS_LO=lo is not None,
+                 HAS_LO=lo is not None, META8=ks.dtype == torch.uint8,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -387,7 +387,8 @@ def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tenso
     for nm, rows in (("k_cache", k_cache), ("v_cache", v_cache)):
         for part in ("scale", "zero"):
             t = getattr(rows, part)
-            check_tensor(f"{nm}.{part}", t, f"[pages, {h_kv}, {page}, 1] (G = D)", (kc.shape[0], h_kv, page, 1), META, dev)
+            check_tensor(f"{nm}.{part}", t, f"[pages, {h_kv}, {page}, 1] (G = D)", (kc.shape[0], h_kv, page, 1),
+                         META_WRITE, dev)
             if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
                 raise bad_tensor(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
     return row

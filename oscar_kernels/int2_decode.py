@@ -77,6 +77,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oscar_kernels.int2_pack import meta8_decode
+
 # "Spread": 4 code bytes -> 4 uint16 (each byte zero-extended, two ``prmt``); "field J": ``and`` with
 # ``0x00030003 << 2J`` leaves code ``c`` of every uint16 lane in bits ``2J, 2J+1``: the fp16 bit pattern of the
 # subnormal ``c * 4^J * 2^-24``, exactly, two codes per instruction (tensor cores keep fp16 subnormal inputs).
@@ -223,17 +225,22 @@ def _residue_scores(q0, q1, q2, q3, qsum, kmul, ks, kz, kc_ptr, kbase, koff, val
 
 
 @triton.jit
-def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr):
+def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr, META8: tl.constexpr = False):
     """One metadata array (scale or zero) of a tile as its four token residues (float32 ``[NQ]`` each), loaded
     as one ``[NQ, 4]`` tile of consecutive tokens (wide enough for the loop pipeliner's asynchronous copies, where
-    per-residue ``[NQ]`` loads would be 2-byte loads whose latency every tile waits for)."""
+    per-residue ``[NQ]`` loads would be 2-byte loads whose latency every tile waits for). ``META8``: formula 10's
+    bytes, returned as int32 for :func:`_meta8_pairs` to decode."""
     NQ: tl.constexpr = quad.shape[0]
     offs = (mbase + koff)[:, None] + tl.arange(0, 4)[None, :]
     if MASKED:
-        x = tl.load(ptr + offs, mask=(n0 + quad[:, None] + tl.arange(0, 4)[None, :]) < end, other=0.0)
+        x = tl.load(ptr + offs, mask=(n0 + quad[:, None] + tl.arange(0, 4)[None, :]) < end, other=0)
     else:
         x = tl.load(ptr + offs)
-    even, odd = tl.split(tl.reshape(x.to(tl.float32), [NQ, 2, 2]))  # residues (0, 2) and (1, 3)
+    if META8:
+        x = x.to(tl.int32)
+    else:
+        x = x.to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, [NQ, 2, 2]))  # residues (0, 2) and (1, 3)
     r0, r2 = tl.split(even)
     r1, r3 = tl.split(odd)
     return r0, r1, r2, r3
@@ -481,7 +488,7 @@ def _int2_tile(
     GROUP: tl.constexpr, GP: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     VROW: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr,
-    ROPE_PREC: tl.constexpr, HAS_LO: tl.constexpr,
+    ROPE_PREC: tl.constexpr, HAS_LO: tl.constexpr, META8: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` history tokens ``[n0, n0 + BLOCK_N)`` as four residues (see :func:`_int2_split`);
     ``MASKED``: the tile may run past ``end`` (the last tile of a split), else every token is valid.
@@ -516,10 +523,19 @@ def _int2_tile(
         else:
             vt = tl.load(vptr)
     # metadata as [NQ, 4] tiles (pipelined copies), split into the four residues
-    ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED)
-    kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED)
-    vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED)
-    vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED)
+    ks0, ks1, ks2, ks3 = _tile_meta(ks_ptr, mb_j, koff, n0, quad, end, MASKED, META8)
+    kz0, kz1, kz2, kz3 = _tile_meta(kz_ptr, mb_j, koff, n0, quad, end, MASKED, META8)
+    vs0, vs1, vs2, vs3 = _tile_meta(vs_ptr, mb_j, koff, n0, quad, end, MASKED, META8)
+    vz0, vz1, vz2, vz3 = _tile_meta(vz_ptr, mb_j, koff, n0, quad, end, MASKED, META8)
+    if META8:  # formula 10: decode the bytes (exact; a masked token's bytes 0 decode to finite values)
+        ks0, kz0 = meta8_decode(ks0, kz0)
+        ks1, kz1 = meta8_decode(ks1, kz1)
+        ks2, kz2 = meta8_decode(ks2, kz2)
+        ks3, kz3 = meta8_decode(ks3, kz3)
+        vs0, vz0 = meta8_decode(vs0, vz0)
+        vs1, vz1 = meta8_decode(vs1, vz1)
+        vs2, vz2 = meta8_decode(vs2, vz2)
+        vs3, vz3 = meta8_decode(vs3, vz3)
     if HAS_LO:  # the low plane's row of each quad's first token
         lrow = lbase + (n0 + quad).to(tl.int64) * (D // 4)
     else:
@@ -580,7 +596,7 @@ def _int2_split(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PTX: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, VROW: tl.constexpr, HIST_STAGES: tl.constexpr,
     HOIST_Q: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr, ROPE_PREC: tl.constexpr,
-    HAS_LO: tl.constexpr,
+    HAS_LO: tl.constexpr, META8: tl.constexpr,
 ):
     """One split of the INT2 history for one (batch, KV head); writes partial ``sp``.
 
@@ -650,13 +666,13 @@ def _int2_split(
             n0, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
             bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, lo_ptr, lbase,
-            GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, False, HAS_BIAS, HAS_ROPE, ROPE_PREC, HAS_LO)
+            GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, False, HAS_BIAS, HAS_ROPE, ROPE_PREC, HAS_LO, META8)
     if full_end < end:
         m_i, l_i, acc, accm, fv = _int2_tile(
             full_end, end, b, h, q0, q1, q2, q3, qsum, kmul, m_i, l_i, acc, accm, fv, kc_ptr, stride_kp, stride_kh,
             vc_ptr, stride_vp, stride_vh, ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh,
             bt_ptr, stride_btb, bias_ptr, bbase, stride_bh, ca, cb, rinv, rt_ptr, rl_ptr, rpos, lo_ptr, lbase,
-            GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, True, HAS_BIAS, HAS_ROPE, ROPE_PREC, HAS_LO)
+            GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, True, HAS_BIAS, HAS_ROPE, ROPE_PREC, HAS_LO, META8)
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -747,7 +763,7 @@ def _decode_stage1_kernel(
     PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
-    ROPE_PREC: tl.constexpr = "tf32x3", HAS_LO: tl.constexpr = False,
+    ROPE_PREC: tl.constexpr = "tf32x3", HAS_LO: tl.constexpr = False, META8: tl.constexpr = False,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 
@@ -779,7 +795,7 @@ def _decode_stage1_kernel(
                     lo_ptr, stride_lob, stride_loh, lo_first_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     GROUP, GP, D, BLOCK_N, PTX, PAGED, PAGE, VROW, HIST_STAGES, HOIST_Q, HAS_BIAS, HAS_ROPE,
-                    ROPE_PREC, HAS_LO)
+                    ROPE_PREC, HAS_LO, META8)
     else:
         _bf16_tiers(b, h, sp, sp - num_splits, q_ptr, stride_qb, stride_qh,
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,

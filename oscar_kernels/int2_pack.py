@@ -168,14 +168,43 @@ def _quantize_groups(y, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     mn = tl.min(yg, axis=2)
     mx = tl.max(yg, axis=2)
     s = tl.math.div_rn(tl.maximum(mx - mn, 1e-8), tl.full(mn.shape, 3.0, tl.float32))
-    scale = _round_to(s, META)
-    zero = _round_to(mn, META)
-    sf = scale.to(tl.float32)
-    zf = zero.to(tl.float32)
+    if META == tl.uint8:  # formula 10: e5m3 scale byte, zero byte z + 128 with zero = z·scale/16, grid centred
+        mid = (mn + mx) * 0.5
+        wide = tl.maximum(s, tl.math.div_rn(tl.abs(mid), tl.full(mid.shape, 5.5, tl.float32)))
+        r = (wide.to(tl.int32, bitcast=True) + (1 << 19)) >> 20
+        e = (r >> 3) - 127 + E5M3_BIAS
+        byte = tl.where(e < 0, 0, tl.where(e > 31, 255, (e << 3) | (r & 7)))
+        sf = meta8_scale(byte)
+        z = tl.floor(tl.math.div_rn(mid - sf * 1.5, sf * 0.0625) + 0.5)
+        z = tl.minimum(tl.maximum(z, -128.0), 127.0)
+        zf = z * (sf * 0.0625)
+        scale = byte.to(tl.uint8)
+        zero = (z.to(tl.int32) + 128).to(tl.uint8)
+    else:
+        scale = _round_to(s, META)
+        zero = _round_to(mn, META)
+        sf = scale.to(tl.float32)
+        zf = zero.to(tl.float32)
     q = tl.math.div_rn(yg - zf[:, :, None], tl.broadcast_to(sf[:, :, None], yg.shape))
     c = tl.floor(q + 0.5)
     c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
     return tl.reshape(c, [BLOCK_T, D]), scale, zero
+
+
+E5M3_BIAS: tl.constexpr = tl.constexpr(16)  # reference formula 10 (``oscar_kernels.reference._E5M3_BIAS``)
+
+
+@triton.jit
+def meta8_scale(byte):
+    """Formula 10's scale byte (int32 ``e << 3 | m``) as float32 ``2^(e - 16)·(1 + m/8)``, built from its bits."""
+    return ((((byte >> 3) - E5M3_BIAS + 127) << 23) | ((byte & 7) << 20)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def meta8_decode(sb, zb):
+    """Formula 10's scale and zero bytes (int32) as float32 ``(sf, zf)``, ``zf = (zb - 128)·sf/16`` (exact)."""
+    sf = meta8_scale(sb)
+    return sf, (zb - 128).to(tl.float32) * (sf * 0.0625)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ import torch
 
 ACT = (torch.bfloat16, torch.float16)  # activation dtypes the kernels take
 META = (torch.bfloat16, torch.float16, torch.float32)  # scale/zero dtypes
+META_WRITE = (*META, torch.uint8)  # and formula 10's bytes (the write and decode kernels; not the history kernel)
 
 
 def triton_module(name: str) -> Any:

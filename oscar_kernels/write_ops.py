@@ -11,7 +11,7 @@ import torch
 
 from oscar_kernels.launch_checks import (
     ACT,
-    META,
+    META_WRITE,
     bad_tensor,
     check_tensor,
     mean_arg,
@@ -119,7 +119,8 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     ng = int(scale.shape[-1]) if scale.dim() == 4 else 0
     if ng <= 0 or d % ng or (d // ng) & (d // ng - 1):
         raise bad_tensor("cache.scale", scale, f"[pages, {h_kv}, P, D/G] with G a power of two dividing {d}")
-    check_tensor("cache.scale", scale, f"[pages, {h_kv}, P, {ng}]", (codes.shape[0], h_kv, page_size, ng), META, dev)
+    check_tensor("cache.scale", scale, f"[pages, {h_kv}, P, {ng}]", (codes.shape[0], h_kv, page_size, ng), META_WRITE,
+                 dev)
     check_tensor("cache.zero", zero, f"{scale.dtype} {list(scale.shape)}", tuple(scale.shape), (scale.dtype,), dev)
     if zero.stride() != scale.stride() or codes.stride(-1) != 1 or scale.stride(-1) != 1:
         raise ValueError("cache: scale and zero must share strides and have contiguous last dims")

@@ -305,10 +305,14 @@ def test_cuda_bf16_method_generates_like_plain_model() -> None:
     assert len(out[0]) == 4
 
 
-def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton decode kernel behind the same attention function (CPU: TRITON_INTERPRET=1, fp16; conftest)."""
+@pytest.mark.parametrize("meta", [torch.bfloat16, torch.uint8], ids=["meta16", "meta8"])
+def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest.MonkeyPatch, meta: torch.dtype) -> None:
+    """The Triton decode kernel behind the same attention function (CPU: TRITON_INTERPRET=1, fp16; conftest), with
+    16-bit metadata and with formula 10's bytes (written by the Triton quantizer, read in the decode tile)."""
     if torch.cuda.is_available():
         pytest.skip("covered by the gpu variant on CUDA machines")
+    from dataclasses import replace
+
     import oscar_kernels.ops as ops
 
     calls = []
@@ -320,13 +324,14 @@ def test_triton_decode_path_matches_reference_in_interpreter(monkeypatch: pytest
 
     monkeypatch.setattr(ops, "decode_attention", counting)
     model, meth = kernel_model_and_method()
+    meth = replace(meth, meta_dtype=meta)
     caches: list = []
     ref = decode_logits(model, meth, "reference", "cpu", 2, caches)
     fast = decode_logits(model, meth, "triton", "cpu", 2, caches)
     assert len(calls) == 2  # one layer x two decode steps went through the kernel
     for which in ("k", "v"):  # the prefill's INT2 rows, written by the Triton quantizer: bitwise the reference's
         a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert a[1].dtype == meta and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
     calls.clear()
     ref_pad = decode_logits(model, meth, "reference", "cpu", 1, pad=5)  # left-padded row: sink gathered

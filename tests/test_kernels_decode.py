@@ -240,7 +240,7 @@ def add_low_plane(c: dict, first: list[int]) -> None:
     c["low_plane"] = ops.LowPlane(codes, torch.tensor(first, dtype=torch.int32, device=dev))
     q64 = c["q"].double() @ c["rotation_k"].double().to(dev)  # [B, H_q, D]
     lo64 = ref.unpack_int2(lo).double().repeat_interleave(h_q // h_kv, 1)  # [B, H_q, T, D]
-    scale = c["qk"].scale[..., 0].double().repeat_interleave(h_q // h_kv, 1)  # [B, H_q, T]
+    scale = ref.decode_meta(c["qk"].scale, c["qk"].zero)[0][..., 0].double().repeat_interleave(h_q // h_kv, 1)
     c["logit_bias"] = (torch.einsum("bhd,bhtd->bht", q64, lo64) * scale / 4 * d ** -0.5).float()
 
 
@@ -503,6 +503,37 @@ def test_decode_tier_strides_only_matter_where_indexed() -> None:
         run_op(dict(c, recent_v=torch.cat([c["recent_v"]] * 2, 2)), num_splits=2, config=TINY)
 
 
+META8_CASES = [CPU_CASES[i] for i in (0, 1, 3, 4)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config_id", ["four-warps", "one-warp"])
+@pytest.mark.parametrize("case", META8_CASES, ids=[c[0] for c in META8_CASES])
+def test_decode_meta8_interpreter(case: tuple, config_id: str) -> None:
+    """Formula 10's 8-bit metadata decoded in the tile (e5m3 scale byte, zero byte in 1/16 steps) against the
+    float64 oracle of the same bytes: ragged rows, masked tails (their zero bytes decode to finite values), page
+    boundaries, D 128, pages of two token-quad rows."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
+    config, seed = CONFIGS[config_id]
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(len(name) * seed + 5, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev, meta=torch.uint8)
+    assert c["k_cache"].scale.dtype == torch.uint8
+    out = run_op(c, num_splits=splits, config=config, out=_poisoned(c))
+    assert_budget(out, c)
+
+
+@pytest.mark.unit
+def test_decode_meta8_with_the_low_plane_interpreter() -> None:
+    """INT4 keys (formula 9) with 8-bit metadata: the low plane's quarter of the decoded scale, in the tile."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits, first = LOW_PLANE_CASES[0]
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(41, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev, meta=torch.uint8, int4_keys=True)
+    add_low_plane(c, first)
+    fused = run_op({k: v for k, v in c.items() if k != "logit_bias"}, low_plane=c["low_plane"], num_splits=splits,
+                   config=TINY, out=_poisoned(c))
+    assert_budget(fused, c)
+
+
 # ---- GPU grid --------------------------------------------------------------------------------------
 
 GPU_HEADS = [(32, 8), (28, 4), (8, 8)]
@@ -531,6 +562,18 @@ def test_decode_gpu_grid(length: int, heads: tuple[int, int], d: int, dtype: tor
                     ops.DecodeConfig(hoist_q=True), ops.DecodeConfig(hoist_q=True, maxnreg=168),
                     ops.DecodeConfig(prefetch=False), ops.DecodeConfig(prefetch=False, hoist_q=False, maxnreg=168)):
             assert_budget(run_op(c, out=_poisoned(c), config=cfg), c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="requires CUDA")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("length", [97, 4097])
+def test_decode_gpu_meta8(length: int, d: int) -> None:
+    """8-bit metadata on the GPU, the default config and the hoisted-q one."""
+    hist = [max(length - 320, 0), length // 3]
+    c = make_case(length + d, 2, 32, 8, d, hist, [64, 64], [256, 40], 16, torch.bfloat16, "cuda", meta=torch.uint8)
+    assert_budget(run_op(c, out=_poisoned(c)), c)
+    assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(hoist_q=True)), c)
 
 
 @pytest.mark.gpu

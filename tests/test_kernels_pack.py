@@ -47,6 +47,10 @@ PACK_CASES = [
     ("D64-clip092-bf16meta", (1, 1, 16, 64), None, 0.92, torch.bfloat16, True),
     ("D128-G32-fp32meta", (2, 1, 5, 128), 32, 0.0, torch.float32, False),
     ("D128-clip096-bf16meta", (1, 1, 3, 128), None, 0.96, torch.bfloat16, False),
+    # formula 10's 8-bit metadata (e5m3 scale byte, centred zero byte)
+    ("D64-clip092-meta8", (1, 2, 17, 64), None, 0.92, torch.uint8, True),
+    ("D128-G32-noclip-meta8", (2, 1, 5, 128), 32, 0.0, torch.uint8, False),
+    ("D128-clip096-meta8", (1, 1, 9, 128), None, 0.96, torch.uint8, False),
 ]
 
 
@@ -280,8 +284,10 @@ def test_quantize_bad_inputs_name_the_tensor() -> None:
     ("clip", "meta", "d", "dtype"),
     [(0.0, torch.bfloat16, 128, torch.bfloat16), (0.96, torch.bfloat16, 128, torch.bfloat16),
      (0.92, torch.float16, 64, torch.float16), (0.96, torch.float32, 128, torch.float16),
-     (0.92, torch.bfloat16, 64, torch.bfloat16)],
-    ids=["noclip-bf16", "clip96-bf16", "clip92-fp16-D64", "clip96-fp32m", "clip92-bf16-D64"])
+     (0.92, torch.bfloat16, 64, torch.bfloat16), (0.92, torch.uint8, 64, torch.bfloat16),
+     (0.96, torch.uint8, 128, torch.bfloat16)],
+    ids=["noclip-bf16", "clip96-bf16", "clip92-fp16-D64", "clip96-fp32m", "clip92-bf16-D64", "clip92-meta8-D64",
+         "clip96-meta8"])
 def test_quantize_gpu_grid(clip: float, meta: torch.dtype, d: int, dtype: torch.dtype) -> None:
     x = _rows(int(clip * 100) + d, 2, 8, 4097, d, dtype)
     mean = torch.randn(8, d, device=DEV) * 0.2
