@@ -69,6 +69,9 @@
 #                                              keys) on CUDA, its tests, then `oscar bench --key-mean rope --key-bits
 #                                              2` and `4`, same cells; then `i4setup 4` + `rruler 520 /tmp/q/art-rope-i44
 #                                              ri4` re-measures RULER and batch time on Qwen)
+#   bash scripts/gpu_session.sh m8bench       (carry .stage/whl; no model: 8-bit metadata (quant.meta_dtype uint8)
+#                                              written and read by the kernels on CUDA, its tests, then `oscar bench
+#                                              --key-mean rope --meta-bits 16` and `8`, same cells)
 #   bash scripts/gpu_session.sh rruler [S [ART [NAME]]]  (after rsetup; carry .stage/NAME (rruler) when it exists:
 #                                              `oscar eval-ruler GGUF --artifact ART --ctx 4k,8k,16k,32k --methods
 #                                              oscar --samples 25 --tasks all --backend auto`, ART defaults to ARTR,
@@ -361,6 +364,21 @@ i4bench)  # #21: INT4 keys' low plane read inside the decode kernel (HAS_LO): it
             2> /tmp/res/bench-keybits-$kb.log || tail -3 /tmp/res/bench-keybits-$kb.log
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('key_bits', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-keybits-$kb.json $kb 2>/dev/null
         echo "[key_bits $kb] $(( $(date +%s) - t0 )) s"
+    done
+    ;;
+m8bench)  # #21: formula 10's 8-bit metadata in the write and decode kernels: its tests on CUDA, then its speed
+    # against 16-bit metadata and BF16 in oscar bench, the same cells (no model needed; carry .stage/whl)
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
+        tests/test_kernels_pack.py tests/test_meta8.py -k "meta8 or Meta8 or bits" 2>&1 | tail -6
+    echo "[tests] $(( $(date +%s) - t0 )) s"
+    for mb in 16 8; do
+        timeout 180 env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" --json bench \
+            --batch 1,16,64 --ctx 4k,32k,128k --key-mean rope --meta-bits $mb > /tmp/res/bench-metabits-$mb.json \
+            2> /tmp/res/bench-metabits-$mb.log || tail -3 /tmp/res/bench-metabits-$mb.log
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('meta_bits', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-metabits-$mb.json $mb 2>/dev/null
+        echo "[meta_bits $mb] $(( $(date +%s) - t0 )) s"
     done
     ;;
 rruler)  # #21: RULER 4K-32K of the rope artifact on the serving (Triton) path, resumable across calls

@@ -402,3 +402,36 @@ def test_bench_key_bits_must_be_2_or_4() -> None:
 def test_bench_key_mean_must_be_constant_or_rope() -> None:
     r = CliRunner().invoke(app, ["bench", "--key-mean", "learned"])
     assert r.exit_code == 2 and "--key-mean must be constant, rope or rope-gemm" in r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; the GPU runs it in `oscar bench`")
+def test_meta8_step_reads_the_bytes() -> None:
+    """``--meta-bits 8``: each timed INT2 step reads formula 10's scale and zero bytes (one each per token and head,
+    bytes counted so), the same output as the decode given those bytes decoded to float32 metadata."""
+    from oscar_cli.bench.cases import int2_bytes, int2_plans
+    from oscar_cli.bench.config import BenchConfig
+    from oscar_cli.bench.shapes import NAMED_SHAPES
+    from oscar_kernels import ops
+    from oscar_kernels import reference as ref
+
+    shape = NAMED_SHAPES["smollm2-135m"]
+    cfg = BenchConfig(shape=shape, dtype="fp16", kernel=(("block_n", 16), ("merge_block_p", 16)), page_size=64,
+                      meta_bits=8)
+    plans, cases, _ = int2_plans(shape, 1, 512, cfg, torch.device("cpu"), 1 << 20)
+    c = cases[0]
+    got = plans[0].run().float().clone()
+    assert c["k_cache"].scale.dtype == torch.uint8 and c["v_cache"].zero.dtype == torch.uint8
+    wide = {k: ref.QuantizedRows(c[k].packed, *ref.decode_meta(c[k].scale, c[k].zero)) for k in ("k_cache", "v_cache")}
+    keys = ("block_table", "hist_len", "sink_k", "sink_v", "sink_len", "recent_k", "recent_v", "recent_len")
+    want = ops.decode_attention(c["q"], wide["k_cache"], wide["v_cache"], *(c[k] for k in keys),
+                                rotation_k=c["rotation_k"], rotation_v=c["rotation_v"], mean_v=c["mean_v"],
+                                config=plans[0].config).float()
+    assert float((got - want).abs().max()) < 2e-3 * max(1.0, float(want.abs().max()))
+    hist = 512 - cfg.sink - cfg.recent
+    assert int2_bytes(shape, 1, 512, cfg.sink, cfg.recent, 64) - int2_bytes(shape, 1, 512, cfg.sink, cfg.recent, 64, 1) \
+        == hist * 2 * shape.h_kv * 2
+
+
+def test_bench_meta_bits_must_be_16_or_8() -> None:
+    r = CliRunner().invoke(app, ["bench", "--meta-bits", "4"])
+    assert r.exit_code == 2 and "--meta-bits must be 16 or 8" in r.output

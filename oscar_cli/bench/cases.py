@@ -48,7 +48,7 @@ def build_int2_case(
     shape: AttnShape, batch: int, ctx: int, cfg: BenchConfig, device: torch.device, seed: int
 ) -> dict[str, Any]:
     """Random paged INT2 cache (shuffled pages), BF16 tiers and rotations for one decode step."""
-    from oscar_kernels.reference import QuantizedRows, token_quad_row
+    from oscar_kernels.reference import QuantizedRows, encode_meta, token_quad_row
 
     torch.manual_seed(seed)
     act = cfg.activation_dtype
@@ -62,9 +62,11 @@ def build_int2_case(
         row = token_quad_row(page_size)  # token quads for V: rows of min(P, 64) tokens
         cshape = (pages, h, page_size // row * d, row // 4) if values else (pages, h, page_size, d // 4)
         codes = torch.randint(0, 256, cshape, dtype=torch.uint8, device=device)
-        scale = (torch.rand(pages, h, page_size, 1, device=device) * 0.1 + 0.01).to(torch.bfloat16)
-        zero = (torch.randn(pages, h, page_size, 1, device=device) * 0.2).to(torch.bfloat16)
-        return QuantizedRows(codes, scale, zero)
+        s = torch.rand(pages, h, page_size, 1, device=device) * 0.1 + 0.01
+        mn = torch.randn(pages, h, page_size, 1, device=device) * 0.2
+        if cfg.meta_bits == 8:  # formula 10's bytes of the same steps and minima
+            return QuantizedRows(codes, *encode_meta(s, mn, mn + 3 * s, 3.0, torch.uint8))
+        return QuantizedRows(codes, s.to(torch.bfloat16), mn.to(torch.bfloat16))
 
     def tier(n: int) -> torch.Tensor:
         return torch.randn(batch, h, max(n, 1), d, device=device).to(act)
@@ -195,7 +197,7 @@ def int2_plans(
     hist = max(ctx - cfg.sink - cfg.recent, 0)
     ps, n_pp = page_geometry(cfg, hist)
     s = splits or cfg.num_splits or ops.default_num_splits(batch, shape.h_kv, ps * n_pp, dc.block_n, device)
-    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size, key_bits=cfg.key_bits)
+    nbytes = int2_bytes(shape, batch, ctx, cfg.sink, cfg.recent, cfg.page_size, cfg.meta_bits // 8, cfg.key_bits)
     table = (ops.position_table(rope_frequencies(shape.d), min(ctx, cfg.sink) + ps * n_pp, device)
              if cfg.key_mean != "constant" else None)  # one position table for every case
 

@@ -37,6 +37,8 @@ class BenchConfig:
     # 4: every INT2 step reads keys at 4 bits (``quant.int4_keys`` layers): the pages' high plane plus the low plane
     # (``oscar_kernels.ops.LowPlane``) in the same tile; 2: the plain INT2 keys
     key_bits: int = 2
+    # 8: every INT2 step reads formula 10's bytes (``quant.meta_dtype: uint8``), decoded in the tile; 16: bfloat16
+    meta_bits: int = 16
 
     @property
     def activation_dtype(self) -> torch.dtype:

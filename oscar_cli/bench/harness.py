@@ -59,6 +59,9 @@ def run(config: BenchConfig, progress: Callable[[str], None] | None = None) -> B
         notes.append("INT2 times read keys at 4 bits (quant.int4_keys): the pages' high plane plus the low plane in "
                      "the same tile, as every layer of an artifact with INT4 keys on all layers would; bytes count "
                      "the low plane")
+    if config.meta_bits == 8:
+        notes.append("INT2 times read 8-bit scale/zero (quant.meta_dtype uint8, formula 10), decoded in the tile; "
+                     "bytes count one byte each")
     cfg = {k: (v.__dict__ if isinstance(v, AttnShape) else v) for k, v in config.__dict__.items()}
     return BenchResult(config=cfg, environment=env, copy_gbps=copy, cells=cells, quantize=quant, notes=notes)
 
@@ -74,7 +77,7 @@ def _cell(config: BenchConfig, batch: int, ctx: int, splits: int, i_us: float, i
     best = min(avail, key=lambda k: avail[k])
     best_g = [v for v in b_g.values() if v is not None]
     nbytes = int2_bytes(config.shape, batch, ctx, config.sink, config.recent, config.page_size,
-                        key_bits=config.key_bits)
+                        config.meta_bits // 8, config.key_bits)
     gbps = nbytes / (i_us * 1e-6) / 1e9
     return CellResult(
         batch=batch,

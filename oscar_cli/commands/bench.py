@@ -25,6 +25,7 @@ EXAMPLES = """
   oscar bench --ctx 32k,128k --key-mean rope           # with the position-dependent key mean's logit term
   oscar bench --ctx 128k --key-mean rope-gemm          # the same term as a GEMM the kernel reads (unfused)
   oscar bench --key-mean rope --key-bits 4             # a layer with INT4 keys (quant.int4_keys): both planes
+  oscar bench --key-mean rope --meta-bits 8            # one-byte scale/zero (quant.meta_dtype uint8)
   oscar bench --replot bench.json --plot bench.png      # plot a saved --json record again (no GPU needed)
 """
 
@@ -110,6 +111,9 @@ def bench(
         "--key-bits", help="2 | 4: 4 times each INT2 step reading keys at 4 bits, as the layers of an artifact's "
                            "quant.int4_keys run on the Triton path (the decode kernel reads the low plane beside the "
                            "pages' high plane).")] = 2,
+    meta_bits: Annotated[int, typer.Option(
+        "--meta-bits", help="16 | 8: 8 times each INT2 step reading one-byte scale and zero (quant.meta_dtype uint8, "
+                            "docs/METHOD.md §6), decoded in the decode kernel's tile.")] = 16,
 ) -> None:
     """Time INT2 decode attention against the best BF16 decode on this GPU (needs CUDA)."""
     from oscar_cli.bench.kernel_options import parse_kernel_options
@@ -135,6 +139,8 @@ def bench(
         raise typer.BadParameter(f"--key-mean must be constant, rope or rope-gemm, got {key_mean!r}")
     if key_bits not in (2, 4):
         raise typer.BadParameter(f"--key-bits must be 2 or 4, got {key_bits}")
+    if meta_bits not in (8, 16):
+        raise typer.BadParameter(f"--meta-bits must be 16 or 8, got {meta_bits}")
     if dtype not in ("bf16", "fp16"):
         raise typer.BadParameter(f"--dtype must be bf16 or fp16, got {dtype!r}")
     from oscar_cli.bench import harness, report
@@ -142,7 +148,7 @@ def bench(
 
     config = BenchConfig(shape=cfg_shape, batches=batches, contexts=ctxs, dtype=dtype, num_splits=splits,
                          graphs=graphs, paged=paged, page_size=page_size, kernel=knobs, key_mean=key_mean,
-                         key_bits=key_bits)
+                         key_bits=key_bits, meta_bits=meta_bits)
     with _output.progress(log="bench") as p:
         task = p.add_task("bench", total=len(batches) * len(ctxs))
 
