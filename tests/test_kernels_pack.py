@@ -479,3 +479,18 @@ def test_clip_select_equals_sort_property(data: st.DataObject) -> None:
     srt = _write(x, ratio, None, torch.float32, "rows", "sort", None, slots, 1, 16)
     _assert_bits(sel, srt, "select vs sort")
     _assert_bits(sel, _want_cache(x, ratio, None, torch.float32, "rows", slots, 1, 16), "select vs reference")
+
+
+@pytest.mark.unit
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), log_mag=st.sampled_from([-24, -12, -3, 0, 5, 14, 18]),
+       offset=st.sampled_from([0.0, 0.5, 3.0, 40.0]), clip=st.sampled_from([0.0, 0.92]),
+       d=st.sampled_from([64, 128]))
+def test_quantize_meta8_bitwise_at_every_magnitude(seed: int, log_mag: int, offset: float, clip: float, d: int) -> None:
+    """Formula 10 in the write kernel, bitwise the reference's, across its branches: steps below ``2^-16`` (byte 0)
+    and above 61440 (byte 255), rows off centre whose step widens so the zero fits, clipped and unclipped rows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, 2, 7, d, generator=gen) + offset) * 2.0**log_mag
+    x[0, 1, 3] = 0.0  # a zero row: the smallest step
+    got = ops.quantize_rows(x.to(DEV), None, None, clip, None, torch.uint8)
+    _assert_same(got, _ref_cpu(x, None, None, clip, None, torch.uint8))
