@@ -224,6 +224,29 @@ def test_key_mean_option_sets_the_recipe_knob(tmp_path: Path, monkeypatch: pytes
     assert bad.exit_code == 2 and "--key-mean" in bad.output
 
 
+@pytest.mark.parametrize(("bits", "dtype"), [(8, "uint8"), (16, "bfloat16")])
+def test_meta_bits_option_sets_the_metadata_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bits: int,
+                                                  dtype: str) -> None:
+    """``--meta-bits 8`` writes an artifact whose INT2 rows keep one-byte scale and zero (formula 10): the manifest's
+    quant layout says so, the method built from it stores uint8 metadata and counts 8 bits; 12 is a usage error."""
+    from oscar_cli.main import app
+    from oscar_cli.quant import build_method
+
+    model = tiny_causal_lm("qwen3")
+    recipe = serve_model_to_cli(monkeypatch, model, "tiny-qwen3", tmp_path)
+    out = tmp_path / "art"
+    args = ["calibrate", "tiny-qwen3", "--recipe", str(recipe), "--tokens", "1536", "--seq-len", "256",
+            "--out", str(out), "--meta-bits", str(bits)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["quant"]["meta_dtype"] == dtype and manifest["recipe"]["quant"]["meta_dtype"] == dtype
+    meth = build_method("oscar", model.config, artifact=str(out))
+    assert meth.meta_dtype == (torch.uint8 if bits == 8 else torch.bfloat16)
+    bad = CliRunner().invoke(app, [*args[:-1], "12"])
+    assert bad.exit_code == 2 and "--meta-bits" in bad.output
+
+
 @pytest.mark.slow
 def test_embedded_model_small_budget(tmp_path: Path) -> None:
     """The one test on the embedded model: 2K tokens of the repo's docs through the real command."""

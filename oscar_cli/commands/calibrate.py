@@ -26,6 +26,7 @@ EXAMPLES = """
   oscar calibrate qwen2.5-coder-1.5b --device cuda   # its recipe centres keys by position (quant.key_mean rope)
   oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean constant   # one key mean: a faster decode
   oscar calibrate smollm2-135m --int4-keys 3   # 4-bit keys on the 3 layers of largest copy score
+  oscar calibrate qwen2.5-coder-1.5b --meta-bits 8   # one-byte scale and zero per row (quant.meta_dtype uint8)
 
 Writes [bold]artifacts/<model>/<recipe>-<hash>[/bold] unless --out says otherwise, e.g.
 artifacts/smollm2-135m/smollm2-135m-e1fda680 (the hash covers the model, the recipe and the data).
@@ -141,6 +142,11 @@ def calibrate(
                                  "transformers, the vLLM backend refuses it; SmolLM2-135M, N = 3: "
                                  "+13 / +27 RULER points at 1K / 2K for +0.10 bits per element; docs/RESULTS.md).")
     ] = None,
+    meta_bits: Annotated[
+        int | None, typer.Option("--meta-bits", help="16 | 8: bits of each INT2 row's scale and of its zero (recipe "
+                                 "quant.meta_dtype bfloat16 | uint8; 8: docs/METHOD.md §6, 0.125 fewer bits per "
+                                 "element at head_dim 128, 0.25 at 64; the vLLM backend refuses 8).")
+    ] = None,
     strict: Annotated[
         bool, typer.Option("--strict", help="Fail (and write nothing) when the artifact's held-out error is worse "
                            "than the KIVI baseline's on the same tokens.")
@@ -169,6 +175,10 @@ def calibrate(
         overrides.setdefault("quant", {})["key_mean"] = key_mean
     if int4_keys is not None:
         overrides.setdefault("quant", {})["int4_keys"] = int4_keys
+    if meta_bits is not None:
+        if meta_bits not in (8, 16):
+            raise typer.BadParameter(f"must be 16 or 8, got {meta_bits}", param_hint="--meta-bits")
+        overrides.setdefault("quant", {})["meta_dtype"] = "uint8" if meta_bits == 8 else "bfloat16"
     recipe_obj = load_recipe(recipe or recipe_for_model(model_slug(model)), overrides)
     _output.info(f"calibrating {model} with recipe {recipe_obj.name} ({recipe_obj.method}, "
                  f"{recipe_obj.data.tokens} tokens from {recipe_obj.data.source})")
