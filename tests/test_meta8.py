@@ -174,3 +174,32 @@ def test_a_kivi_layer_of_an_8bit_artifact_keeps_16bit_metadata() -> None:
     mixed = replace(meth, layer_kinds=("int2", "kivi"))
     assert mixed.for_layer(1).kind == "kivi" and mixed.for_layer(1).meta_dtype == torch.bfloat16
     assert mixed.for_layer(0).meta_dtype == META8
+
+
+def test_the_precision_probe_quantizes_as_the_reference() -> None:
+    """``scripts/meta_precision.py``'s ``bf16`` and ``m8`` variants are formulas 4 and 10 exactly (the other three
+    differ from ``m8`` only in the half they leave unrounded)."""
+    from helpers.scripts import load_script
+
+    probe = load_script("meta_precision")
+    y = ref.clip_rows(_rows(4, 40, 64, 1.0, 0.2), 0.92)
+    for variant, md in (("bf16", torch.bfloat16), ("m8", META8)):
+        want = ref.dequantize_codes(*ref.quantize_int2(y, None, md))
+        assert torch.equal(probe.fake_quantize(y, variant), want), variant
+    exact = probe.fake_quantize(y, "exactscale-centred")
+    assert float(((exact - y) ** 2).mean()) <= float(((probe.fake_quantize(y, "m8") - y) ** 2).mean()) * 1.02
+    with pytest.raises(ValueError, match="variant"):
+        probe.fake_quantize(y, "fp8")
+
+
+def test_the_ruler_override_serves_the_artifact_with_8bit_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scripts/ruler_meta8.py`` keeps the artifact's method (transforms, clips, windows) and changes only its
+    metadata dtype."""
+    from helpers.scripts import load_script
+
+    script = load_script("ruler_meta8")
+    t = random_transform(2, 1)
+    stored = oscar_method([t], sink=16, recent=32)
+    monkeypatch.setattr(script, "_from_artifact", lambda ref, config: stored)
+    got = script._with_meta8("ART", None)
+    assert got.meta_dtype == META8 and replace(got, meta_dtype=torch.bfloat16) == stored
