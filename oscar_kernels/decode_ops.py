@@ -65,6 +65,12 @@ class DecodeConfig:
     # product, the coefficients rotated per residue (3,887 instructions, spills); "tf32": one TF32 MMA; "ieee":
     # CUDA-core FMAs (scripts/sass_stats.py --rope PREC)
     rope_prec: str = "fp16"
+    # 8-bit metadata (formula 10): read a token quad's four bytes as one 32-bit word instead of a ``[NQ, 4]`` byte tile
+    # (2 bytes a thread, which the loop pipeliner leaves as synchronous loads: sm_90 SASS of the batch-16 rope
+    # configuration, 10 async copies and 9 ``LDG`` per iteration against 16-bit metadata's 14 and 5; words: 15 and 5,
+    # 1,118 instructions against 1,201 and 1,029). Needs the metadata on 4-byte boundaries. Not timed on a GPU yet,
+    # so off (docs/KERNELS.md)
+    meta_words: bool = False
 
 
 def default_config(batch: int, rope_mean: bool = False) -> DecodeConfig:
@@ -274,7 +280,7 @@ class DecodePlan:
         if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
             raise bad_tensor("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
         h_kv, page = int(kc.shape[1]), int(kc.shape[2])
-        vrow = _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged) // 4
+        vrow = _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged, cfg.meta_words) // 4
         check_tensor("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
         if not paged and (block_table.shape[1] != 1 or kc.shape[0] != b):
             raise ValueError("paged=False needs k_cache [B, H_kv, T, D/4] and a [B, 1] block table (page b = row b)")
@@ -346,7 +352,7 @@ class DecodePlan:
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
-                 HAS_LO=lo is not None, META8=ks.dtype == torch.uint8,
+                 HAS_LO=lo is not None, META8=(2 if cfg.meta_words else 1) if ks.dtype == torch.uint8 else 0,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -368,7 +374,7 @@ class DecodePlan:
 
 
 def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tensor, h_kv: int, page: int,
-                 dev: torch.device, paged: bool = True) -> int:
+                 dev: torch.device, paged: bool = True, words: bool = False) -> int:
     """Keys: quarter-packed rows ``[pages, H_kv, P, D/4]``; values: token quads ``[pages, H_kv, P/R·D, R/4]`` with
     ``R = min(P, 64)`` tokens per row (paged; pages above 64 tokens are multiples of 64), ``[B, H_kv, ⌈T/64⌉·D, 16]``
     (non-paged). Returns ``R``."""
@@ -391,6 +397,11 @@ def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tenso
                          META_WRITE, dev)
             if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
                 raise bad_tensor(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
+            if words and t.dtype == torch.uint8 and (t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4
+                                                     or page % 4):
+                # formula 10's bytes are read a token quad (one 32-bit word) at a time
+                raise bad_tensor(f"{nm}.{part}", t, "8-bit metadata starting on a 4-byte boundary, with strides and "
+                                 "page size multiples of 4 (a token quad's bytes are one 32-bit word)")
     return row
 
 

@@ -229,20 +229,35 @@ def _tile_meta(ptr, mbase, koff, n0, quad, end, MASKED: tl.constexpr, META8: tl.
     """One metadata array (scale or zero) of a tile as its four token residues (float32 ``[NQ]`` each), loaded
     as one ``[NQ, 4]`` tile of consecutive tokens (wide enough for the loop pipeliner's asynchronous copies, where
     per-residue ``[NQ]`` loads would be 2-byte loads whose latency every tile waits for). ``META8``: formula 10's
-    bytes, returned as int32 for :func:`_meta8_pairs` to decode."""
+    bytes, returned as int32 for :func:`meta8_decode` (1: as that byte tile; 2: each quad's four bytes as one
+    32-bit word, the metadata on 4-byte boundaries)."""
     NQ: tl.constexpr = quad.shape[0]
-    offs = (mbase + koff)[:, None] + tl.arange(0, 4)[None, :]
-    if MASKED:
-        x = tl.load(ptr + offs, mask=(n0 + quad[:, None] + tl.arange(0, 4)[None, :]) < end, other=0)
+    if META8 == 2:  # a quad's four bytes as one 32-bit word (a [NQ, 4] byte tile is 2 bytes a thread, which the
+        # loop pipeliner leaves as synchronous loads: DecodeConfig.meta_words)
+        wptr = (ptr + mbase + koff).to(tl.pointer_type(tl.int32), bitcast=True)
+        if MASKED:
+            w = tl.load(wptr, mask=(n0 + quad) < end, other=0)
+        else:
+            w = tl.load(wptr)
+        r0, r1, r2, r3 = w & 255, (w >> 8) & 255, (w >> 16) & 255, (w >> 24) & 255
+        if MASKED:  # a quad that starts before the end is loaded whole: its bytes past the end read as 0, as the
+            # element-masked loads do (stale bytes there would reach the tile's value scale f_new)
+            r1 = tl.where(n0 + quad + 1 < end, r1, 0)
+            r2 = tl.where(n0 + quad + 2 < end, r2, 0)
+            r3 = tl.where(n0 + quad + 3 < end, r3, 0)
     else:
-        x = tl.load(ptr + offs)
-    if META8:
-        x = x.to(tl.int32)
-    else:
-        x = x.to(tl.float32)
-    even, odd = tl.split(tl.reshape(x, [NQ, 2, 2]))  # residues (0, 2) and (1, 3)
-    r0, r2 = tl.split(even)
-    r1, r3 = tl.split(odd)
+        offs = (mbase + koff)[:, None] + tl.arange(0, 4)[None, :]
+        if MASKED:
+            x = tl.load(ptr + offs, mask=(n0 + quad[:, None] + tl.arange(0, 4)[None, :]) < end, other=0)
+        else:
+            x = tl.load(ptr + offs)
+        if META8:
+            x = x.to(tl.int32)
+        else:
+            x = x.to(tl.float32)
+        even, odd = tl.split(tl.reshape(x, [NQ, 2, 2]))  # residues (0, 2) and (1, 3)
+        r0, r2 = tl.split(even)
+        r1, r3 = tl.split(odd)
     return r0, r1, r2, r3
 
 

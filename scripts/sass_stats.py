@@ -6,6 +6,8 @@ per code" figure of docs/KERNELS.md. Usage:
     python scripts/sass_stats.py [--warps 1] [--block-n 64] [--gp 8] [--stages 2] [--block-nb 16] [--maxnreg 0]
         [--dtype bf16|fp16] [--hist-stages N] [--hoist-q] [--prefetch] [--page 64] [--sass out.sass]
         [--rope tf32x3|tf32|ieee]   (the position-dependent key mean's in-tile term, at that precision)
+        [--meta8 bytes|words]   (formula 10's 8-bit scale/zero decoded in the tile, META8; words: DecodeConfig.meta_words)
+        [--low-plane]   (INT4 keys: the low plane's codes read in the tile, HAS_LO)
 """
 
 from __future__ import annotations
@@ -38,14 +40,18 @@ INSN = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.
 
 def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int = 16, maxnreg: int = 0,
                    act: str = "bf16", hist_stages: int = 0,
-                   hoist_q: bool = False, prefetch: bool = False, page: int = 64, rope: str = "") -> object:
+                   hoist_q: bool = False, prefetch: bool = False, page: int = 64, rope: str = "",
+                   meta8: int = 0, low_plane: bool = False) -> object:
     fn = int2_decode._decode_stage1_kernel
     const = dict(H_KV=8, GROUP=4, GP=gp, D=128, BLOCK_N=block_n, BLOCK_NB=block_nb, PTX=True,
                  ACT=tl.float16 if act == "fp16" else tl.bfloat16, PAGED=True, PAGE=page,
                  VROW=token_quad_row(page) // 4,
                  TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
-                 HOIST_Q=hoist_q, PREFETCH=prefetch, HAS_ROPE=bool(rope), ROPE_PREC=rope or "tf32x3")
-    sig = {n: "constexpr" if n in const else PTRS.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
+                 HOIST_Q=hoist_q, PREFETCH=prefetch, HAS_ROPE=bool(rope), ROPE_PREC=rope or "tf32x3",
+                 META8=meta8, HAS_LO=low_plane)
+    ptrs = (PTRS | {"lo_ptr": "*u8", "lo_first_ptr": "*i32"}
+            | ({n: "*u8" for n in ("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr")} if meta8 else {}))
+    sig = {n: "constexpr" if n in const else ptrs.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     # like the JIT's specialisation: pointers and strides divisible by 16 (the split count is not)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -100,10 +106,13 @@ def main() -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--rope", choices=("", "tf32x3", "tf32", "ieee", "fp16"), default="",
                    help="compile the position-dependent key mean's in-tile term (HAS_ROPE) at this dot precision")
+    p.add_argument("--meta8", choices=("", "bytes", "words"), default="",
+                   help="8-bit scale/zero decoded in the tile (META8), loaded as byte tiles or 32-bit words")
+    p.add_argument("--low-plane", action="store_true", help="INT4 keys' low plane read in the tile (HAS_LO)")
     p.add_argument("--sass", type=Path)
     a = p.parse_args()
     k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.hist_stages, a.hoist_q,
-                       a.prefetch, a.page, a.rope)
+                       a.prefetch, a.page, a.rope, ("", "bytes", "words").index(a.meta8), a.low_plane)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)
     if a.sass:

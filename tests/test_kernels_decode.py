@@ -507,9 +507,10 @@ META8_CASES = [CPU_CASES[i] for i in (0, 1, 3, 4)]
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("words", [False, True], ids=["byte-tiles", "words"])
 @pytest.mark.parametrize("config_id", ["four-warps", "one-warp"])
 @pytest.mark.parametrize("case", META8_CASES, ids=[c[0] for c in META8_CASES])
-def test_decode_meta8_interpreter(case: tuple, config_id: str) -> None:
+def test_decode_meta8_interpreter(case: tuple, config_id: str, words: bool) -> None:
     """Formula 10's 8-bit metadata decoded in the tile (e5m3 scale byte, zero byte in 1/16 steps) against the
     float64 oracle of the same bytes: ragged rows, masked tails (their zero bytes decode to finite values), page
     boundaries, D 128, pages of two token-quad rows."""
@@ -518,8 +519,49 @@ def test_decode_meta8_interpreter(case: tuple, config_id: str) -> None:
     dev = "cuda" if CUDA else "cpu"
     c = make_case(len(name) * seed + 5, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev, meta=torch.uint8)
     assert c["k_cache"].scale.dtype == torch.uint8
-    out = run_op(c, num_splits=splits, config=config, out=_poisoned(c))
+    out = run_op(c, num_splits=splits, config=replace(config, meta_words=words), out=_poisoned(c))
     assert_budget(out, c)
+    if words:  # the same bytes, read four at a time: the same output, bitwise
+        assert torch.equal(out, run_op(c, num_splits=splits, config=config, out=_poisoned(c)))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("hist", [[37, 130], [1, 66]], ids=["ragged", "one-token"])
+def test_decode_meta8_ignores_stale_bytes_past_the_end(hist: list[int]) -> None:
+    """``meta_words`` reads a token quad's four metadata bytes as one 32-bit word: the bytes of a quad's tokens past
+    the row's end must not count, here the largest scale and zero (255) in every slot past the end (left by an
+    earlier request in a real cache), which would otherwise set the tile's value scale and change the valid tokens'
+    rounding (a peaked softmax makes that visible bitwise)."""
+    dev = "cuda" if CUDA else "cpu"
+    page = 16
+    c = make_case(77, 2, 4, 2, 64, hist, [3, 5], [7, 2], page, torch.float16, dev, meta=torch.uint8, q_mag=4.0)
+    words = replace(TINY, meta_words=True)
+    clean = run_op(c, num_splits=2, config=words, out=_poisoned(c))
+    for rows in (c["k_cache"], c["v_cache"]):
+        for part in (rows.scale, rows.zero):
+            for bi, n in enumerate(hist):
+                for slot in range(n, int(c["block_table"].shape[1]) * page):
+                    part[int(c["block_table"][bi, slot // page]), :, slot % page] = 255
+    stale = run_op(c, num_splits=2, config=words, out=_poisoned(c))
+    assert torch.equal(stale, clean)  # bitwise: those bytes never reach the arithmetic
+    assert_budget(stale, c)
+
+
+@pytest.mark.unit
+def test_decode_meta8_refuses_metadata_off_a_word_boundary() -> None:
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(78, 1, 4, 2, 64, [40], [3], [2], 16, torch.float16, dev, meta=torch.uint8)
+    k, v = c["k_cache"], c["v_cache"]
+    shifted = []  # the same bytes, one byte into a fresh buffer
+    for t in (k.scale, k.zero, v.scale, v.zero):
+        moved = torch.zeros(t.numel() + 1, dtype=torch.uint8, device=t.device)[1:].view(t.shape)
+        moved.copy_(t)
+        shifted.append(moved)
+    c2 = dict(c, k_cache=ref.QuantizedRows(k.packed, shifted[0], shifted[1]),
+              v_cache=ref.QuantizedRows(v.packed, shifted[2], shifted[3]))
+    with pytest.raises(ValueError, match="4-byte boundary"):
+        run_op(c2, num_splits=2, config=replace(TINY, meta_words=True))
+    assert_budget(run_op(c2, num_splits=2, config=TINY), c)  # the byte tiles take any address
 
 
 @pytest.mark.unit
@@ -574,6 +616,7 @@ def test_decode_gpu_meta8(length: int, d: int) -> None:
     c = make_case(length + d, 2, 32, 8, d, hist, [64, 64], [256, 40], 16, torch.bfloat16, "cuda", meta=torch.uint8)
     assert_budget(run_op(c, out=_poisoned(c)), c)
     assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(hoist_q=True)), c)
+    assert_budget(run_op(c, out=_poisoned(c), config=ops.DecodeConfig(hoist_q=True, meta_words=True)), c)
 
 
 @pytest.mark.gpu
