@@ -162,7 +162,8 @@ def test_the_triton_path_serves_it_and_vllm_refuses_it_in_one_line(monkeypatch: 
     with pytest.raises(UnsupportedModelError, match="8-bit metadata") as e:
         layout.check_geometry(head_dim=128, block_size=16, group_size=None,
                               settings=layout.Int2Settings(sink=64, recent=256, meta_dtype=META8))
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "Triton" in str(e.value)
+    assert e.value.hint is not None and "--int4-keys 0 --meta-bits 16" in e.value.hint
     with pytest.raises(ValueError, match="16-bit"):
         quantize_channels(torch.randn(1, 1, 128, 16), None, META8)
     assert meth.for_layer(0).meta_dtype == META8

@@ -211,8 +211,9 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if group_size not in (None, head_dim):
         reasons.append(f"quantization group {group_size} (the kernels need G = head_dim)")
     if settings.meta_dtype not in (torch.bfloat16, torch.float16):
-        what = ("8-bit metadata (quant.meta_dtype: uint8, formula 10: oscar's reference path reads it; serve it through "
-                "transformers with --backend reference)" if settings.meta_dtype == torch.uint8
+        what = ("8-bit metadata (quant.meta_dtype: uint8, formula 10: the backend's pages hold 16-bit scale/zero; "
+                "serve it through transformers, whose reference and Triton paths read it)"
+                if settings.meta_dtype == torch.uint8
                 else f"metadata dtype {settings.meta_dtype} (pages hold 16-bit scale/zero)")
         reasons.append(what)
     if sliding_window is not None:
@@ -224,7 +225,11 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if kv_sharing:
         reasons.append("cross-layer KV sharing")
     if reasons:
-        raise UnsupportedModelError("oscar INT2 backend cannot serve this model: " + "; ".join(reasons))
+        hint = None
+        if int4_key_layers or settings.meta_dtype == torch.uint8:
+            hint = ("for this backend, calibrate an artifact with 2-bit keys and 16-bit scale/zero: "
+                    "oscar calibrate MODEL --int4-keys 0 --meta-bits 16")
+        raise UnsupportedModelError("oscar INT2 backend cannot serve this model: " + "; ".join(reasons), hint)
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
