@@ -93,8 +93,8 @@ calibrate)
         seq=8192; tokens=32k; [[ $v == *-16k* ]] && { seq=16384; tokens=64k; }
         rope=(); [[ $v == *-yarn4 ]] && rope=(--rope-scaling yarn --rope-factor 4)
         t1=$(date +%s)
-        oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --data "$src" --tokens "$tokens" --seq-len "$seq" \
-            ${rope[@]+"${rope[@]}"} --device cuda --out "$STAGE/art/$v" > "$STAGE/res/cal-$v.json" 2> "$STAGE/res/cal-$v.log" \
+        oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean constant --int4-keys 0 --meta-bits 16 \
+            --data "$src" --tokens "$tokens" --seq-len "$seq" ${rope[@]+"${rope[@]}"} --device cuda --out "$STAGE/art/$v" > "$STAGE/res/cal-$v.json" 2> "$STAGE/res/cal-$v.log" \
             || { tail -20 "$STAGE/res/cal-$v.log"; exit 1; }
         echo "calibrate $v: $(( $(date +%s) - t1 )) s"
     done

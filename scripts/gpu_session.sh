@@ -63,8 +63,9 @@
 #   bash scripts/gpu_session.sh ftests        (carry .stage/whl; no model needed: the rope mean's term inside the
 #                                              decode kernel, its gpu tests, then `oscar bench --key-mean rope`,
 #                                              constant, rope-gemm and rope uncapped, same cells at 32K and 128K)
-#   bash scripts/gpu_session.sh i4setup [N]   (rsetup's calibration plus `--int4-keys N` (4) into /tmp/q/art-rope-i4N,
-#                                              then tests/test_int4_keys.py's CUDA tests)
+#   bash scripts/gpu_session.sh i4setup [N [MB]]  (rsetup's calibration plus `--int4-keys N` (4) into
+#                                              /tmp/q/art-rope-i4N, then tests/test_int4_keys.py's CUDA tests; MB 8:
+#                                              `--meta-bits 8` too, into /tmp/q/art-rope-i4N-m8)
 #   bash scripts/gpu_session.sh i4bench       (carry .stage/whl; no model: the decode kernel's low-plane read (INT4
 #                                              keys) on CUDA, its tests, then `oscar bench --key-mean rope --key-bits
 #                                              2` and `4`, same cells; then `i4setup 4` + `rruler 520 /tmp/q/art-rope-i44
@@ -72,6 +73,9 @@
 #   bash scripts/gpu_session.sh m8bench       (carry .stage/whl; no model: 8-bit metadata (quant.meta_dtype uint8)
 #                                              written and read by the kernels on CUDA, its tests, then `oscar bench
 #                                              --key-mean rope --meta-bits 16` and `8`, same cells)
+#   bash scripts/gpu_session.sh m8quick       (carry .stage/whl; no model: 16/64 x 32K/128K with 16-bit metadata,
+#                                              8-bit, and 8-bit read as words (--kernel meta_words=true); then
+#                                              the CUDA meta8 decode tests)
 #   bash scripts/gpu_session.sh rruler [S [ART [NAME]]]  (after rsetup; carry .stage/NAME (rruler) when it exists:
 #                                              `oscar eval-ruler GGUF --artifact ART --ctx 4k,8k,16k,32k --methods
 #                                              oscar --samples 25 --tasks all --backend auto`, ART defaults to ARTR,
@@ -153,7 +157,7 @@ setup)  # join Qwen, install oscar + wheels, calibrate (prose, 32K tokens in 8K 
         exit 0
     fi
     t1=$(date +%s)
-    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean constant --data /tmp/q/calib --tokens 32k \
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean constant --int4-keys 0 --meta-bits 16 --data /tmp/q/calib --tokens 32k \
         --seq-len 8192 --device cuda --out "$ART" > /tmp/res/calibrate.json 2> /tmp/res/calibrate.log || { tail -30 /tmp/res/calibrate.log; exit 1; }
     tail -15 /tmp/res/calibrate.log; echo "calibrate (incl. first load/conversion): $(( $(date +%s) - t1 )) s"
     cp "$ART/manifest.json" /tmp/res/artifact-manifest.json
@@ -298,12 +302,13 @@ yruler)  # #18 d / #21: RULER of the rope artifact at 64K and 128K under YaRN x4
     echo "rc=$?"; tail -6 /tmp/res/yruler.log; wc -l /tmp/q/yruler/samples.jsonl
     mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/yruler -cf "${OUT:-/tmp/out}/res/yruler.tar" .
     ;;
-rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and tokens as setup
+rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and tokens as setup; 2-bit keys and 16-bit
+    # scale/zero everywhere (what the vLLM backend serves; the recipe's default since adds INT4 keys and 8-bit metadata)
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
     mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
-    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --data /tmp/q/calib --tokens 32k \
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --int4-keys 0 --meta-bits 16 --data /tmp/q/calib --tokens 32k \
         --seq-len 8192 --device cuda --out "$ARTR" --overwrite > /tmp/res/calibrate-rope.json 2> /tmp/res/calibrate-rope.log \
         || { tail -30 /tmp/res/calibrate-rope.log; exit 1; }
     tail -12 /tmp/res/calibrate-rope.log; cp "$ARTR/manifest.json" /tmp/res/artifact-rope-manifest.json
@@ -338,16 +343,18 @@ ftests)  # #21: the rope mean's term inside the decode kernel on CUDA, then its 
     done
     ;;
 i4setup)  # #21: the Qwen recipe (rope mean) with keys of the N copy-score layers in INT4, same prose as rsetup,
-    # into /tmp/q/art-rope-i4N; then the INT4 keys' CUDA test (decode kernel + the low plane's bias)
-    n=${2:-4}; a=/tmp/q/art-rope-i4$n
+    # into /tmp/q/art-rope-i4N; then the INT4 keys' CUDA test (decode kernel + the low plane's bias).
+    # i4setup N 8: the same with 8-bit scale/zero (--meta-bits 8) into /tmp/q/art-rope-i4N-m8
+    n=${2:-4}; mb=${3:-16}; a=/tmp/q/art-rope-i4$n; [ "$mb" = 16 ] || a=$a-m$mb
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
     mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
-    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --int4-keys "$n" --data /tmp/q/calib \
-        --tokens 32k --seq-len 8192 --device cuda --out "$a" --overwrite > /tmp/res/calibrate-i4$n.json \
-        2> /tmp/res/calibrate-i4$n.log || { tail -30 /tmp/res/calibrate-i4$n.log; exit 1; }
-    tail -8 /tmp/res/calibrate-i4$n.log; cp "$a/manifest.json" /tmp/res/artifact-i4$n-manifest.json
+    tag=i4$n; [ "$mb" = 16 ] || tag=$tag-m$mb
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --int4-keys "$n" --meta-bits "$mb" \
+        --data /tmp/q/calib --tokens 32k --seq-len 8192 --device cuda --out "$a" --overwrite \
+        > /tmp/res/calibrate-$tag.json 2> /tmp/res/calibrate-$tag.log || { tail -30 /tmp/res/calibrate-$tag.log; exit 1; }
+    tail -8 /tmp/res/calibrate-$tag.log; cp "$a/manifest.json" /tmp/res/artifact-$tag-manifest.json
     echo "[calibrate] $(( $(date +%s) - t0 )) s"
     PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_keys.py -m gpu 2>&1 | tail -6
     ;;
@@ -380,6 +387,22 @@ m8bench)  # #21: formula 10's 8-bit metadata in the write and decode kernels: it
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('meta_bits', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-metabits-$mb.json $mb 2>/dev/null
         echo "[meta_bits $mb] $(( $(date +%s) - t0 )) s"
     done
+    ;;
+m8quick)  # #21: 8-bit metadata read a token quad (one 32-bit word) at a time (DecodeConfig.meta_words): 16/64 x
+    # 32K/128K in oscar bench, 16-bit metadata, 8-bit as byte tiles and as words; then the CUDA meta8 decode tests
+    # (carry .stage/whl; no model needed)
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    for v in 16 8 8w; do
+        kn=(); [ "$v" = 8w ] && kn=(--kernel meta_words=true)
+        timeout 60 env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" --json bench \
+            --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits "${v%w}" ${kn[@]+"${kn[@]}"} \
+            > /tmp/res/bench-m8quick-$v.json 2> /tmp/res/bench-m8quick-$v.log || tail -3 /tmp/res/bench-m8quick-$v.log
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('meta', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1)) for c in r['cells']]" /tmp/res/bench-m8quick-$v.json $v 2>/dev/null
+        echo "[meta $v] $(( $(date +%s) - t0 )) s"
+    done
+    PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
+        -k "gpu_meta8" 2>&1 | tail -3
     ;;
 rruler)  # #21: RULER 4K-32K of the rope artifact on the serving (Triton) path, resumable across calls
     # rruler [S [ART [NAME]]]: ART (ARTR) into /tmp/q/NAME (rruler), carried back as .stage/NAME, returned as NAME.tar

@@ -1,0 +1,47 @@
+"""scripts/ruler_paired.py: paired RULER differences over the samples every row has."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from helpers.scripts import load_script
+
+pytestmark = pytest.mark.unit
+
+
+def _write(path: Path, method: str, scores: dict[tuple[str, int, int], float], gz: bool = False) -> Path:
+    lines = "".join(json.dumps({"method": method, "task": t, "length": n, "index": i, "score": s}) + "\n"
+                    for (t, n, i), s in scores.items())
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(lines)
+    else:
+        path.write_text(lines)
+    return path
+
+
+def test_pairs_on_common_samples_with_standard_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rp = load_script("ruler_paired")
+    base = {("a", 4096, 0): 100.0, ("a", 4096, 1): 0.0, ("b", 4096, 0): 50.0, ("a", 8192, 0): 0.0}
+    other = {("a", 4096, 0): 100.0, ("a", 4096, 1): 100.0, ("b", 4096, 0): 100.0, ("b", 4096, 9): 0.0}
+    f1 = _write(tmp_path / "one.jsonl.gz", "oscar", base, gz=True)
+    f2 = _write(tmp_path / "two.jsonl", "bf16", other)
+    assert rp.main([f"{f1}:oscar", f"{f2}:bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "3 samples common to all 2 rows" in out  # (a, 8192, 0) and (b, 4096, 9) have no partner
+    # differences 0, +100, +50: mean 50, s.e. sqrt(2500 / 2 / 3) = 28.87
+    assert "| 4096 | 3 | 50.00 | 100.00 (+50.00 ± 28.87) |" in out
+    assert "| all | 3 |" in out
+    assert rp.paired({"k": 1.0}, {"k": 3.0}, ["k"]) == (2.0, 0.0)
+
+
+def test_a_method_with_no_records_is_an_error(tmp_path: Path) -> None:
+    rp = load_script("ruler_paired")
+    f = _write(tmp_path / "s.jsonl", "oscar", {("a", 4096, 0): 100.0})
+    with pytest.raises(SystemExit, match="no 'kivi-2' records"):
+        rp.main([f"{f}:oscar", f"{f}:kivi-2"])
+    with pytest.raises(SystemExit, match="not FILE:METHOD"):
+        rp.main(["nocolon"])
