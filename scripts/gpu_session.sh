@@ -131,6 +131,14 @@ site() {  # oscar (this tree) and the wheels the image lacks -> /tmp/site, once
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl || return 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || return 1
 }
+benchrun() {  # benchrun NAME LIMIT_S ARGS...: `oscar --json bench ARGS` -> /tmp/res/bench-NAME.{json,log}; one line per
+    # cell: NAME, batch, ctx, INT2 µs and the best BF16 µs (CUDA graphs)
+    local nm=$1 lim=$2; shift 2
+    timeout "$lim" env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" --json bench "$@" \
+        > "/tmp/res/bench-$nm.json" 2> "/tmp/res/bench-$nm.log" || tail -3 "/tmp/res/bench-$nm.log"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" "/tmp/res/bench-$nm.json" "$nm" 2>/dev/null
+    echo "[$nm] $(( $(date +%s) - t0 )) s"
+}
 qablate() {  # qablate DIR COMMITTED NAME S ARGS...: scripts/ablate.py on the Qwen GGUF (eval-kl 3 windows at 4K and
     # 32,704, reference path) into /tmp/q/DIR; a fresh machine resumes from docs/results/COMMITTED.json (its
     # finished rows, same model path, recipe and text, are skipped); the table, log and json -> /tmp/res/NAME.*
@@ -321,9 +329,7 @@ rtests)  # #21: the rope mean's kernels on CUDA, then their cost in oscar bench
         tests/test_kernels_pack.py::test_quantize_write_a_mean_per_row_bitwise \
         tests/test_cache.py::test_triton_decode_path_matches_reference_on_cuda 2>&1 | tail -12
     for km in constant rope; do
-        oscar --json bench --batch 1,16 --ctx 4k,32k,128k --key-mean $km > /tmp/res/bench-kmean-$km.json \
-            2> /tmp/res/bench-kmean-$km.log || tail -5 /tmp/res/bench-kmean-$km.log
-        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(c['best_bf16_graph_us'] if 'best_bf16_graph_us' in c else min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-kmean-$km.json $km
+        benchrun "kmean-$km" 300 --batch 1,16 --ctx 4k,32k,128k --key-mean $km
     done
     ;;
 ftests)  # #21: the rope mean's term inside the decode kernel on CUDA, then its cost against the constant mean and the
@@ -366,11 +372,7 @@ i4bench)  # #21: INT4 keys' low plane read inside the decode kernel (HAS_LO): it
         -k low_plane tests/test_int4_keys.py 2>&1 | tail -6
     echo "[tests] $(( $(date +%s) - t0 )) s"
     for kb in 2 4; do
-        timeout 150 env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" --json bench \
-            --batch 1,16,64 --ctx 4k,32k,128k --key-mean rope --key-bits $kb > /tmp/res/bench-keybits-$kb.json \
-            2> /tmp/res/bench-keybits-$kb.log || tail -3 /tmp/res/bench-keybits-$kb.log
-        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('key_bits', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-keybits-$kb.json $kb 2>/dev/null
-        echo "[key_bits $kb] $(( $(date +%s) - t0 )) s"
+        benchrun "keybits-$kb" 150 --batch 1,16,64 --ctx 4k,32k,128k --key-mean rope --key-bits $kb
     done
     ;;
 m8bench)  # #21: formula 10's 8-bit metadata in the write and decode kernels: its tests on CUDA, then its speed
@@ -381,11 +383,7 @@ m8bench)  # #21: formula 10's 8-bit metadata in the write and decode kernels: it
         tests/test_kernels_pack.py tests/test_meta8.py -k "meta8 or Meta8 or bits" 2>&1 | tail -6
     echo "[tests] $(( $(date +%s) - t0 )) s"
     for mb in 16 8; do
-        timeout 180 env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" --json bench \
-            --batch 1,16,64 --ctx 4k,32k,128k --key-mean rope --meta-bits $mb > /tmp/res/bench-metabits-$mb.json \
-            2> /tmp/res/bench-metabits-$mb.log || tail -3 /tmp/res/bench-metabits-$mb.log
-        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('meta_bits', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1), round(min(v for v in c['bf16_graph_us'].values() if v), 1)) for c in r['cells']]" /tmp/res/bench-metabits-$mb.json $mb 2>/dev/null
-        echo "[meta_bits $mb] $(( $(date +%s) - t0 )) s"
+        benchrun "metabits-$mb" 180 --batch 1,16,64 --ctx 4k,32k,128k --key-mean rope --meta-bits $mb
     done
     ;;
 m8quick)  # #21: 8-bit metadata read a token quad (one 32-bit word) at a time (DecodeConfig.meta_words): 16/64 x
@@ -393,14 +391,9 @@ m8quick)  # #21: 8-bit metadata read a token quad (one 32-bit word) at a time (D
     # (carry .stage/whl; no model needed)
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-    for v in 16 8 8w; do
-        kn=(); [ "$v" = 8w ] && kn=(--kernel meta_words=true)
-        timeout 60 env PYTHONPATH=/tmp/site python3 -c "from oscar_cli.main import main; main()" --json bench \
-            --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits "${v%w}" ${kn[@]+"${kn[@]}"} \
-            > /tmp/res/bench-m8quick-$v.json 2> /tmp/res/bench-m8quick-$v.log || tail -3 /tmp/res/bench-m8quick-$v.log
-        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print('meta', sys.argv[2], c['batch'], c['ctx'], round(c['int2_graph_us'] or 0, 1)) for c in r['cells']]" /tmp/res/bench-m8quick-$v.json $v 2>/dev/null
-        echo "[meta $v] $(( $(date +%s) - t0 )) s"
-    done
+    benchrun m8quick-16 60 --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits 16
+    benchrun m8quick-8 60 --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits 8
+    benchrun m8quick-8w 60 --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits 8 --kernel meta_words=true
     PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
         -k "gpu_meta8" 2>&1 | tail -3
     ;;
