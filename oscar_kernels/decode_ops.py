@@ -68,9 +68,11 @@ class DecodeConfig:
     # 8-bit metadata (formula 10): read a token quad's four bytes as one 32-bit word instead of a ``[NQ, 4]`` byte tile
     # (2 bytes a thread, which the loop pipeliner leaves as synchronous loads: sm_90 SASS of the batch-16 rope
     # configuration, 10 async copies and 9 ``LDG`` per iteration against 16-bit metadata's 14 and 5; words: 15 and 5,
-    # 1,118 instructions against 1,201 and 1,029). Needs the metadata on 4-byte boundaries. Not timed on a GPU yet,
-    # so off (docs/KERNELS.md)
-    meta_words: bool = False
+    # 1,118 instructions against 1,201 and 1,029). Bitwise the same output. Measured (H100, docs/KERNELS.md): words
+    # decode at 16-bit metadata's speed (16 x 128K 638 vs 630 µs), byte tiles at 1.4x (893 µs). None: words
+    # whenever the metadata sits on 4-byte boundaries (data pointer, page and head strides, page size; oscar's
+    # caches always do), byte tiles otherwise; True: words, refusing metadata off a word boundary; False: byte tiles
+    meta_words: bool | None = None
 
 
 def default_config(batch: int, rope_mean: bool = False) -> DecodeConfig:
@@ -280,7 +282,8 @@ class DecodePlan:
         if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
             raise bad_tensor("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
         h_kv, page = int(kc.shape[1]), int(kc.shape[2])
-        vrow = _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged, cfg.meta_words) // 4
+        vrow, words = _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged, cfg.meta_words)
+        vrow //= 4
         check_tensor("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
         if not paged and (block_table.shape[1] != 1 or kc.shape[0] != b):
             raise ValueError("paged=False needs k_cache [B, H_kv, T, D/4] and a [B, 1] block table (page b = row b)")
@@ -331,6 +334,7 @@ class DecodePlan:
         scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
         q_rot = torch.empty_like(q)
         self.out, self.num_splits, self.config = out, s, cfg
+        self.meta_words = words  # 8-bit metadata read as 32-bit words (resolved from cfg.meta_words)
         self._kernels = triton_modules()[1]
         self._rot: tuple[Any, ...] = ((b * h_kv, d // 32), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
                                    q_rot.stride(1), scale),
@@ -352,7 +356,7 @@ class DecodePlan:
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
-                 HAS_LO=lo is not None, META8=(2 if cfg.meta_words else 1) if ks.dtype == torch.uint8 else 0,
+                 HAS_LO=lo is not None, META8=(2 if words else 1) if ks.dtype == torch.uint8 else 0,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
@@ -374,10 +378,11 @@ class DecodePlan:
 
 
 def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tensor, h_kv: int, page: int,
-                 dev: torch.device, paged: bool = True, words: bool = False) -> int:
+                 dev: torch.device, paged: bool = True, words: bool | None = None) -> tuple[int, bool]:
     """Keys: quarter-packed rows ``[pages, H_kv, P, D/4]``; values: token quads ``[pages, H_kv, P/R·D, R/4]`` with
     ``R = min(P, 64)`` tokens per row (paged; pages above 64 tokens are multiples of 64), ``[B, H_kv, ⌈T/64⌉·D, 16]``
-    (non-paged). Returns ``R``."""
+    (non-paged). Returns ``R`` and whether 8-bit metadata is read as 32-bit words (``words``: None picks them when
+    every metadata tensor sits on 4-byte boundaries, True requires it)."""
     d = 4 * int(kc.shape[-1])
     if paged and page > TOKEN_QUAD_ROW and page % TOKEN_QUAD_ROW:
         raise ValueError(f"k_cache.packed: pages above {TOKEN_QUAD_ROW} tokens must be multiples of "
@@ -390,6 +395,7 @@ def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tenso
         raise bad_tensor("v_cache.packed", vc, "a contiguous last dim (token quads)")
     if kc.stride(-1) != 1 or kc.stride(-2) != kc.shape[-1]:
         raise bad_tensor("k_cache.packed", kc, "contiguous rows")
+    aligned = k_cache.scale.dtype == torch.uint8 and page % 4 == 0
     for nm, rows in (("k_cache", k_cache), ("v_cache", v_cache)):
         for part in ("scale", "zero"):
             t = getattr(rows, part)
@@ -397,12 +403,15 @@ def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tenso
                          META_WRITE, dev)
             if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
                 raise bad_tensor(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
-            if words and t.dtype == torch.uint8 and (t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4
-                                                     or page % 4):
-                # formula 10's bytes are read a token quad (one 32-bit word) at a time
-                raise bad_tensor(f"{nm}.{part}", t, "8-bit metadata starting on a 4-byte boundary, with strides and "
-                                 "page size multiples of 4 (a token quad's bytes are one 32-bit word)")
-    return row
+            if t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4:
+                aligned = False
+                if words and t.dtype == torch.uint8:  # formula 10's bytes read a token quad (one 32-bit word) at a time
+                    raise bad_tensor(f"{nm}.{part}", t, "8-bit metadata starting on a 4-byte boundary, with strides "
+                                     "and page size multiples of 4 (a token quad's bytes are one 32-bit word)")
+    if words and k_cache.scale.dtype == torch.uint8 and page % 4:
+        raise bad_tensor("k_cache.scale", k_cache.scale, "a page size that is a multiple of 4 for 8-bit metadata "
+                         "read as 32-bit words")
+    return row, aligned if words is None else bool(words) and k_cache.scale.dtype == torch.uint8
 
 
 def decode_attention(

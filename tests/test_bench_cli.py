@@ -257,6 +257,9 @@ def test_kernel_options_parse_and_apply() -> None:
     knobs = parse_kernel_options(" hist_stages=4, maxnreg=none ,pdl=false,merge_cols=128")
     assert knobs == (("hist_stages", 4), ("maxnreg", None), ("pdl", False), ("merge_cols", 128))
     assert parse_kernel_options(None) == () and parse_kernel_options("") == ()
+    # an optional flag takes true/false and none (the kernel's own choice)
+    assert parse_kernel_options("meta_words=true,pdl=off") == (("meta_words", True), ("pdl", False))
+    assert parse_kernel_options("meta_words=none") == (("meta_words", None),)
     got = decode_config_for(BenchConfig(shape=NAMED_SHAPES["qwen3-8b"], kernel=knobs), 16)
     base = ops.default_config(16)
     assert (got.hist_stages, got.maxnreg, got.pdl, got.merge_cols) == (4, None, False, 128)
@@ -267,7 +270,9 @@ def test_kernel_options_parse_and_apply() -> None:
     ("nope=1", "unknown kernel option 'nope'; known: .*hist_stages"),
     ("hist_stages", "expected KEY=VALUE"),
     ("hist_stages=", "expected KEY=VALUE"),
-    ("pdl=maybe", "pdl takes true or false"),
+    ("pdl=maybe", "pdl takes true or false, got"),
+    ("pdl=none", "pdl takes true or false, got 'none'"),
+    ("meta_words=2", "meta_words takes true or false or none"),
     ("hist_stages=four", "hist_stages takes an integer"),
     ("hist_stages=none", "hist_stages cannot be none"),
     ("hist_stages=4,hist_stages=5", "hist_stages given twice"),

@@ -522,7 +522,8 @@ def test_decode_meta8_interpreter(case: tuple, config_id: str, words: bool) -> N
     out = run_op(c, num_splits=splits, config=replace(config, meta_words=words), out=_poisoned(c))
     assert_budget(out, c)
     if words:  # the same bytes, read four at a time: the same output, bitwise
-        assert torch.equal(out, run_op(c, num_splits=splits, config=config, out=_poisoned(c)))
+        assert torch.equal(out, run_op(c, num_splits=splits, config=replace(config, meta_words=False),
+                                       out=_poisoned(c)))
 
 
 @pytest.mark.unit
@@ -561,7 +562,32 @@ def test_decode_meta8_refuses_metadata_off_a_word_boundary() -> None:
               v_cache=ref.QuantizedRows(v.packed, shifted[2], shifted[3]))
     with pytest.raises(ValueError, match="4-byte boundary"):
         run_op(c2, num_splits=2, config=replace(TINY, meta_words=True))
-    assert_budget(run_op(c2, num_splits=2, config=TINY), c)  # the byte tiles take any address
+    assert_budget(run_op(c2, num_splits=2, config=replace(TINY, meta_words=False)), c)  # byte tiles: any address
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("offset", [0, 1, 2], ids=["aligned", "one-byte-off", "two-bytes-off"])
+def test_decode_meta8_default_reads_words_where_the_metadata_allows(offset: int) -> None:
+    """``meta_words=None`` (the default): 32-bit words when all four metadata tensors sit on 4-byte boundaries
+    (oscar's caches), byte tiles otherwise; the same output either way, bitwise."""
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(79, 2, 4, 2, 64, [40, 9], [3, 1], [2, 4], 16, torch.float16, dev, meta=torch.uint8)
+    parts = []
+    for rows in (c["k_cache"], c["v_cache"]):
+        for t in (rows.scale, rows.zero):
+            moved = torch.zeros(t.numel() + 4, dtype=torch.uint8, device=t.device)[offset:offset + t.numel()]
+            parts.append(moved.view(t.shape).copy_(t))
+    c2 = dict(c, k_cache=ref.QuantizedRows(c["k_cache"].packed, parts[0], parts[1]),
+              v_cache=ref.QuantizedRows(c["v_cache"].packed, parts[2], parts[3]))
+    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+            "recent_k", "recent_v", "recent_len")
+    plan = ops.DecodePlan(c2["q"], *(c2[k] for k in keys), rotation_k=c2["rotation_k"],  # type: ignore[arg-type]
+                          rotation_v=c2["rotation_v"], mean_v=c2["mean_v"], num_splits=2, config=TINY,
+                          out=_poisoned(c2))
+    assert plan.config.meta_words is None and plan.meta_words == (offset == 0)
+    bytes_out = run_op(c2, num_splits=2, config=replace(TINY, meta_words=False), out=_poisoned(c2))
+    assert torch.equal(plan.run().clone(), bytes_out)
+    assert_budget(bytes_out, c)
 
 
 @pytest.mark.unit

@@ -3,8 +3,9 @@
 
 Every ``DecodeConfig`` field can be set (``hist_stages=2``, ``maxnreg=128``, ``pdl=false``, ``merge_cols=128`` ...);
 fields not named keep ``default_config(batch)``. Values: integers, ``true``/``false`` for flags, ``none`` for
-optional integers, words for text fields (``rope_prec=tf32x3``). Whether a combination is legal (e.g. ``block_n``
-a power of two >= 64 on a GPU) is checked by the kernels' own validation when the bench builds its launch plan.
+optional integers and flags (``meta_words=none``: the kernel's own choice), words for text fields
+(``rope_prec=tf32x3``). Whether a combination is legal (e.g. ``block_n`` a power of two >= 64 on a GPU) is checked
+by the kernels' own validation when the bench builds its launch plan.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def _fields() -> dict[str, Any]:
+def _fields() -> dict[str, tuple[Any, bool]]:
+    """Each DecodeConfig field's default and whether it is a flag (``bool`` or ``bool | None``)."""
     from oscar_kernels.ops import DecodeConfig
 
     base = DecodeConfig()
-    return {f.name: getattr(base, f.name) for f in dataclasses.fields(DecodeConfig)}
+    return {f.name: (getattr(base, f.name), str(f.type).replace(" ", "").split("|")[0] == "bool")
+            for f in dataclasses.fields(DecodeConfig)}
 
 
 def parse_kernel_options(text: str | None) -> tuple[tuple[str, Any], ...]:
@@ -38,11 +41,13 @@ def parse_kernel_options(text: str | None) -> tuple[tuple[str, Any], ...]:
             raise ValueError(f"expected KEY=VALUE, got {item.strip()!r}")
         if key not in fields:
             raise ValueError(f"unknown kernel option {key!r}; known: {', '.join(sorted(fields))}")
-        default, low = fields[key], raw.lower()
-        if isinstance(default, bool):
+        (default, flag), low = fields[key], raw.lower()
+        if flag and low == "none" and default is None:
+            value: Any = None
+        elif flag:
             if low not in _TRUE | _FALSE:
-                raise ValueError(f"{key} takes true or false, got {raw!r}")
-            value: Any = low in _TRUE
+                raise ValueError(f"{key} takes true or false{' or none' if default is None else ''}, got {raw!r}")
+            value = low in _TRUE
         elif isinstance(default, str):
             value = raw
         elif low == "none":
