@@ -40,7 +40,7 @@ def test_shipped_per_model_files_load_and_only_differ() -> None:
     # Qwen2.5's keys are centred by position, 4 layers' keys at 4 bits, 8-bit metadata (measured: docs/RESULTS.md);
     # --int4-keys 0 --meta-bits 16 is the override the vLLM backend needs
     qwen = load_recipe("qwen2.5-coder-1.5b").quant
-    assert (qwen.key_mean, qwen.int4_keys, qwen.meta_dtype) == ("rope", 4, "uint8")
+    assert (qwen.key_mean, qwen.int4_keys, qwen.meta_dtype) == ("rope", 8, "uint8")
     served = load_recipe("qwen2.5-coder-1.5b", {"quant": {"int4_keys": 0, "meta_dtype": "bfloat16"}}).quant
     assert (served.key_mean, served.int4_keys, served.meta_dtype) == ("rope", 0, "bfloat16")
     assert load_recipe("qwen2.5-coder-1.5b", {"quant": {"key_mean": "constant"}}).quant.key_mean == "constant"
