@@ -32,14 +32,9 @@ import torch
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--artifact", required=True, help="oscar artifact (rotations, means, clips, sink/recent)")
-    p.add_argument("--text", required=True, help="prose to take the window from")
-    p.add_argument("--ctx", type=int, default=2048, help="window length in tokens")
-    p.add_argument("--offset", type=int, default=0, help="first token of the window in the tokenized text")
-    p.add_argument("--queries", type=int, default=64, help="last queries of the window scored")
+    from _window import window_parser  # scripts/_window.py
+
+    p = window_parser(__doc__, "oscar artifact (rotations, means, clips, sink/recent)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int)
     p.add_argument("--json", help="write the per-layer numbers here")
@@ -137,16 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from oscar_cli.calibration.capture import capture_attention
-    from oscar_cli.model.load import load_model
-    from oscar_cli.quant.methods import oscar_from_artifact
+    from _window import load_window  # scripts/_window.py
 
-    lm = load_model(args.model, device=args.device)
-    meth = oscar_from_artifact(args.artifact, lm.model.config)
-    ids = lm.tokenizer(Path(args.text).read_text(encoding="utf-8"), return_tensors="pt").input_ids
-    ids = ids[:, args.offset : args.offset + args.ctx]
-    if ids.shape[1] < args.ctx:
-        raise SystemExit(f"the text has {ids.shape[1]} tokens from offset {args.offset}, need {args.ctx}")
+    from oscar_cli.calibration.capture import capture_attention
+
+    lm, meth, ids = load_window(args, args.device)
     rows: list[dict[str, Any]] = []
 
     def observer(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

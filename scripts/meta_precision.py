@@ -16,7 +16,6 @@ token) and the values' relative MSE, each also as a ratio to ``bf16``. CPU, abou
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
@@ -24,14 +23,9 @@ VARIANTS = ("bf16", "m8", "m8-exactzero", "exactscale-m8zero", "exactscale-centr
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default="smollm2-135m")
-    p.add_argument("--artifact", required=True, help="oscar artifact (rotations, means, clips)")
-    p.add_argument("--text", required=True, help="prose to take the window from")
-    p.add_argument("--ctx", type=int, default=2048, help="window length in tokens")
-    p.add_argument("--offset", type=int, default=0, help="first token of the window in the tokenized text")
-    p.add_argument("--queries", type=int, default=64, help="last queries of the window scored")
+    from _window import window_parser  # scripts/_window.py
+
+    p = window_parser(__doc__, "oscar artifact (rotations, means, clips)")
     p.add_argument("--threads", type=int, default=1)
     return p
 
@@ -63,17 +57,12 @@ def fake_quantize(y: torch.Tensor, variant: str) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    from _window import load_window  # scripts/_window.py
+
     from oscar_cli.calibration.capture import capture_attention
-    from oscar_cli.model.load import load_model
-    from oscar_cli.quant.methods import oscar_from_artifact
     from oscar_kernels.reference import clip_rows, rotate
 
-    lm = load_model(args.model, device="cpu", dtype=torch.float32)
-    meth = oscar_from_artifact(args.artifact, lm.model.config)
-    ids = lm.tokenizer(Path(args.text).read_text(encoding="utf-8"), return_tensors="pt").input_ids
-    ids = ids[:, args.offset : args.offset + args.ctx]
-    if ids.shape[1] < args.ctx:
-        raise SystemExit(f"the text has {ids.shape[1]} tokens from offset {args.offset}, need {args.ctx}")
+    lm, meth, ids = load_window(args, "cpu", torch.float32)
     sums = {v: [0.0, 0.0] for v in VARIANTS}
     layers: list[int] = []
 

@@ -193,6 +193,19 @@ def test_the_precision_probe_quantizes_as_the_reference() -> None:
         probe.fake_quantize(y, "fp8")
 
 
+@pytest.mark.parametrize(("script", "own"), [("meta_precision", ["--threads", "2"]),
+                                           ("logit_variance", ["--device", "cpu", "--json", "lv.json"])])
+def test_the_window_probes_share_their_command_line(script: str, own: list[str]) -> None:
+    """Both one-window probes take the window arguments of ``scripts/_window.py`` plus their own."""
+    from helpers.scripts import load_script
+
+    args = load_script(script)._parser().parse_args(["--artifact", "A", "--text", "T", "--ctx", "1024", *own])
+    assert (args.model, args.artifact, args.text, args.ctx, args.offset, args.queries) == \
+        ("smollm2-135m", "A", "T", 1024, 0, 64)
+    with pytest.raises(SystemExit):
+        load_script(script)._parser().parse_args(["--text", "T"])  # --artifact is required
+
+
 def test_the_ruler_override_serves_the_artifact_with_8bit_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     """``scripts/ruler_meta8.py`` keeps the artifact's method (transforms, clips, windows) and changes only its
     metadata dtype."""
