@@ -68,7 +68,8 @@ class DecodeConfig:
     # 8-bit metadata (formula 10): read a token quad's four bytes as one 32-bit word instead of a ``[NQ, 4]`` byte tile
     # (2 bytes a thread, which the loop pipeliner leaves as synchronous loads: sm_90 SASS of the batch-16 rope
     # configuration, 10 async copies and 9 ``LDG`` per iteration against 16-bit metadata's 14 and 5; words: 15 and 5,
-    # 1,118 instructions against 1,201 and 1,029). Bitwise the same output. Measured (H100, docs/KERNELS.md): words
+    # 1,118 instructions against 1,201 and 1,029). The same output (bitwise in the interpreter; on CUDA within one
+    # ulp: the compiled loops may sum in another order). Measured (H100, docs/KERNELS.md): words
     # decode at 16-bit metadata's speed (16 x 128K 638 vs 630 µs), byte tiles at 1.4x (893 µs). None: words
     # whenever the metadata sits on 4-byte boundaries (data pointer, page and head strides, page size; oscar's
     # caches always do), byte tiles otherwise; True: words, refusing metadata off a word boundary; False: byte tiles
