@@ -74,7 +74,8 @@
 #                                              written and read by the kernels on CUDA, its tests, then `oscar bench
 #                                              --key-mean rope --meta-bits 16` and `8`, same cells)
 #   bash scripts/gpu_session.sh m8quick       (carry .stage/whl; no model: 16/64 x 32K/128K with 16-bit metadata,
-#                                              8-bit, and 8-bit read as words (--kernel meta_words=true); then
+#                                              8-bit as byte tiles (--kernel meta_words=false) and as words (the
+#                                              default since 2026-12-06, named: meta_words=true); then
 #                                              the CUDA meta8 decode tests)
 #   bash scripts/gpu_session.sh rruler [S [ART [NAME]]]  (after rsetup; carry .stage/NAME (rruler) when it exists:
 #                                              `oscar eval-ruler GGUF --artifact ART --ctx 4k,8k,16k,32k --methods
@@ -392,7 +393,7 @@ m8quick)  # #21: 8-bit metadata read a token quad (one 32-bit word) at a time (D
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     benchrun m8quick-16 60 --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits 16
-    benchrun m8quick-8 60 --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits 8
+    benchrun m8quick-8 60 --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits 8 --kernel meta_words=false
     benchrun m8quick-8w 60 --batch 16,64 --ctx 32k,128k --key-mean rope --meta-bits 8 --kernel meta_words=true
     PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
         -k "gpu_meta8" 2>&1 | tail -3
