@@ -396,7 +396,7 @@ def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tenso
         raise bad_tensor("v_cache.packed", vc, "a contiguous last dim (token quads)")
     if kc.stride(-1) != 1 or kc.stride(-2) != kc.shape[-1]:
         raise bad_tensor("k_cache.packed", kc, "contiguous rows")
-    aligned = k_cache.scale.dtype == torch.uint8 and page % 4 == 0
+    off_word: tuple[str, torch.Tensor] | None = None  # metadata whose bytes cannot be read a 32-bit word at a time
     for nm, rows in (("k_cache", k_cache), ("v_cache", v_cache)):
         for part in ("scale", "zero"):
             t = getattr(rows, part)
@@ -404,15 +404,13 @@ def _check_cache(k_cache: QuantizedRows, v_cache: QuantizedRows, kc: torch.Tenso
                          META_WRITE, dev)
             if t.stride() != k_cache.scale.stride() or t.dtype != k_cache.scale.dtype or t.stride(2) != 1:
                 raise bad_tensor(f"{nm}.{part}", t, "the dtype and strides of k_cache.scale, contiguous along P")
-            if t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4:
-                aligned = False
-                if words and t.dtype == torch.uint8:  # formula 10's bytes read a token quad (one 32-bit word) at a time
-                    raise bad_tensor(f"{nm}.{part}", t, "8-bit metadata starting on a 4-byte boundary, with strides "
-                                     "and page size multiples of 4 (a token quad's bytes are one 32-bit word)")
-    if words and k_cache.scale.dtype == torch.uint8 and page % 4:
-        raise bad_tensor("k_cache.scale", k_cache.scale, "a page size that is a multiple of 4 for 8-bit metadata "
-                         "read as 32-bit words")
-    return row, aligned if words is None else bool(words) and k_cache.scale.dtype == torch.uint8
+            if off_word is None and (t.data_ptr() % 4 or t.stride(0) % 4 or t.stride(1) % 4 or page % 4):
+                off_word = (f"{nm}.{part}", t)
+    meta8 = k_cache.scale.dtype == torch.uint8
+    if words and meta8 and off_word is not None:  # formula 10's bytes read a token quad (one 32-bit word) at a time
+        raise bad_tensor(*off_word, "8-bit metadata starting on a 4-byte boundary, with strides and page size "
+                         "multiples of 4 (a token quad's bytes are one 32-bit word)")
+    return row, meta8 and (off_word is None if words is None else bool(words))
 
 
 def decode_attention(

@@ -75,7 +75,7 @@
 #                                              --key-mean rope --meta-bits 16` and `8`, same cells)
 #   bash scripts/gpu_session.sh m8quick       (carry .stage/whl; no model: 16/64 x 32K/128K with 16-bit metadata,
 #                                              8-bit as byte tiles (--kernel meta_words=false) and as words (the
-#                                              default since 2026-12-06, named: meta_words=true); then
+#                                              default, named: meta_words=true); then
 #                                              the CUDA meta8 decode tests)
 #   bash scripts/gpu_session.sh rruler [S [ART [NAME]]]  (after rsetup; carry .stage/NAME (rruler) when it exists:
 #                                              `oscar eval-ruler GGUF --artifact ART --ctx 4k,8k,16k,32k --methods
@@ -312,7 +312,7 @@ yruler)  # #18 d / #21: RULER of the rope artifact at 64K and 128K under YaRN x4
     mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/yruler -cf "${OUT:-/tmp/out}/res/yruler.tar" .
     ;;
 rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and tokens as setup; 2-bit keys and 16-bit
-    # scale/zero everywhere (what the vLLM backend serves; the recipe's default since adds INT4 keys and 8-bit metadata)
+    # scale/zero everywhere (what the vLLM backend serves; the recipe's default adds INT4 keys and 8-bit metadata)
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }

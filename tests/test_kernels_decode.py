@@ -81,12 +81,15 @@ def make_case(seed: int, b: int, h_q: int, h_kv: int, d: int, hist: list[int], s
                 else v) for k, v in case.items()}
 
 
+# a case's cache arguments, in the order decode_attention and DecodePlan take them after q
+CACHE_KEYS = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
+              "recent_k", "recent_v", "recent_len")
+
+
 def run_op(c: dict, **kw: object) -> torch.Tensor:
-    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
-            "recent_k", "recent_v", "recent_len")
     if "logit_bias" in c:
         kw = {"logit_bias": c["logit_bias"], **kw}
-    return ops.decode_attention(c["q"], *(c[k] for k in keys), rotation_k=c["rotation_k"],
+    return ops.decode_attention(c["q"], *(c[k] for k in CACHE_KEYS), rotation_k=c["rotation_k"],
                                 rotation_v=c["rotation_v"], mean_v=c["mean_v"], **kw)  # type: ignore[arg-type]
 
 
@@ -340,9 +343,7 @@ def test_default_config_drops_the_register_cap_for_the_rope_term() -> None:
     assert ops.default_config(1, rope_mean=True) == ops.default_config(1)
     c = make_case(3, 16, 4, 2, 64, [20] * 16, [2] * 16, [2] * 16, 16, torch.float16, "cpu", meta=torch.float16)
     add_rope_mean(c, [100] * 16)
-    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
-            "recent_k", "recent_v", "recent_len")
-    plan = ops.DecodePlan(c["q"], *(c[k] for k in keys), rope_mean=c["rope_mean"])
+    plan = ops.DecodePlan(c["q"], *(c[k] for k in CACHE_KEYS), rope_mean=c["rope_mean"])
     assert plan.config.maxnreg is None
 
 
@@ -578,7 +579,7 @@ def test_decode_meta8_refuses_metadata_off_a_word_boundary() -> None:
 @pytest.mark.parametrize("offset", [0, 1, 2], ids=["aligned", "one-byte-off", "two-bytes-off"])
 def test_decode_meta8_default_reads_words_where_the_metadata_allows(offset: int) -> None:
     """``meta_words=None`` (the default): 32-bit words when all four metadata tensors sit on 4-byte boundaries
-    (oscar's caches), byte tiles otherwise; the same output either way, bitwise."""
+    (oscar's caches), byte tiles otherwise; the same output either way (``_same_output``)."""
     dev = "cuda" if CUDA else "cpu"
     c = make_case(79, 2, 4, 2, 64, [40, 9], [3, 1], [2, 4], 16, torch.float16, dev, meta=torch.uint8)
     parts = []
@@ -588,9 +589,7 @@ def test_decode_meta8_default_reads_words_where_the_metadata_allows(offset: int)
             parts.append(moved.view(t.shape).copy_(t))
     c2 = dict(c, k_cache=ref.QuantizedRows(c["k_cache"].packed, parts[0], parts[1]),
               v_cache=ref.QuantizedRows(c["v_cache"].packed, parts[2], parts[3]))
-    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
-            "recent_k", "recent_v", "recent_len")
-    plan = ops.DecodePlan(c2["q"], *(c2[k] for k in keys), rotation_k=c2["rotation_k"],  # type: ignore[arg-type]
+    plan = ops.DecodePlan(c2["q"], *(c2[k] for k in CACHE_KEYS), rotation_k=c2["rotation_k"],  # type: ignore[arg-type]
                           rotation_v=c2["rotation_v"], mean_v=c2["mean_v"], num_splits=2, config=TINY,
                           out=_poisoned(c2))
     assert plan.config.meta_words is None and plan.meta_words == (offset == 0)
@@ -733,9 +732,7 @@ def test_decode_plan_refill_in_place_and_empty_rows() -> None:
     """A DecodePlan re-run after refilling its tensors follows the new data; a row with no keys gives zeros."""
     dev = "cuda" if CUDA else "cpu"
     c = make_case(5, 2, 4, 1, 64, [20, 9], [2, 0], [3, 0], 16, torch.float16, dev, meta=torch.float16)
-    keys = ("k_cache", "v_cache", "block_table", "hist_len", "sink_k", "sink_v", "sink_len",
-            "recent_k", "recent_v", "recent_len")
-    plan = ops.DecodePlan(c["q"], *(c[k] for k in keys), rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
+    plan = ops.DecodePlan(c["q"], *(c[k] for k in CACHE_KEYS), rotation_k=c["rotation_k"], rotation_v=c["rotation_v"],
                           mean_v=c["mean_v"], num_splits=2, config=TINY, out=_poisoned(c))
     assert_budget(plan.run(), c)
     c["q"].copy_(torch.randn_like(c["q"].float()).to(c["q"].dtype))

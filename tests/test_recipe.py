@@ -37,7 +37,7 @@ def test_shipped_per_model_files_load_and_only_differ() -> None:
         assert r.name == ("default" if name == "defaults" else name)
     assert load_recipe("qwen3-8b").data.tokens == 20480
     assert load_recipe("qwen3-8b").clip.k_ratio == 0.96  # inherited
-    # Qwen2.5's keys are centred by position, 4 layers' keys at 4 bits, 8-bit metadata (measured: docs/RESULTS.md);
+    # Qwen2.5's keys are centred by position, 8 layers' keys at 4 bits, 8-bit metadata (measured: docs/RESULTS.md);
     # --int4-keys 0 --meta-bits 16 is the override the vLLM backend needs
     qwen = load_recipe("qwen2.5-coder-1.5b").quant
     assert (qwen.key_mean, qwen.int4_keys, qwen.meta_dtype) == ("rope", 8, "uint8")

@@ -11,6 +11,7 @@ by the kernels' own validation when the bench builds its launch plan.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -21,8 +22,8 @@ def _fields() -> dict[str, tuple[Any, bool]]:
     """Each DecodeConfig field's default and whether it is a flag (``bool`` or ``bool | None``)."""
     from oscar_kernels.ops import DecodeConfig
 
-    base = DecodeConfig()
-    return {f.name: (getattr(base, f.name), str(f.type).replace(" ", "").split("|")[0] == "bool")
+    base, hints = DecodeConfig(), typing.get_type_hints(DecodeConfig)
+    return {f.name: (getattr(base, f.name), bool in (typing.get_args(hints[f.name]) or (hints[f.name],)))
             for f in dataclasses.fields(DecodeConfig)}
 
 

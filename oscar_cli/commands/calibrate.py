@@ -23,7 +23,7 @@ EXAMPLES = """
   oscar calibrate --recipe my.yaml --out artifacts/try1 --overwrite
   oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON on stdout
   oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
-  oscar calibrate qwen2.5-coder-1.5b --device cuda   # its recipe: keys centred by position, 4 INT4-key layers, 8-bit meta
+  oscar calibrate qwen2.5-coder-1.5b --device cuda   # its recipe: keys centred by position, 8 INT4-key layers, 8-bit meta
   oscar calibrate qwen2.5-coder-1.5b --device cuda --int4-keys 0 --meta-bits 16   # what the vLLM backend serves
   oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean constant   # one key mean: a faster decode
   oscar calibrate smollm2-135m --int4-keys 3   # 4-bit keys on the 3 layers of largest copy score
