@@ -136,7 +136,7 @@ class QuantConfig(Schema):
     # reference path); 0 = off
     bf16_keys: Annotated[int, Field(ge=0, le=1024)] = 0
     # keys at 4 bits (a second INT2 plane, reference formula 9; no clip) for the N layers of largest copy score,
-    # stored once: +2 bits on those layers' history keys (transformers paths; vLLM refuses it); 0 = off
+    # stored once: +2 bits on those layers' history keys (transformers paths and vLLM); 0 = off
     int4_keys: Annotated[int, Field(ge=0, le=1024)] = 0
 
 

@@ -192,18 +192,39 @@ class LowPlane:
     """INT4 keys (``reference`` formula 9) for stage 1: the key pages hold the high plane as INT2 rows with their
     scale and zero; this is the low plane, read in the same tile and added at a quarter of the scale.
 
+    Two forms:
+
+    - slot-indexed (``first`` given): ``codes`` uint8 ``[B, H_kv, C, D/4]`` quarter packed like the key rows, rows
+      contiguous, history token ``n`` of row ``b`` at slot ``first[b] + n`` (the transformers cache);
+    - paged (``first`` None): ``codes`` has the key pages' shape and strides ``[pages, H_kv, P, D/4]`` and token
+      ``n`` sits where its key row does, through the same block table (the vLLM backend's pages).
+
     Attributes:
-        codes: uint8 ``[B, H_kv, C, D/4]`` quarter packed like the key rows, indexed by slot, rows contiguous.
-        first: int32 ``[B]``: the slot of each row's history token 0 (token ``n`` is slot ``first[b] + n``;
-            device tensor: CUDA-graph safe). Stage 1 reads slots ``first[b] .. first[b] + hist_len[b] - 1``:
-            ``OSCAR_KERNEL_DEBUG=1`` checks they exist, at the cost of a device sync.
+        codes: the plane, as above.
+        first: int32 ``[B]``: the slot of each row's history token 0 (device tensor: CUDA-graph safe), or None for
+            a paged plane. Stage 1 reads slots ``first[b] .. first[b] + hist_len[b] - 1``: ``OSCAR_KERNEL_DEBUG=1``
+            checks they exist, at the cost of a device sync.
     """
 
     codes: torch.Tensor
-    first: torch.Tensor
+    first: torch.Tensor | None = None
 
-    def checked(self, b: int, h_kv: int, d: int, hist_len: torch.Tensor, dev: torch.device) -> LowPlane:
-        """This, validated for a launch (raises ``ValueError`` naming the tensor)."""
+    @property
+    def paged(self) -> bool:
+        return self.first is None
+
+    def checked(self, b: int, h_kv: int, d: int, hist_len: torch.Tensor, dev: torch.device,
+                k_codes: torch.Tensor | None = None) -> LowPlane:
+        """This, validated for a launch (raises ``ValueError`` naming the tensor); ``k_codes``: the key pages a
+        paged plane must match in shape and strides."""
+        if self.first is None:
+            kc = k_codes
+            if kc is None or self.codes.dtype != torch.uint8 or self.codes.device != kc.device or \
+                    self.codes.shape != kc.shape or self.codes.stride() != kc.stride():
+                want = "the k_cache.packed shape and strides" if kc is None else \
+                    f"uint8 {list(kc.shape)} with strides {kc.stride()} (the key pages')"
+                raise bad_tensor("low_plane.codes", self.codes, f"{want} (a paged low plane, first=None)")
+            return self
         check_tensor("low_plane.codes", self.codes, f"uint8 [{b}, {h_kv}, C, {d // 4}]", (b, h_kv, None, d // 4),
                      (torch.uint8,), dev)
         if self.codes.stride(-1) != 1 or self.codes.stride(-2) != d // 4:
@@ -328,7 +349,7 @@ class DecodePlan:
         if cfg.rope_prec not in ("tf32x3", "ieee", "tf32", "fp16"):
             raise ConfigError(f"config: rope_prec must be tf32x3, ieee, tf32 or fp16, got {cfg.rope_prec!r}")
         rope = rope_mean.checked(b, h_kv, d, cap, cfg.block_n, dev) if rope_mean is not None else None
-        lo = low_plane.checked(b, h_kv, d, hl, dev) if low_plane is not None else None
+        lo = low_plane.checked(b, h_kv, d, hl, dev, kc if paged else None) if low_plane is not None else None
         vc = v_cache.packed
         g = h_q // h_kv
         gp = max(cfg.min_gp, 1 << (g - 1).bit_length())
@@ -349,7 +370,8 @@ class DecodePlan:
             bias, bias.stride(0) if logit_bias is not None else 0, bias.stride(1) if logit_bias is not None else 0,
             *(rope_args(q, rope, scale, cfg.block_n) if rope is not None else
               (o_part, 0, 0, o_part, 0, o_part, o_part, hl, 0.0)),
-            *((lo.codes, lo.codes.stride(0), lo.codes.stride(1), lo.first) if lo is not None else (kc, 0, 0, hl)),
+            *((lo.codes, lo.codes.stride(0), lo.codes.stride(1), hl if lo.first is None else lo.first)
+              if lo is not None else (kc, 0, 0, hl)),
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
@@ -357,7 +379,7 @@ class DecodePlan:
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
-                 HAS_LO=lo is not None, META8=(2 if words else 1) if ks.dtype == torch.uint8 else 0,
+                 HAS_LO=0 if lo is None else 2 if lo.paged else 1, META8=(2 if words else 1) if ks.dtype == torch.uint8 else 0,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (

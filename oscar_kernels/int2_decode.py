@@ -44,7 +44,9 @@ residues like the metadata); the BF16 tiers take none. The position-dependent ke
 scale and zero; the low plane, ``uint8 [B, H_kv, C, D/4]`` quarter packed like the key rows and indexed by slot
 (history token ``n`` of row ``b`` at slot ``first[b] + n``), is read with the same field dots and added at a quarter
 of the scale: ``score = s_n·(q·hi_n + q·lo_n/4) + m_n·Σq``. One more ``D/4``-byte row per token and four more MMAs
-per residue, in the layers that have it.
+per residue, in the layers that have it. ``HAS_LO == 2`` (paged low plane, the vLLM backend's pages): the plane is a
+second array laid out exactly as the key codes (same page, head and row strides), so a token's low row sits at its
+key row's offset from ``lo_ptr``: no slot index, the block table addresses both.
 
 **Position-dependent key mean** (``HAS_ROPE``): the term ``t(p) = Σ_k A_k·cos θ_k p + B_k·sin θ_k p`` of keys
 centred by ``RoPE_p(m_pre)`` (``oscar_kernels.rope_ops``), computed in the tile instead of read from a ``[B, H_q, L]``
@@ -551,7 +553,9 @@ def _int2_tile(
         vs1, vz1 = meta8_decode(vs1, vz1)
         vs2, vz2 = meta8_decode(vs2, vz2)
         vs3, vz3 = meta8_decode(vs3, vz3)
-    if HAS_LO:  # the low plane's row of each quad's first token
+    if HAS_LO == 2:  # paged low plane: the key rows' own offsets
+        lrow = kb_j + koff * (D // 4)
+    elif HAS_LO:  # the low plane's row of each quad's first token
         lrow = lbase + (n0 + quad).to(tl.int64) * (D // 4)
     else:
         lrow = quad
@@ -665,7 +669,7 @@ def _int2_split(
             rinv = 1.0
     else:
         ca, cb, rpos, rinv = 0.0, 0.0, 0, 1.0
-    if HAS_LO:  # history token n of this row is low-plane slot first[b] + n
+    if HAS_LO == 1:  # history token n of this row is low-plane slot first[b] + n
         lbase = (b.to(tl.int64) * stride_lob + h * stride_loh
                  + tl.load(lo_first_ptr + b).to(tl.int64) * (D // 4))
     else:
@@ -767,7 +771,8 @@ def _decode_stage1_kernel(
     # HAS_ROPE: raw (unrotated) q [B, H_q, D], m_pre [H_kv, D] float32, position table [P, D] float32 (contiguous
     # rows [cos θp | sin θp]), first history position per row pos0 [B] int32, a·sm_scale·log2(e)
     rq_ptr, stride_rqb, stride_rqh, rm_ptr, stride_rmh, rt_ptr, rl_ptr, rpos_ptr, rope_scale,
-    # HAS_LO: INT4 keys' low plane [B, H_kv, C, D/4] uint8 (quarter packed, slot-indexed), first slot per row [B] int32
+    # HAS_LO 1: INT4 keys' low plane [B, H_kv, C, D/4] uint8 (quarter packed, slot-indexed), first slot per row [B]
+    # int32; HAS_LO 2: the low plane paged like the key codes (same strides; lo_first_ptr unused)
     lo_ptr, stride_lob, stride_loh, lo_first_ptr,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
@@ -778,7 +783,7 @@ def _decode_stage1_kernel(
     PAGE: tl.constexpr, TIER_PARTS: tl.constexpr, PDL: tl.constexpr,
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
-    ROPE_PREC: tl.constexpr = "tf32x3", HAS_LO: tl.constexpr = False, META8: tl.constexpr = False,
+    ROPE_PREC: tl.constexpr = "tf32x3", HAS_LO: tl.constexpr = 0, META8: tl.constexpr = False,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
 

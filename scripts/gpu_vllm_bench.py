@@ -422,9 +422,11 @@ def write_qwen3_config(out: Path, shape: dict[str, int], max_pos: int) -> Path:
     return out
 
 
-def write_hadamard_artifact(model_dir: Path, out: Path) -> Path:
+def write_hadamard_artifact(model_dir: Path, out: Path, int4_keys: int = 0, meta_bits: int = 16) -> Path:
     """A data-free oscar artifact (Sylvester Hadamard rotations, no centring, no clipping; S0 = 64, W = 256) for the
-    model's architecture: speed does not depend on the values, and a random-weight model has nothing to calibrate."""
+    model's architecture: speed does not depend on the values, and a random-weight model has nothing to calibrate.
+    ``int4_keys``: that many layers, evenly spaced, with INT4 keys; ``meta_bits`` 8: one-byte scale/zero (the
+    format of the recipes' artifacts, whose serving cost this measures)."""
     import torch
     from transformers import AutoConfig
 
@@ -442,9 +444,14 @@ def write_hadamard_artifact(model_dir: Path, out: Path) -> Path:
                              v_mean=torch.zeros(h, d), k_eigenvalues=torch.zeros(1, d),
                              v_eigenvalues=torch.zeros(1, d), k_clip=0.0, v_clip=0.0)
               for _ in range(int(cfg.num_hidden_layers))]  # own tensors: safetensors refuses shared storage
+    n = int(cfg.num_hidden_layers)
+    quant: dict[str, Any] = {"group_size": None, "meta_dtype": "uint8" if meta_bits == 8 else "bfloat16", "sink": 64,
+                             "recent": 256}
+    if int4_keys:
+        quant["int4_keys"] = sorted({round(i * n / int4_keys) for i in range(int4_keys)})
     m = Manifest(oscar_version="0.1.0", model={"reference": str(model_dir), "resolved": "sha256:" + "0" * 64},
-                 architecture=architecture_fingerprint(cfg), method="hadamard", recipe={},
-                 quant={"group_size": None, "meta_dtype": "bfloat16", "sink": 64, "recent": 256}, data={}, seed=0)
+                 architecture=architecture_fingerprint(cfg), method="hadamard", recipe={}, quant=quant, data={},
+                 seed=0)
     return write_artifact(out, m, layers, "{}\n")
 
 
@@ -748,6 +755,10 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-8b-dummy",
                     help="qwen3-8b-dummy, a local HF model directory, or a GGUF file / oscar alias (its converted copy)")
     ap.add_argument("--artifact", help="oscar artifact (path or hf://); default for dummy models: a Hadamard one")
+    ap.add_argument("--dummy-int4-keys", type=int, default=0,
+                    help="dummy models' Hadamard artifact: this many layers (evenly spaced) with INT4 keys")
+    ap.add_argument("--dummy-meta-bits", type=int, choices=(8, 16), default=16,
+                    help="dummy models' Hadamard artifact: bits of each scale and zero")
     ap.add_argument("--ctx", default="32k", help="prompt lengths, e.g. 32k or 4k,32k,128k")
     ap.add_argument("--out-tokens", type=int, default=256)
     ap.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue")
@@ -831,7 +842,9 @@ def main() -> None:
     args.model_name = name
     artifact = args.artifact
     if artifact is None and dummy:
-        artifact = str(write_hadamard_artifact(model_dir, args.work / f"{name}-hadamard"))
+        tag = f"-i4x{args.dummy_int4_keys}" * bool(args.dummy_int4_keys) + "-m8" * (args.dummy_meta_bits == 8)
+        artifact = str(write_hadamard_artifact(model_dir, args.work / f"{name}-hadamard{tag}", args.dummy_int4_keys,
+                                               args.dummy_meta_bits))
     if smoke_only:
         smoke(args, str(model_dir), dummy, artifact)
         return

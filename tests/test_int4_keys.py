@@ -180,14 +180,15 @@ def test_a_manifest_naming_a_layer_beyond_the_model_is_refused(tmp_path: Path) -
         ManifestSchema.model_validate(doc)
 
 
-def test_vllm_refuses_int4_keys_in_one_line() -> None:
-    from oscar_cli.errors import UnsupportedModelError
-    from oscar_cli.vllm import layout
+def test_vllm_serves_int4_keys_with_the_low_plane_in_those_layers_pages() -> None:
+    """The vLLM backend takes an artifact with INT4 keys: its settings name the layers, whose pages are a low
+    plane (``D/4`` bytes per token and KV head) larger."""
+    from oscar_cli.vllm import layout, spec
 
     meth = replace(oscar_method([random_transform(1, d=128)] * 3, sink=64, recent=256), int4_key_layers=(0, 2))
-    with pytest.raises(UnsupportedModelError, match=r"INT4 keys on layers 0, 2 \(quant.int4_keys") as e:
-        layout.check_method(meth, head_dim=128, block_size=16)
-    assert "\n" not in str(e.value)
+    s = layout.check_method(meth, head_dim=128, block_size=16)
+    assert s.int4_layers == (0, 2) and [s.key_bits(i) for i in range(3)] == [4, 2, 4]
+    assert spec.slot_bytes(128, s.meta_bytes, 4) - spec.slot_bytes(128, s.meta_bytes, 2) == 32
 
 
 def test_cli_prints_the_layers_whose_keys_are_int4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,7 +200,7 @@ def test_cli_prints_the_layers_whose_keys_are_int4(tmp_path: Path, monkeypatch: 
     result = CliRunner().invoke(app, ["calibrate", "tiny", "--recipe", str(recipe), "--int4-keys", "1",
                                       "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
-    assert "keys in INT4 (quant.int4_keys, not served by vLLM): layers " in result.stdout
+    assert "keys in INT4 (quant.int4_keys, transformers and vLLM): layers " in result.stdout
     assert "copy score 0." in result.stdout.split("keys in INT4")[1]
     assert len(json.loads((tmp_path / "a" / "manifest.json").read_text())["quant"]["int4_keys"]) == 1
     bad = CliRunner().invoke(app, ["calibrate", "tiny", "--recipe", str(recipe), "--int4-keys", "-1"])

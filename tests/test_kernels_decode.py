@@ -275,6 +275,54 @@ def test_decode_int4_keys_low_plane_in_tile_interpreter(case: tuple, config_id: 
     assert (coarse.float() - fused.float()).abs().max() > 10 * tol, "the low plane changed nothing"
 
 
+def paged_low_plane(c: dict) -> ops.LowPlane:
+    """INT4-key case ``c``'s low plane paged like its key codes (the vLLM backend's form): each row's low rows in
+    the pages its block table names, at the key rows' offsets; every other byte garbage."""
+    kc, lo, table = c["k_cache"].packed, c["lo_rows"], c["block_table"]
+    codes = torch.randint(0, 256, tuple(kc.shape), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(int(kc.numel()))).to(kc.device)
+    b, h_kv, t, dq = (int(x) for x in lo.shape)
+    page = int(kc.shape[2])
+    for i in range(b):
+        for j in range(t // page):
+            codes[int(table[i, j])] = lo[i, :, j * page:(j + 1) * page]
+    return ops.LowPlane(codes)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("meta", ["meta16", "meta8"])
+@pytest.mark.parametrize("case", LOW_PLANE_CASES, ids=[c[0] for c in LOW_PLANE_CASES])
+def test_decode_int4_keys_paged_low_plane_matches_slot_indexed(case: tuple, meta: str) -> None:
+    """The paged low plane (``LowPlane(codes)``, no first slot: read through the key pages' block table, what the
+    vLLM backend stores) gives what the slot-indexed plane gives on the same rows (bitwise in the interpreter,
+    within an ulp on CUDA), with 16-bit and 8-bit metadata; and it is read (dropping it changes the output)."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits, first = case
+    dev = "cuda" if CUDA else "cpu"
+    md = torch.uint8 if meta == "meta8" else torch.float16
+    c = make_case(len(name) + 17, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev, meta=md,
+                  int4_keys=True)
+    add_low_plane(c, first)
+    base = {k: v for k, v in c.items() if k != "logit_bias"}
+    slot = run_op(base, low_plane=c["low_plane"], num_splits=splits, config=TINY)
+    paged = run_op(base, low_plane=paged_low_plane(c), num_splits=splits, config=TINY, out=_poisoned(c))
+    _same_output(paged, slot)
+    coarse = run_op(base, num_splits=splits, config=TINY)
+    assert not torch.equal(coarse, paged), "the paged low plane changed nothing"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("change", ["rows-strided", "one-head", "int32"])
+def test_decode_paged_low_plane_must_match_the_key_pages(change: str) -> None:
+    """A paged low plane must have the key pages' shape and strides (it is addressed by their offsets)."""
+    c = make_case(3, 2, 4, 2, 64, [40, 9], [2, 2], [2, 2], 16, torch.float16, "cpu", meta=torch.float16,
+                  int4_keys=True)
+    codes = paged_low_plane(c).codes
+    bad = {"rows-strided": torch.cat([codes, codes], -1)[..., ::2], "one-head": codes[:, :1],
+           "int32": codes.to(torch.int32)}[change]
+    with pytest.raises(ValueError, match="low_plane.codes.*paged"):
+        run_op({k: v for k, v in c.items() if k != "logit_bias"}, low_plane=ops.LowPlane(bad))
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("change,match", [
     ("codes-heads", "low_plane.codes"),

@@ -153,17 +153,20 @@ def test_cache_history_is_the_reference_quantizer_bitwise() -> None:
     assert torch.equal(view, (ref.dequantize_rows(want) + t.k_mean.unsqueeze(-2)).to(torch.bfloat16))
 
 
-def test_the_triton_path_serves_it_and_vllm_refuses_it_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_triton_path_and_vllm_serve_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode and write kernels read and write formula 10 (tests/test_kernels_decode.py, test_kernels_pack.py,
-    test_cache.py ``meta8``); the vLLM backend's pages hold 16-bit scale/zero and it refuses, in one line."""
+    test_cache.py ``meta8``); the vLLM backend's pages hold one byte per scale and zero (a float32 scale/zero is
+    refused in one line)."""
     meth = oscar_method([LayerTransform()], meta_dtype=META8)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kernel_unsupported(meth, torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)) is None
-    with pytest.raises(UnsupportedModelError, match="8-bit metadata") as e:
+    served = layout.Int2Settings(sink=64, recent=256, meta_dtype=META8)
+    layout.check_geometry(head_dim=128, block_size=16, group_size=None, settings=served)
+    assert served.meta_bytes == 1
+    with pytest.raises(UnsupportedModelError, match="metadata dtype torch.float32") as e:
         layout.check_geometry(head_dim=128, block_size=16, group_size=None,
-                              settings=layout.Int2Settings(sink=64, recent=256, meta_dtype=META8))
-    assert "\n" not in str(e.value) and "Triton" in str(e.value)
-    assert e.value.hint is not None and "--int4-keys 0 --meta-bits 16" in e.value.hint
+                              settings=layout.Int2Settings(sink=64, recent=256, meta_dtype=torch.float32))
+    assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="16-bit"):
         quantize_channels(torch.randn(1, 1, 128, 16), None, META8)
     assert meth.for_layer(0).meta_dtype == META8

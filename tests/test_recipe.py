@@ -38,14 +38,14 @@ def test_shipped_per_model_files_load_and_only_differ() -> None:
     assert load_recipe("qwen3-8b").data.tokens == 20480
     assert load_recipe("qwen3-8b").clip.k_ratio == 0.96  # inherited
     # Qwen2.5's keys are centred by position, 8 layers' keys at 4 bits, 8-bit metadata (measured: docs/RESULTS.md);
-    # --int4-keys 0 --meta-bits 16 is the override the vLLM backend needs
+    # --int4-keys 0 --meta-bits 16: 2-bit keys and 16-bit scale/zero (the rope row of docs/RESULTS.md)
     qwen = load_recipe("qwen2.5-coder-1.5b").quant
     assert (qwen.key_mean, qwen.int4_keys, qwen.meta_dtype) == ("rope", 8, "uint8")
     served = load_recipe("qwen2.5-coder-1.5b", {"quant": {"int4_keys": 0, "meta_dtype": "bfloat16"}}).quant
     assert (served.key_mean, served.int4_keys, served.meta_dtype) == ("rope", 0, "bfloat16")
     assert load_recipe("qwen2.5-coder-1.5b", {"quant": {"key_mean": "constant"}}).quant.key_mean == "constant"
-    # SmolLM2's recipe adds INT4 keys on 3 layers and 8-bit metadata (docs/RESULTS.md); the defaults stay what vLLM
-    # serves for an unknown model
+    # SmolLM2's recipe adds INT4 keys on 3 layers and 8-bit metadata (docs/RESULTS.md); the defaults stay plain
+    # INT2 for an unknown model
     small = load_recipe("smollm2-135m").quant
     assert (small.key_mean, small.int4_keys, small.meta_dtype) == ("rope", 3, "uint8")
     plain = load_recipe().quant

@@ -66,7 +66,10 @@ def _cam(qlens, seqs, tables, slots, prefilling):
         is_prefilling=torch.tensor(prefilling))
 
 
-def test_builder_and_impl_serve_vllm_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("quant", ["int2-meta16", "int4-keys-meta8"])
+def test_builder_and_impl_serve_vllm_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str) -> None:
+    """``int4-keys-meta8``: the served layer (1) has INT4 keys and the artifact 8-bit metadata: its page holds the
+    low plane too (slot ``D/2 + 4 + D/4``), and vLLM's view of the layer's buffer infers that slot."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from oscar_cli.vllm import backend, core, plugin
@@ -76,17 +79,24 @@ def test_builder_and_impl_serve_vllm_metadata(tmp_path: Path, monkeypatch: pytes
     cls = AttentionBackendEnum.CUSTOM.get_class()
     assert cls is backend.OscarInt2Backend and AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
     cfg = _config()
-    fake = _engine(_artifact(tmp_path / "art", cfg), cfg)
+    extra = {"meta_dtype": "uint8", "int4_keys": [1]} if quant == "int4-keys-meta8" else {}
+    fake = _engine(_artifact(tmp_path / "art", cfg, **extra), cfg)
     monkeypatch.setattr(backend, "get_current_vllm_config", lambda: fake)
     monkeypatch.setattr(backend, "_flash_attend", core.masked_attend)
     backend._RUNTIMES.clear()
-    spec = backend.int2_kv_cache_spec(N(num_kv_heads=HKV, head_size=D), fake)
-    assert type(spec).__name__ == "TQFullAttentionSpec" and spec.page_size_bytes == P * HKV * (D // 2 + 8)
-    builder = cls.get_builder_cls()(spec, ["model.layers.1.self_attn.attn"], fake, torch.device(DEV))
     impl = cls.get_impl_cls()(HQ, D, D ** -0.5, HKV)
+    slot = D // 2 + 4 + D // 4 if extra else D // 2 + 8
+    spec = backend.int2_kv_cache_spec(N(num_kv_heads=HKV, head_size=D, impl=impl,
+                                        layer_name="model.layers.1.self_attn.attn"), fake)
+    assert type(spec).__name__ == "TQFullAttentionSpec" and spec.page_size_bytes == P * HKV * slot
+    other = backend.int2_kv_cache_spec(N(num_kv_heads=HKV, head_size=D, impl=impl,
+                                         layer_name="model.layers.0.self_attn.attn"), fake)
+    assert other.page_size_bytes == P * HKV * (D // 2 + (4 if extra else 8))  # layer 0: 2-bit keys
+    builder = cls.get_builder_cls()(spec, ["model.layers.1.self_attn.attn"], fake, torch.device(DEV))
     layer = N(layer_name="model.layers.1.self_attn.attn")
-    kv = torch.zeros(cls.get_kv_cache_shape(17, P, HKV, D), dtype=torch.uint8, device=DEV)
-    assert kv.numel() == 17 * spec.page_size_bytes
+    kv = torch.zeros(17 * spec.page_size_bytes, dtype=torch.uint8, device=DEV).view(
+        cls.get_kv_cache_shape(17, P, HKV, D))  # as vLLM views a layer's buffer
+    assert kv.shape[-1] == slot
 
     def run(md, n: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(n)

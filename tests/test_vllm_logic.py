@@ -27,7 +27,7 @@ GB = 1 << 30
 
 # ---------------------------------------------------------------------------------------------------- spec sizes
 @pytest.mark.unit
-@pytest.mark.parametrize(("d", "meta", "slot"), [(128, 2, 72), (64, 2, 40), (128, 4, 80)])
+@pytest.mark.parametrize(("d", "meta", "slot"), [(128, 2, 72), (64, 2, 40), (128, 4, 80), (128, 1, 68), (64, 1, 36)])
 def test_slot_bytes_match_the_bpe_formula(d: int, meta: int, slot: int) -> None:
     assert spec.slot_bytes(d, meta) == slot
     # the pages' bits per element are the BPE formula's INT2 term 2 + 2·b_meta/G (G = D), long-context limit
@@ -55,6 +55,31 @@ def test_capacity_at_equal_memory_is_at_least_6x_bf16(name: str, layers: int, h_
     # the tiers' rows are what separates the two
     free = memory - seqs * layers * s.sequence_tier_bytes
     assert spec.capacity_tokens(memory, layers, s, seqs) == free // (layers * s.token_bytes)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("d", "meta", "slot"), [(128, 1, 100), (128, 2, 104), (64, 1, 52)])
+def test_int4_key_layers_pages_hold_the_low_plane(d: int, meta: int, slot: int) -> None:
+    """A layer with INT4 keys stores ``D/4`` more bytes per token and KV head (the keys' low plane): 3 bits per
+    element over K and V plus the metadata's; the model's token bytes add that on those layers only."""
+    assert spec.slot_bytes(d, meta, 4) == slot == spec.slot_bytes(d, meta) + d // 4
+    assert spec.bits_per_stored_element(d, meta, 4) == pytest.approx(3 + 2 * 8 * meta / d)
+    s = spec.Int2KVSpec(num_kv_heads=2, head_dim=d, block_size=16, meta=meta)
+    assert spec.model_token_bytes(28, s, 8) == 20 * 2 * spec.slot_bytes(d, meta) + 8 * 2 * slot
+    assert spec.capacity_tokens(GB, 28, s, 0, 8) == GB // spec.model_token_bytes(28, s, 8)
+    with pytest.raises(ValueError, match="key_bits"):
+        spec.slot_bytes(d, meta, 3)
+    with pytest.raises(ValueError, match="int4_layers"):
+        spec.model_token_bytes(28, s, 29)
+
+
+@pytest.mark.unit
+def test_qwen_recipe_pages_hold_6_6x_the_tokens_of_bf16() -> None:
+    """Qwen2.5-Coder-1.5B's recipe (8 of 28 layers with INT4 keys, 8-bit metadata): 4,320 page bytes per token
+    against BF16's 28,672 (6.64x at equal memory, before the BF16 tiers' rows)."""
+    s = spec.Int2KVSpec(num_kv_heads=2, head_dim=128, block_size=16, meta=1)
+    assert spec.model_token_bytes(28, s, 8) == 4320
+    assert spec.capacity_ratio(100 * GB, 28, s, 0, 8) == pytest.approx(28672 / 4320, rel=1e-6)
 
 
 @pytest.mark.unit
@@ -221,17 +246,35 @@ def test_rows_from_slots_and_their_check() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("fmt", ["meta16", "meta8", "meta8-int4-keys", "meta16-int4-keys"])
 @pytest.mark.parametrize(("p", "h_kv", "d"), [(16, 2, 64), (64, 8, 128), (32, 1, 64)])
-def test_carved_pages_partition_the_page_bytes(p: int, h_kv: int, d: int) -> None:
+def test_carved_pages_partition_the_page_bytes(p: int, h_kv: int, d: int, fmt: str) -> None:
+    """The views of a page (K codes, V token quads, four metadata arrays, and with INT4 keys the low plane) cover
+    its bytes without overlap; the low plane has the K codes' shape and strides (the kernel addresses it by their
+    offsets), and 8-bit metadata sits on 4-byte boundaries (the decode reads it as 32-bit words)."""
     nb = 3
-    slot = spec.slot_bytes(d)
+    md = torch.uint8 if fmt.startswith("meta8") else torch.bfloat16
+    bits = 4 if fmt.endswith("int4-keys") else 2
+    slot = spec.slot_bytes(d, 1 if md == torch.uint8 else 2, bits)
     raw = torch.zeros(nb, p, h_kv, slot, dtype=torch.uint8)
-    kc, vc = layout.carve_pages(raw, d)
+    kc, vc = layout.carve_pages(raw, d, md, bits)
+    views = [kc.packed, vc.packed, kc.scale, kc.zero, vc.scale, vc.zero]
+    if bits == 4:
+        lo = layout.carve_low_plane(raw, d, md)
+        assert lo.shape == kc.packed.shape and lo.stride() == kc.packed.stride()
+        views.append(lo)
+    else:
+        with pytest.raises(ValueError, match="4-bit keys"):
+            layout.carve_low_plane(raw, d, md)
     assert kc.packed.shape == (nb, h_kv, p, d // 4) and kc.scale.shape == (nb, h_kv, p, 1)
     assert vc.packed.shape == (nb, h_kv, p // min(p, 64) * d, min(p, 64) // 4)
     assert kc.scale.stride() == kc.zero.stride() == vc.scale.stride() == vc.zero.stride()
+    assert kc.scale.dtype == md
+    if md == torch.uint8:
+        assert all(t.data_ptr() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
+                   for t in (kc.scale, kc.zero, vc.scale, vc.zero))
     owner = torch.zeros(raw.numel(), dtype=torch.int64)
-    for i, t in enumerate((kc.packed, vc.packed, kc.scale, kc.zero, vc.scale, vc.zero), start=1):
+    for i, t in enumerate(views, start=1):
         before = raw.clone()
         t.view(torch.uint8).fill_(255) if t.dtype == torch.uint8 else t.fill_(float("nan"))
         changed = (raw != before).reshape(-1)
@@ -239,7 +282,7 @@ def test_carved_pages_partition_the_page_bytes(p: int, h_kv: int, d: int) -> Non
         owner[changed] = i
     assert (owner > 0).all(), "page bytes not covered by any view"
     with pytest.raises(ValueError, match="does not hold"):
-        layout.carve_pages(torch.zeros(nb, p, h_kv, slot + 4, dtype=torch.uint8), d)
+        layout.carve_pages(torch.zeros(nb, p, h_kv, slot + 4, dtype=torch.uint8), d, md, bits)
 
 
 # ----------------------------------------------------------------------------------- artifact -> layer tensors
@@ -439,7 +482,7 @@ class TorchKernels(TorchTiers):
 
     def quantize_write(self, x, cache, slots, mean, clip, layout_name, exclusive_words=False) -> None:
         mean = mean.transpose(0, 1) if mean.dim() == 3 else mean  # one mean per row (rope): [H, N, D]
-        q = ref.quantize_rows(x.transpose(0, 1), None, mean, clip)  # [H, N, D/4]
+        q = ref.quantize_rows(x.transpose(0, 1), None, mean, clip, None, cache.scale.dtype)  # [H, N, D/4]
         codes = ref.unpack_int2(q.packed)
         for i, slot in enumerate(slots.tolist()):
             if slot < 0:
@@ -453,7 +496,10 @@ class TorchKernels(TorchTiers):
                 c[:, off] = codes[:, i]
                 cache.packed[page] = ref.pack_token_quads(c, ref.token_quad_row(P))
 
-    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out, rope=None):
+    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out, rope=None,
+               low=None):
+        """``low``: INT4 keys' low plane (paged): its logit term ``sm_scale·(scale/4)·(q·R_K)·lo`` joins the
+        history's (formula 9 on top of the high plane in the pages)."""
         g = HQ // HKV
         for b in range(q.shape[0]):
             hl, sl, rl = int(hist_len[b]), int(sink_len[b]), int(recent_len[b])
@@ -468,8 +514,13 @@ class TorchKernels(TorchTiers):
             qr = torch.einsum("hd,hde->he", q[b].float(), rk)[None, :, None]
             bias = None
             if rope is not None:  # keys centred by position: their logit term, history slot n at position S0 + n
-                pos = int(rope.position0[b]) + torch.arange(hl)[None]
-                bias = ref.rope_mean_logits(q[b:b + 1], rope.mean_pre, INV_FREQ, rope.scaling, pos, scale)
+                pos_r = int(rope.position0[b]) + torch.arange(hl)[None]
+                bias = ref.rope_mean_logits(q[b:b + 1], rope.mean_pre, INV_FREQ, rope.scaling, pos_r, scale)
+            if low is not None:
+                lo = ref.unpack_int2(low[pages, :, pos % P].transpose(0, 1)).float().repeat_interleave(g, 0)
+                s4 = ref.decode_meta(hk.scale, hk.zero)[0][0, :, :, 0].repeat_interleave(g, 0) / 4  # [H_q, hl]
+                term = (torch.einsum("hd,htd->ht", qr[0, :, 0], lo) * s4 * scale)[None].double()
+                bias = term if bias is None else bias + term
             o = ref.decode_attention_reference(qr, sink[0][b:b + 1, :, :sl], sink[1][b:b + 1, :, :sl], hk, hv,
                                                recent[0][b:b + 1, :, :rl], recent[1][b:b + 1, :, :rl], scale,
                                                hist_bias=bias)
@@ -494,6 +545,14 @@ class _Request:
         else:
             self.ref = Int2Layer(meth, meth.layer(0))
         self.t = t
+
+    def set_format(self, meta_dtype: torch.dtype, int4_keys: bool) -> None:
+        """The reference cache with this metadata dtype, and INT4 keys on its layer when ``int4_keys``."""
+        meth = replace(oscar_method([self.t], sink=S0, recent=W, meta_dtype=meta_dtype),
+                       int4_key_layers=(0,) if int4_keys else ())
+        meth = replace(meth, key_mean="rope") if self.t.k_mean_pre is not None else meth
+        rope = _FixedRope(INV_FREQ, ROPE_SCALING) if self.t.k_mean_pre is not None else None
+        self.ref = Int2Layer(meth.for_layer(0), meth.layer(0), rope_table=rope)  # type: ignore[arg-type]
 
     def reference(self, n: int, final: bool) -> torch.Tensor:
         """The reference cache's update + attention for the next ``n`` tokens (float32, model space)."""
@@ -529,9 +588,10 @@ def _step(layer: PagedInt2Layer, kv: torch.Tensor, rows: layout.SequenceRows, st
     prefilling = torch.tensor([r.done < r.prompt for r, _, _ in batch])  # vLLM's is_prefilling (before the step)
     st = build_step(torch.tensor(qsl, dtype=torch.int32), qsl, torch.tensor(seq, dtype=torch.int32), seq,
                     torch.tensor(table, dtype=torch.int32), slot_t, qsl[-1], row_ids, state, layer.s, prefilling)
-    kp, vp = layout.carve_pages(kv, D)
+    kp, vp = layout.carve_pages(kv, D, layer.s.meta_dtype, layer.key_bits)
+    low = layout.carve_low_plane(kv, D, layer.s.meta_dtype) if layer.key_bits == 4 else None
     out = torch.full((q.shape[0], HQ, D), float("nan"), dtype=ACT)
-    layer.forward(q, k, v, kp, vp, st, out)
+    layer.forward(q, k, v, kp, vp, st, out, k_low=low)
     got, want = [], []
     for j, ((r, n, final), a) in enumerate(zip(batch, qsl, strict=False)):
         want.append(r.reference(n, final))
@@ -545,15 +605,19 @@ def _step(layer: PagedInt2Layer, kv: torch.Tensor, rows: layout.SequenceRows, st
 ROPE_SCALING = 1.07  # YaRN x2's attention factor: the term and the means scale with it
 
 
+@pytest.mark.parametrize("fmt", ["meta16", "int4-keys-meta8"])
 @pytest.mark.parametrize("key_mean", ["constant", "rope"])
 @pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
                                      pytest.param("triton", marks=pytest.mark.slow)])
-def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: str) -> None:
+def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: str, fmt: str) -> None:
     """Two requests, chunked prefill, a mixed batch (a decode + a final chunk + padding tokens), decodes (with the
     torch twin: across a demotion): the INT2 pages hold the reference cache's codes bitwise and every output is
     within fp16 attention error of the reference cache's (the Triton path runs in the interpreter on CPU: 4 steps).
     ``rope``: keys centred by position (a large pre-RoPE mean, as Qwen2.5's ``k_proj`` bias makes): every write
-    centres by its position's mean, the decode adds the term, the prefill's history gets the means back."""
+    centres by its position's mean, the decode adds the term, the prefill's history gets the means back.
+    ``int4-keys-meta8``: the layer's keys in INT4 (the low plane in its pages, written by the reference quantizer,
+    read by the decode kernel through the block table and by the prefill's torch history) and 8-bit metadata: the
+    pages hold the reference cache's high plane, low plane and metadata bytes bitwise."""
     g = torch.Generator().manual_seed(3)
     pre = 3.0 * torch.randn(HKV, D, generator=g) if key_mean == "rope" else None
     t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),
@@ -566,7 +630,9 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
             cos, sin = ref.rope_cos_sin(INV_FREQ, ROPE_SCALING, torch.arange(r.k.shape[0])[None])
             r.k = (r.k.float() + rope_fn(pre[None, :, None, :], cos[:, None], sin[:, None])[0].transpose(0, 1)
                    ).to(ACT)
-    s = layout.Int2Settings(sink=S0, recent=W)
+    int4 = fmt == "int4-keys-meta8"
+    md = torch.uint8 if int4 else torch.bfloat16
+    s = layout.Int2Settings(sink=S0, recent=W, meta_dtype=md, int4_layers=(0,) if int4 else ())
     kern = TorchKernels() if kernels == "torch" else None
     from oscar_cli.vllm.core import TritonKernels
 
@@ -574,8 +640,11 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     meth = replace(meth, key_mean="rope") if pre is not None else meth
     rope = layout.RopeFrequencies(INV_FREQ, ROPE_SCALING, 256) if pre is not None else None
     layer = PagedInt2Layer(layout.layer_tensors(meth, 1, HKV, D)[0], s, 4, HQ, HKV, D,
-                           P, ACT, DEV, kernels=kern or TritonKernels(CFG), rope=rope)  # type: ignore[arg-type]
-    kv = torch.zeros(16, P, HKV, spec.slot_bytes(D), dtype=torch.uint8)
+                           P, ACT, DEV, kernels=kern or TritonKernels(CFG), rope=rope,  # type: ignore[arg-type]
+                           key_bits=s.key_bits(0))
+    kv = torch.zeros(16, P, HKV, spec.slot_bytes(D, s.meta_bytes, s.key_bits(0)), dtype=torch.uint8)
+    for r in (a, b):  # the reference cache: the same format
+        r.set_format(md, int4)
     rows, state = layout.SequenceRows(4), torch.zeros(5, 2, dtype=torch.int32)
     batches = [[(a, 40, False)], [(a, 30, True), (b, 20, False)], [(a, 1, True), (b, 25, True)],
                [(a, 1, True), (b, 1, True)]]
@@ -595,6 +664,11 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
         assert hk is not None and hv is not None
         assert torch.equal(kp.packed[blocks, :, pos % P], hk[0][0].transpose(0, 1))
         assert torch.equal(kp.scale[blocks, :, pos % P], hk[1][0].transpose(0, 1))
+        assert torch.equal(kp.zero[blocks, :, pos % P], hk[2][0].transpose(0, 1)) and kp.scale.dtype == md
+        if int4:  # the low plane: the reference's, slot n of its history at the page of position S0 + n
+            low = layout.carve_low_plane(kv, D, md)
+            assert r.ref.k_lo is not None
+            assert torch.equal(low[blocks, :, pos % P], r.ref.k_lo[0, :, :n_hist].transpose(0, 1))
         vcodes = torch.stack([ref.unpack_token_quads(vp.packed[pg], P, D)[:, o] for pg, o in
                               zip(blocks, pos % P, strict=True)], 1)
         assert torch.equal(vcodes, ref.unpack_int2(hv[0][0]))

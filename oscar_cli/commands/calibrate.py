@@ -24,7 +24,7 @@ EXAMPLES = """
   oscar calibrate --tokens 4k --seq-len 1024 --json # result (path, clips, timings) as JSON on stdout
   oscar calibrate qwen2.5-coder-1.5b --rope-scaling yarn --rope-factor 4   # under the YaRN eval-ruler uses at 128K
   oscar calibrate qwen2.5-coder-1.5b --device cuda   # its recipe: keys centred by position, 8 INT4-key layers, 8-bit meta
-  oscar calibrate qwen2.5-coder-1.5b --device cuda --int4-keys 0 --meta-bits 16   # what the vLLM backend serves
+  oscar calibrate qwen2.5-coder-1.5b --device cuda --int4-keys 0 --meta-bits 16   # 2-bit keys, 16-bit scale/zero
   oscar calibrate qwen2.5-coder-1.5b --device cuda --key-mean constant   # one key mean: a faster decode
   oscar calibrate smollm2-135m --int4-keys 3   # 4-bit keys on the 3 layers of largest copy score
   oscar calibrate Qwen/Qwen3-8B --meta-bits 8   # one-byte scale and zero per row (quant.meta_dtype uint8)
@@ -73,7 +73,7 @@ def _render(result: Any) -> None:
     out.print(table)
     _render_schemes(d.get("schemes"), d["layers"])
     for knob, what, where in (("bf16_keys", "keys in BF16", "reference path"),
-                              ("int4_keys", "keys in INT4", "not served by vLLM")):
+                              ("int4_keys", "keys in INT4", "transformers and vLLM")):
         if d.get(knob) is None:
             continue
         scores = {row["index"]: row["copy_score"] for row in d["layers"]}
@@ -140,13 +140,13 @@ def calibrate(
         int | None, typer.Option("--int4-keys", min=0, max=1024,
                                  help="Store the history keys of the N layers of largest copy score at 4 bits "
                                  "(recipe quant.int4_keys; +2 bits per history key of those layers; served through "
-                                 "transformers, the vLLM backend refuses it; SmolLM2-135M, N = 3: "
+                                 "transformers and the vLLM backend; SmolLM2-135M, N = 3: "
                                  "+13 / +27 RULER points at 1K / 2K for +0.10 bits per element; docs/RESULTS.md).")
     ] = None,
     meta_bits: Annotated[
         int | None, typer.Option("--meta-bits", help="16 | 8: bits of each INT2 row's scale and of its zero (recipe "
                                  "quant.meta_dtype bfloat16 | uint8; 8: docs/METHOD.md §6, 0.125 fewer bits per "
-                                 "element at head_dim 128, 0.25 at 64; the vLLM backend refuses 8).")
+                                 "element at head_dim 128, 0.25 at 64).")
     ] = None,
     strict: Annotated[
         bool, typer.Option("--strict", help="Fail (and write nothing) when the artifact's held-out error is worse "

@@ -4,10 +4,12 @@
 ``AttentionImpl``. The work itself is in :mod:`oscar_cli.vllm.core` (tested without vLLM); this module adapts vLLM's
 calls to it and refuses, at engine start, what it cannot serve (docs/VLLM.md).
 
-Cache layout: one ``uint8 [num_blocks, block_size, H_kv, slot]`` tensor per layer (``slot = D/2 + 4·2`` bytes:
-K and V codes, K and V scale/zero), carved into the kernels' paged K rows and V token quads by
-:func:`oscar_cli.vllm.layout.carve_pages`; vLLM's block manager sizes the pool by that page
-(:func:`int2_kv_cache_spec`).
+Cache layout: one ``uint8 [num_blocks, block_size, H_kv, slot]`` tensor per layer (``slot = D/2 + 4·m`` bytes:
+K and V codes, K and V scale/zero of ``m`` = 2 or 1 bytes; ``+ D/4`` for the keys' low plane on a layer with INT4
+keys), carved into the kernels' paged K rows and V token quads by :func:`oscar_cli.vllm.layout.carve_pages` (and
+:func:`~oscar_cli.vllm.layout.carve_low_plane`); vLLM's block manager sizes each layer's pool by its page
+(:func:`int2_kv_cache_spec`): with INT4 keys on some layers the pages differ in size, and vLLM keeps one block table
+for all layers (its ``UniformTypeKVCacheSpecs``), each layer's pool as large as its page needs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from oscar_cli.vllm.core import PagedInt2Layer, Step, TritonKernels, build_step
 from oscar_cli.vllm.spec import Int2KVSpec, slot_bytes
 
 _log = logging.getLogger(__name__)
-META_BYTES = 2  # 16-bit scale / zero in the pages (check_geometry refuses other metadata dtypes)
 ARTIFACT_KEY = "oscar_artifact"
 
 
@@ -70,9 +71,11 @@ def _load(vllm_config: Any, ref: str, num_kv_heads: int, head_dim: int, block_si
     tensors = layout.layer_tensors(meth, int(cfg.num_hidden_layers), num_kv_heads, head_dim)
     rope = (layout.rope_frequencies(cfg, head_dim, int(vllm_config.model_config.max_model_len))
             if meth.key_mean == "rope" else None)
-    tiers = Int2KVSpec(num_kv_heads, head_dim, block_size, META_BYTES, meth.sink, meth.recent).sequence_tier_bytes
-    _log.info("oscar: INT2 KV cache from %s (S0=%d, W=%d); BF16 sink + recent tiers for %d sequences (--max-num-seqs): "
-              "%.2f GB over %d layers", ref, meth.sink, meth.recent, num_rows,
+    tiers = Int2KVSpec(num_kv_heads, head_dim, block_size, settings.meta_bytes, meth.sink,
+                       meth.recent).sequence_tier_bytes
+    _log.info("oscar: INT2 KV cache from %s (S0=%d, W=%d, %d-bit scale/zero, INT4 keys on layers %s); BF16 sink + "
+              "recent tiers for %d sequences (--max-num-seqs): %.2f GB over %d layers", ref, meth.sink, meth.recent,
+              8 * settings.meta_bytes, list(settings.int4_layers) or "none", num_rows,
               (num_rows + 1) * tiers * int(cfg.num_hidden_layers) / 1e9, int(cfg.num_hidden_layers))
     if rope is not None:
         _log.info("oscar: keys centred by position (quant.key_mean rope): RoPE scaling %.4g, position table of %d rows",
@@ -122,14 +125,23 @@ def _install_page_size_hook() -> None:
     Attention.get_kv_cache_spec = get_kv_cache_spec  # type: ignore[method-assign]
 
 
+def layer_slot_bytes(layer: Any) -> int:
+    """Page bytes per token and KV head of an attention layer running this backend: its artifact's metadata bytes,
+    and the low plane where the layer's keys are INT4 (``layer.impl`` holds the loaded :class:`Runtime`)."""
+    rt: Runtime = layer.impl.rt
+    idx = layout.layer_index(layer.layer_name)
+    return slot_bytes(layer.head_size, rt.settings.meta_bytes, rt.settings.key_bits(idx))
+
+
 def int2_kv_cache_spec(layer: Any, vllm_config: Any) -> Any:
     """The page of an INT2 layer: ``block_size · H_kv · slot`` bytes (TurboQuant's spec type, which vLLM already
-    sizes by a per-slot byte count and groups with full attention)."""
+    sizes by a per-slot byte count and groups with full attention; layers whose slots differ, INT4 keys on some,
+    share one block table through vLLM's ``UniformTypeKVCacheSpecs``)."""
     from vllm.v1.kv_cache_interface import TQFullAttentionSpec
 
     return TQFullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=layer.num_kv_heads,
                                head_size=layer.head_size, head_size_v=layer.head_size, dtype=torch.uint8,
-                               tq_slot_size=slot_bytes(layer.head_size, META_BYTES))
+                               tq_slot_size=layer_slot_bytes(layer))
 
 
 # ---------------------------------------------------------------------------------------------- backend
@@ -164,7 +176,9 @@ class OscarInt2Backend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, slot_bytes(head_size, META_BYTES))
+        # the slot is the layer's (int2_kv_cache_spec: metadata bytes, INT4 keys), which vLLM does not pass here: the
+        # layer's buffer is exactly num_blocks pages, so its view infers it; _carve checks it against the layer's
+        return (num_blocks, block_size, num_kv_heads, -1)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -321,14 +335,17 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
                               alibi=alibi_slopes is not None, kv_sharing=kv_sharing_target_layer_name is not None)
         self.core: PagedInt2Layer | None = None
         self._pages: tuple[int, Any] | None = None
+        self.key_bits = 2  # the layer's (set with the core, from the layer's index)
 
     def _core(self, layer: Any, query: torch.Tensor) -> PagedInt2Layer:
         if self.core is None:
             idx = layout.layer_index(layer.layer_name)
             kernels = TritonKernels(pdl=debug.pdl_override(), torch_rotate=debug.torch_rotate_forced())
+            self.key_bits = self.rt.settings.key_bits(idx)
             self.core = PagedInt2Layer(self.rt.layers[idx], self.rt.settings, self.rt.num_rows, self.num_heads,
                                        self.num_kv_heads, self.head_size, self.rt.block_size, query.dtype,
-                                       query.device, sm_scale=self.scale, kernels=kernels, rope=self.rt.rope)
+                                       query.device, sm_scale=self.scale, kernels=kernels, rope=self.rt.rope,
+                                       key_bits=self.key_bits)
         return self.core
 
     def _carve(self, kv_cache: torch.Tensor) -> Any:
@@ -337,7 +354,9 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
             if kv_cache.dim() != 4 or int(kv_cache.shape[1]) != self.rt.block_size:
                 raise OscarError(f"oscar: KV cache {tuple(kv_cache.shape)} does not have the configured block size "
                                  f"{self.rt.block_size}")
-            self._pages = (key, layout.carve_pages(kv_cache, self.head_size, self.rt.settings.meta_dtype))
+            md = self.rt.settings.meta_dtype
+            low = layout.carve_low_plane(kv_cache, self.head_size, md) if self.key_bits == 4 else None
+            self._pages = (key, (*layout.carve_pages(kv_cache, self.head_size, md, self.key_bits), low))
         return self._pages[1]
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -350,14 +369,14 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
         core = self._core(layer, query)  # first call (the profiling run): the BF16 tiers are allocated here
         if attn_metadata is None:
             return output.fill_(0)
-        k_pages, v_pages = self._carve(kv_cache)
+        k_pages, v_pages, k_low = self._carve(kv_cache)
         out = output.view(-1, self.num_heads, self.head_size)
         st = attn_metadata.step
 
         def run() -> None:
             core.forward(query.view(-1, self.num_heads, self.head_size),
                          key.view(-1, self.num_kv_heads, self.head_size), value.view(-1, self.num_kv_heads, self.head_size),
-                         k_pages, v_pages, st, out, attend=_flash_attend)
+                         k_pages, v_pages, st, out, attend=_flash_attend, k_low=k_low)
 
         if debug.STEPS.enabled and layout.layer_index(layer.layer_name) == 0:
             debug.STEPS.forward(run, st.num_decodes, len(st.prefills), query.device)

@@ -20,6 +20,13 @@ Keys centred by position (``quant.key_mean: rope``, a layer with ``k_mean_pre`` 
 each token's position), the decode adds the mean's logit term in the kernel (``ops.RopeMean`` over a shared position
 table), and a prefill chunk's dequantized history gets each position's mean back.
 
+INT4 keys (recipe ``quant.int4_keys``, :attr:`PagedInt2Layer.key_bits` 4, formula 9): the layer's pages also hold
+the keys' low plane (:func:`oscar_cli.vllm.layout.carve_low_plane`, laid out as the key codes). Writes quantize keys
+with the reference's ``quantize_rows_int4`` in torch (both planes, scale and zero scattered through the slot
+mapping; a few device ops per layer and step, CUDA-graph capturable), the decode kernel reads the low plane through
+the same block table (``ops.LowPlane(codes)``, paged), and a prefill chunk dequantizes that layer's history in torch
+(:func:`torch_history` with the plane: ``ops.dequantize_history`` reads 2-bit keys only).
+
 Semantics are the reference cache's (``oscar_cli.quant.int2_layer.Int2Layer``): the recent length follows its placement
 rule (:func:`oscar_cli.vllm.layout.next_recent_len`), so a decode step sees exactly the tokens the reference keeps
 in BF16; every token is also stored in INT2 at arrival, so a token that leaves the recent window needs no
@@ -43,7 +50,15 @@ from oscar_cli.vllm.layout import (
     tier_write_index,
     token_positions,
 )
-from oscar_kernels.reference import QuantizedRows, dequantize_codes, dequantize_int2, unpack_token_quads
+from oscar_kernels.reference import (
+    QuantizedRows,
+    dequantize_codes,
+    dequantize_int2,
+    dequantize_int4_planes,
+    quantize_rows_int4,
+    unpack_int2,
+    unpack_token_quads,
+)
 
 # (q [n, H_q, D], k [T, H_kv, D], v [T, H_kv, D], offset, softmax scale) -> [n, H_q, D];
 # query i sees keys 0 .. offset + i
@@ -162,11 +177,12 @@ def torch_rotate(x: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.
 
 def torch_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
                   k_mean: torch.Tensor, v_mean: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
-                  piece: int = 4096) -> None:
+                  piece: int = 4096, k_low: torch.Tensor | None = None) -> None:
     """The torch twin of ``ops.dequantize_history``: positions ``start .. start + len(k_out)`` (``start``
     page-aligned) of the sequence whose pages are ``blocks`` (its block-table row) into ``k_out``/``v_out``
     ``[T, H_kv, D]``, ``float32(zero) + code * float32(scale)`` per group of ``G``, ``+ mean`` (float32 ``[H_kv, D]`` or ``[D]``), cast
-    to the outputs' dtype; ``piece`` tokens at a time (float32 only per piece; about 15 device ops each)."""
+    to the outputs' dtype; ``piece`` tokens at a time (float32 only per piece; about 15 device ops each).
+    ``k_low``: INT4 keys' low plane (paged like the key codes): keys by formula 9."""
     p, d, h_kv = int(k_pages.packed.shape[2]), int(k_out.shape[-1]), int(k_out.shape[1])
     n = int(k_out.shape[0])
     per = max(1, piece // p)
@@ -177,11 +193,33 @@ def torch_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.
         def tokens(x: torch.Tensor, m: int = t1 - t0) -> torch.Tensor:  # [pages, H, P, C] -> [m, H, C]
             return x.permute(0, 2, 1, 3).reshape(-1, h_kv, x.shape[-1])[:m]
 
-        k = dequantize_int2(tokens(k_pages.packed[ids]), tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
+        if k_low is None:
+            k = dequantize_int2(tokens(k_pages.packed[ids]), tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
+        else:
+            k = dequantize_int4_planes(unpack_int2(tokens(k_pages.packed[ids])), unpack_int2(tokens(k_low[ids])),
+                                       tokens(k_pages.scale[ids]), tokens(k_pages.zero[ids]))
         codes = unpack_token_quads(v_pages.packed[ids], p, d)  # [pages, H, P, D]
         v = dequantize_codes(tokens(codes), tokens(v_pages.scale[ids]), tokens(v_pages.zero[ids]))
         k_out[t0:t1] = (k + k_mean).to(k_out.dtype)
         v_out[t0:t1] = (v + v_mean).to(v_out.dtype)
+
+
+def write_int4_keys(x: torch.Tensor, pages: QuantizedRows, low: torch.Tensor, slots: torch.Tensor,
+                    mean: torch.Tensor) -> None:
+    """INT4 keys (formula 9) of rotated rows ``x [N, H_kv, D]``, centred by ``mean`` (``[H_kv, D]``, or one per row
+    ``[N, H_kv, D]``), into the pages at ``slots`` (int64 ``[N]``): the high plane with its scale and zero into
+    ``pages``, the low plane into ``low`` (paged like the key codes). The reference's ``quantize_rows_int4``
+    computes them (what the transformers cache stores, bitwise). Rows with a negative slot (padding) go to slot 0,
+    in vLLM's null block 0, which no request reads: the write stays free of host syncs (CUDA-graph capturable)."""
+    m = mean.transpose(0, 1) if mean.dim() == 3 else mean  # the reference's rows layout: [H_kv, N, D]
+    qk, lo = quantize_rows_int4(x.transpose(0, 1), None, m, None, pages.scale.dtype)
+    p = int(pages.packed.shape[2])
+    at = torch.where(slots >= 0, slots, torch.zeros_like(slots))
+    blk, off = at // p, at % p
+    pages.packed[blk, :, off] = qk.packed.transpose(0, 1)
+    pages.scale[blk, :, off] = qk.scale.transpose(0, 1)
+    pages.zero[blk, :, off] = qk.zero.transpose(0, 1)
+    low[blk, :, off] = lo.transpose(0, 1)
 
 
 class TorchTiers:
@@ -271,8 +309,9 @@ class TritonKernels:
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
                recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
-               out: torch.Tensor | None, rope: object | None = None) -> torch.Tensor:
-        """``rope``: an ``ops.RopeMean`` (keys centred by position: stage 1 adds their logit term)."""
+               out: torch.Tensor | None, rope: object | None = None, low: torch.Tensor | None = None) -> torch.Tensor:
+        """``rope``: an ``ops.RopeMean`` (keys centred by position: stage 1 adds their logit term); ``low``: INT4
+        keys' low plane, paged like the key codes (``ops.LowPlane(low)``)."""
         from oscar_kernels import ops
 
         cfg = self.config or ops.default_config(int(q.shape[0]), rope_mean=rope is not None)
@@ -280,7 +319,8 @@ class TritonKernels:
             cfg = replace(cfg, pdl=self.pdl)  # type: ignore[type-var]
         return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
                               recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
-                              sm_scale=scale, config=cfg, out=out, rope_mean=rope).run()  # type: ignore[arg-type]
+                              sm_scale=scale, config=cfg, out=out, rope_mean=rope,  # type: ignore[arg-type]
+                              low_plane=None if low is None else ops.LowPlane(low)).run()
 
 
 _GATHERED: dict[tuple[object, ...], Tiers] = {}
@@ -322,7 +362,10 @@ class PagedInt2Layer:
     def __init__(self, tensors: LayerTensors, s: Int2Settings, num_rows: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, block_size: int, act_dtype: torch.dtype, device: torch.device | str,
                  sm_scale: float | None = None, kernels: TritonKernels | None = None,
-                 rope: RopeFrequencies | None = None) -> None:
+                 rope: RopeFrequencies | None = None, key_bits: int = 2) -> None:
+        if key_bits not in (2, 4):
+            raise ValueError(f"key_bits must be 2 or 4, got {key_bits}")
+        self.key_bits = key_bits  # 4: INT4 keys, the low plane in the layer's pages (forward's k_low)
         self.t = tensors.to(device)
         self.rope = rope if self.t.k_mean_pre is not None else None
         if self.t.k_mean_pre is not None and rope is None:
@@ -371,24 +414,35 @@ class PagedInt2Layer:
         r = self.t.k_rotation if self.t.k_rotation.dim() == 3 else self.t.k_rotation[None]
         return position_means(self.t.k_mean_pre, r, cos, sin)[0].transpose(0, 1).contiguous()
 
+    def _low(self, k_low: torch.Tensor | None) -> torch.Tensor | None:
+        """The low plane a call got, checked against the layer's key bits (INT4 layers need it, INT2 ones take none)."""
+        if (k_low is not None) != (self.key_bits == 4):
+            raise ValueError(f"a layer with {self.key_bits}-bit keys got {'a' if k_low is not None else 'no'} low plane")
+        return k_low
+
     def _per_q_head(self, r: torch.Tensor) -> torch.Tensor:
         return r.expand(self.h_kv, -1, -1).repeat_interleave(self.group, 0) if r.dim() == 2 else \
             r.repeat_interleave(self.group, 0)
 
     # ------------------------------------------------------------------ write
     def write(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
-              st: Step) -> None:
+              st: Step, k_low: torch.Tensor | None = None) -> None:
         """Store rotated rows ``kr``/``vr`` ``[N, H_kv, D]`` (from :meth:`rotate`): INT2 into the pages at
         ``st.slot_mapping`` (negative: skipped), BF16 into the sink / ring rows of their requests.
 
         V token quads of a decode-only step (:func:`decode_only`) are written without atomics
         (``exclusive_words``): its rows are one token per request, each in the request's own last page, and the
         padding rows are skipped; a static choice per captured graph (those are decode-only). Other steps keep
-        the shared-word atomics (a prefill chunk's tokens share words)."""
+        the shared-word atomics (a prefill chunk's tokens share words). INT4 keys (``k_low``, the layer's low
+        plane): :func:`write_int4_keys`."""
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
         k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n], st)  # one mean per row: rope
-        self.kernels.quantize_write(kr, k_pages, slots, k_mean, self.t.k_clip, "rows")
+        if self._low(k_low) is not None:
+            assert k_low is not None
+            write_int4_keys(kr, k_pages, k_low, slots, k_mean)
+        else:
+            self.kernels.quantize_write(kr, k_pages, slots, k_mean, self.t.k_clip, "rows")
         self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads",
                                     exclusive_words=decode_only(st))
         self.kernels.tier_write(kr, vr, self.tiers, st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
@@ -397,7 +451,7 @@ class PagedInt2Layer:
     # ------------------------------------------------------------------ decode
 
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, st: Step,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, k_low: torch.Tensor | None = None) -> torch.Tensor:
         """``q [B, H_q, D]`` (post-RoPE, unrotated) of the step's ``B = st.num_decodes`` first requests -> attention
         output ``[B, H_q, D]`` in the model's space."""
         b = int(q.shape[0])
@@ -412,20 +466,27 @@ class PagedInt2Layer:
 
             assert self.t.k_mean_pre is not None
             rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
+        low = self._low(k_low)
+        extra = {} if low is None else {"low": low}  # (twins of the kernel calls written for 2-bit keys take none)
         return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
-                                   (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope)
+                                   (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope, **extra)
 
     # ------------------------------------------------------------------ prefill
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
-                k_out: torch.Tensor, v_out: torch.Tensor, piece: int = 4096) -> None:
+                k_out: torch.Tensor, v_out: torch.Tensor, piece: int = 4096, k_low: torch.Tensor | None = None) -> None:
         """Dequantize positions ``start .. start + len(k_out)`` of the sequence whose pages are ``blocks`` (int32, its
         block-table row; ``start`` page-aligned) into ``k_out``/``v_out`` ``[T, H_kv, D]`` (activation dtype, rotated,
         mean added back: what the reference cache's view holds): ``kernels.history`` (``ops.dequantize_history``,
-        one launch; the torch twin :func:`torch_history` goes ``piece`` tokens at a time)."""
+        one launch; the torch twin :func:`torch_history` goes ``piece`` tokens at a time). INT4 keys (``k_low``):
+        :func:`torch_history` with the low plane, whichever kernels the layer has."""
+        if self._low(k_low) is not None:
+            torch_history(k_pages, v_pages, blocks, start, self.t.k_mean, self.t.v_mean, k_out, v_out, piece, k_low)
+            return
         self.kernels.history(k_pages, v_pages, blocks, start, self.t.k_mean, self.t.v_mean, k_out, v_out, piece)
 
     def prefill(self, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows,
-                v_pages: QuantizedRows, st: Step, attend: Attend = masked_attend) -> list[torch.Tensor]:
+                v_pages: QuantizedRows, st: Step, attend: Attend = masked_attend,
+                k_low: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Attention of each prefill chunk of ``st.prefills`` (``q``/``kr``/``vr`` are the whole batch's tokens);
         returns one ``[n, H_q, D]`` output per chunk, in the model's space. Each chunk's keys and values (sink,
         dequantized history, itself) are assembled in one transient ``[c + n, H_kv, D]`` buffer each."""
@@ -445,7 +506,7 @@ class PagedInt2Layer:
             k_all[:ns] = self.sink_k[row, :, :ns].transpose(0, 1)
             v_all[:ns] = self.sink_v[row, :, :ns].transpose(0, 1)
             if c > s0:
-                self.history(k_pages, v_pages, st.block_table[i], s0, k_all[s0:c], v_all[s0:c])
+                self.history(k_pages, v_pages, st.block_table[i], s0, k_all[s0:c], v_all[s0:c], k_low=k_low)
                 if self.rope is not None:  # the history came back centred (k_mean is zero): add each position's mean
                     for a in range(s0, c, 8192):
                         e = min(c, a + 8192)
@@ -460,14 +521,17 @@ class PagedInt2Layer:
 
     # ------------------------------------------------------------------ one step
     def forward(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pages: QuantizedRows,
-                v_pages: QuantizedRows, st: Step, out: torch.Tensor, attend: Attend = masked_attend) -> torch.Tensor:
+                v_pages: QuantizedRows, st: Step, out: torch.Tensor, attend: Attend = masked_attend,
+                k_low: torch.Tensor | None = None) -> torch.Tensor:
         """The whole layer step: write the batch's ``st.num_tokens`` new tokens, then attention for the decodes
-        (first ``st.num_decodes`` tokens, INT2 kernel) and each prefill chunk; fills ``out [N, H_q, D]``."""
+        (first ``st.num_decodes`` tokens, INT2 kernel) and each prefill chunk; fills ``out [N, H_q, D]``.
+        ``k_low``: the keys' low plane of a layer with INT4 keys (:func:`oscar_cli.vllm.layout.carve_low_plane`)."""
         n, nd = st.num_tokens, st.num_decodes
         kr, vr = self.rotate(key[:n], value[:n])
-        self.write(kr, vr, k_pages, v_pages, st)
+        self.write(kr, vr, k_pages, v_pages, st, k_low)
         if nd:
-            self.decode(q[:nd], k_pages, v_pages, st, out=out[:nd])
-        for (_, qs, qe, _), o in zip(st.prefills, self.prefill(q, kr, vr, k_pages, v_pages, st, attend), strict=True):
+            self.decode(q[:nd], k_pages, v_pages, st, out=out[:nd], k_low=k_low)
+        for (_, qs, qe, _), o in zip(st.prefills, self.prefill(q, kr, vr, k_pages, v_pages, st, attend, k_low),
+                                     strict=True):
             out[qs:qe] = o
         return out

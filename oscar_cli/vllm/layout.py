@@ -36,11 +36,20 @@ BLOCK_SIZES = (16, 32, 64)
 
 @dataclass(frozen=True)
 class Int2Settings:
-    """The artifact's INT2 layout: BF16 sink ``S0``, recent window ``W``, metadata dtype (G = D)."""
+    """The artifact's INT2 layout: BF16 sink ``S0``, recent window ``W``, metadata dtype (G = D; 16-bit or formula
+    10's uint8), and the layers whose keys are INT4 (recipe ``quant.int4_keys``: the low plane in their pages)."""
 
     sink: int
     recent: int
     meta_dtype: torch.dtype = torch.bfloat16
+    int4_layers: tuple[int, ...] = ()
+
+    @property
+    def meta_bytes(self) -> int:
+        return torch.empty((), dtype=self.meta_dtype).element_size()
+
+    def key_bits(self, layer: int) -> int:
+        return 4 if layer in self.int4_layers else 2
 
     @property
     def demotion_block(self) -> int:
@@ -152,12 +161,12 @@ def layer_tensors(method: object, num_layers: int, num_kv_heads: int, head_dim: 
 def check_method(method: Any, *, head_dim: int, block_size: int) -> Int2Settings:
     """The INT2 settings of an ``oscar`` method from an artifact (``oscar_from_artifact``), after
     :func:`check_geometry` refused, in one line, whatever of it the backend cannot serve."""
-    settings = Int2Settings(sink=method.sink, recent=method.recent, meta_dtype=method.meta_dtype)
+    settings = Int2Settings(sink=method.sink, recent=method.recent, meta_dtype=method.meta_dtype,
+                            int4_layers=tuple(int(i) for i in getattr(method, "int4_key_layers", ())))
     check_geometry(head_dim=head_dim, block_size=block_size, settings=settings, group_size=method.group_size,
                    keep_fraction=method.keep_fraction, levels=method.levels,
                    logit_correction=method.logit_correction, key_subspace=method.key_subspace,
-                   key_mean=method.key_mean, layer_kinds=tuple(method.layer_kinds),
-                   int4_key_layers=tuple(getattr(method, "int4_key_layers", ())))
+                   key_mean=method.key_mean, layer_kinds=tuple(method.layer_kinds))
     return settings
 
 
@@ -168,8 +177,7 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
                    alibi: bool = False, kv_sharing: bool = False, keep_fraction: float = 0.0,
                    levels: float = UNIFORM_INNER, logit_correction: str = "none", key_subspace: int = 0,
-                   key_mean: str = "constant", layer_kinds: tuple[str, ...] = (),
-                   int4_key_layers: tuple[int, ...] = ()) -> None:
+                   key_mean: str = "constant", layer_kinds: tuple[str, ...] = ()) -> None:
     """Refuse (one line, UnsupportedModelError) what the INT2 kernels cannot serve; never fall back to BF16.
 
     ``layer_kinds``: the storage of each layer when the calibration's per-layer fallback chose another scheme for
@@ -195,10 +203,6 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if key_subspace:
         reasons.append(f"a BF16 key subspace (quant.key_subspace {key_subspace}: the kernels do not read it; serve it "
                        "through transformers with --backend reference)")
-    if int4_key_layers:
-        reasons.append(f"INT4 keys on layer{'s' if len(int4_key_layers) > 1 else ''} "
-                       f"{', '.join(map(str, int4_key_layers))} (quant.int4_keys: the backend's pages hold 2-bit keys; "
-                       "serve it through transformers, whose cache reads both key planes)")
     if key_mean not in ("constant", "rope"):
         reasons.append(f"key mean {key_mean!r} (quant.key_mean: the backend centres keys by a constant mean or by "
                        "RoPE_p(m_pre))")
@@ -210,12 +214,8 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
         reasons.append(f"sink {settings.sink} is not a multiple of the block size {block_size}")
     if group_size not in (None, head_dim):
         reasons.append(f"quantization group {group_size} (the kernels need G = head_dim)")
-    if settings.meta_dtype not in (torch.bfloat16, torch.float16):
-        what = ("8-bit metadata (quant.meta_dtype: uint8, formula 10: the backend's pages hold 16-bit scale/zero; "
-                "serve it through transformers, whose reference and Triton paths read it)"
-                if settings.meta_dtype == torch.uint8
-                else f"metadata dtype {settings.meta_dtype} (pages hold 16-bit scale/zero)")
-        reasons.append(what)
+    if settings.meta_dtype not in (torch.bfloat16, torch.float16, torch.uint8):
+        reasons.append(f"metadata dtype {settings.meta_dtype} (pages hold 16-bit or formula 10's 8-bit scale/zero)")
     if sliding_window is not None:
         reasons.append("sliding-window attention")
     if logits_soft_cap:
@@ -225,11 +225,7 @@ def check_geometry(*, head_dim: int, block_size: int, settings: Int2Settings, gr
     if kv_sharing:
         reasons.append("cross-layer KV sharing")
     if reasons:
-        hint = None
-        if int4_key_layers or settings.meta_dtype == torch.uint8:
-            hint = ("for this backend, calibrate an artifact with 2-bit keys and 16-bit scale/zero: "
-                    "oscar calibrate MODEL --int4-keys 0 --meta-bits 16")
-        raise UnsupportedModelError("oscar INT2 backend cannot serve this model: " + "; ".join(reasons), hint)
+        raise UnsupportedModelError("oscar INT2 backend cannot serve this model: " + "; ".join(reasons))
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -243,32 +239,52 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
-def page_offsets(block_size: int, h_kv: int, head_dim: int, meta: int) -> dict[str, int]:
-    """Byte offsets inside one page: K codes, V codes (token quads), K scale, K zero, V scale, V zero."""
+def page_offsets(block_size: int, h_kv: int, head_dim: int, meta: int, key_bits: int = 2) -> dict[str, int]:
+    """Byte offsets inside one page: K codes, V codes (token quads), K scale, K zero, V scale, V zero, and with
+    ``key_bits`` 4 the keys' low plane (laid out as the K codes) after them."""
     codes = block_size * h_kv * head_dim // 4
     md = block_size * h_kv * meta
-    return {"k": 0, "v": codes, "k_scale": 2 * codes, "k_zero": 2 * codes + md, "v_scale": 2 * codes + 2 * md,
-            "v_zero": 2 * codes + 3 * md, "end": 2 * codes + 4 * md}
+    off = {"k": 0, "v": codes, "k_scale": 2 * codes, "k_zero": 2 * codes + md, "v_scale": 2 * codes + 2 * md,
+           "v_zero": 2 * codes + 3 * md, "end": 2 * codes + 4 * md}
+    if key_bits == 4:
+        off["k_lo"], off["end"] = off["end"], off["end"] + codes
+    return off
 
 
-def carve_pages(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype = torch.bfloat16
-                ) -> tuple[QuantizedRows, QuantizedRows]:
-    """Views of one layer's pages ``uint8 [num_blocks, P, H_kv, slot]`` as the kernels' paged caches.
-
-    Keys: ``packed [blocks, H_kv, P, D/4]``; values: token quads ``[blocks, H_kv, P/R·D, R/4]`` (R = min(P, 64));
-    scale/zero ``[blocks, H_kv, P, 1]`` in ``meta_dtype``, all four with the same strides (what the decode kernel
-    requires). The page bytes are laid out as :func:`page_offsets` says.
-    """
+def _page_geometry(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype, key_bits: int
+                   ) -> tuple[int, int, int, int, dict[str, int]]:
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache: expected contiguous uint8 [blocks, P, H_kv, slot], got {kv_cache.dtype} "
                          f"{tuple(kv_cache.shape)}")
     nb, p, h, slot = (int(s) for s in kv_cache.shape)
     meta = torch.empty((), dtype=meta_dtype).element_size()
-    off = page_offsets(p, h, head_dim, meta)
+    off = page_offsets(p, h, head_dim, meta, key_bits)
     if off["end"] != p * h * slot:
         raise ValueError(f"kv_cache: slot {slot} does not hold INT2 K/V of head_dim {head_dim} with {meta}-byte "
-                         f"metadata ({off['end'] // (p * h)} bytes)")
-    page = p * h * slot
+                         f"metadata and {key_bits}-bit keys ({off['end'] // (p * h)} bytes)")
+    return nb, p, h, p * h * slot, off
+
+
+def carve_low_plane(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype = torch.bfloat16
+                    ) -> torch.Tensor:
+    """The INT4 keys' low plane of one layer's pages (``key_bits`` 4): ``uint8 [blocks, H_kv, P, D/4]`` with the
+    K codes' strides (``oscar_kernels.ops.LowPlane(codes)``, paged: the block table addresses it)."""
+    nb, p, h, page, off = _page_geometry(kv_cache, head_dim, meta_dtype, 4)
+    d4 = head_dim // 4
+    return kv_cache.reshape(-1).as_strided((nb, h, p, d4), (page, p * d4, d4, 1), off["k_lo"])
+
+
+def carve_pages(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype = torch.bfloat16,
+                key_bits: int = 2) -> tuple[QuantizedRows, QuantizedRows]:
+    """Views of one layer's pages ``uint8 [num_blocks, P, H_kv, slot]`` as the kernels' paged caches.
+
+    Keys: ``packed [blocks, H_kv, P, D/4]``; values: token quads ``[blocks, H_kv, P/R·D, R/4]`` (R = min(P, 64));
+    scale/zero ``[blocks, H_kv, P, 1]`` in ``meta_dtype``, all four with the same strides (what the decode kernel
+    requires). The page bytes are laid out as :func:`page_offsets` says; ``key_bits`` 4: the page also holds the
+    keys' low plane (:func:`carve_low_plane`), and the keys here are its high plane.
+    """
+    nb, p, h, page, off = _page_geometry(kv_cache, head_dim, meta_dtype, key_bits)
+    meta = torch.empty((), dtype=meta_dtype).element_size()
     flat = kv_cache.reshape(-1)
     row = token_quad_row(p)
     d4 = head_dim // 4
