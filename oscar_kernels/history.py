@@ -13,7 +13,8 @@ Token ``t`` of the range (``0 <= t < T``, position ``start + t``, ``start`` page
 and ``out[t, h, i] = rn(float32(zero) + float32(code)·float32(scale) + mean[h, i])`` with the token's group
 ``i // G`` of scale and zero: the product and the two sums rounded separately, in that order (the launcher turns
 off Triton's FMA contraction), then rounded once to the output dtype (round to nearest even: bit arithmetic for
-bfloat16, whose cast truncates in the CPU interpreter), bitwise the torch expressions of ``history``.
+bfloat16, whose cast truncates in the CPU interpreter), bitwise the torch expressions of ``history``. ``META8``: formula 10's one-byte scale and zero, decoded exactly to
+float32 (``int2_pack.meta8_decode``) before the same expression.
 """
 
 from __future__ import annotations
@@ -21,21 +22,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oscar_kernels.int2_pack import meta8_decode
 from oscar_kernels.rotate_kv import _cast_rn
 
 
 @triton.jit
 def _dequant_tile(codes, scale_ptr, zero_ptr, meta_off, cols, stride_mg, mean, okt, ok, out_ptr, out_off,
-                  G: tl.constexpr, NG: tl.constexpr):
+                  G: tl.constexpr, NG: tl.constexpr, META8: tl.constexpr = False):
     """``out[out_off] = rn((zero + code·scale) + mean)`` for a ``[BLOCK_T, BLOCK_D]`` tile of codes (int32 0..3);
-    ``meta_off`` ``[BLOCK_T]``: each token's scale/zero row; ``okt`` ``[BLOCK_T]``, ``ok`` the tile's mask."""
+    ``meta_off`` ``[BLOCK_T]``: each token's scale/zero row; ``okt`` ``[BLOCK_T]``, ``ok`` the tile's mask;
+    ``META8``: the scale and zero are formula 10's bytes."""
     if NG == 1:
-        s = tl.load(scale_ptr + meta_off, mask=okt, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(zero_ptr + meta_off, mask=okt, other=0.0).to(tl.float32)[:, None]
+        s = tl.load(scale_ptr + meta_off, mask=okt, other=0)
+        z = tl.load(zero_ptr + meta_off, mask=okt, other=0)
+        if META8:
+            s, z = meta8_decode(s.to(tl.int32), z.to(tl.int32))
+        s = s.to(tl.float32)[:, None]
+        z = z.to(tl.float32)[:, None]
     else:
         goff = meta_off[:, None] + (cols // G)[None, :] * stride_mg
-        s = tl.load(scale_ptr + goff, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(zero_ptr + goff, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(scale_ptr + goff, mask=ok, other=0)
+        z = tl.load(zero_ptr + goff, mask=ok, other=0)
+        if META8:
+            s, z = meta8_decode(s.to(tl.int32), z.to(tl.int32))
+        s = s.to(tl.float32)
+        z = z.to(tl.float32)
     x = z + codes.to(tl.float32) * s
     y = x + mean[None, :]
     tl.store(out_ptr + out_off, _cast_rn(y, out_ptr.dtype.element_ty), mask=ok)
@@ -85,6 +96,7 @@ def _history_kernel(
     G_V: tl.constexpr,
     NG_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    META8: tl.constexpr = False,
 ):
     """``BLOCK_T`` tokens of one KV head, K and V. Grid: ``(cdiv(T, BLOCK_T), H_kv)``."""
     pid = tl.program_id(0)
@@ -104,7 +116,7 @@ def _history_kernel(
     kc = (kb >> (2 * (cols // (D // 4)))[None, :]) & 3
     k_mean = tl.load(k_mean_ptr + h * stride_kmh + cols, mask=cm, other=0.0)
     _dequant_tile(kc, ks_ptr, kz_ptr, page * stride_ksp + h * stride_ksh + o * stride_kst, cols, stride_ksg, k_mean,
-                  okt, ok, k_out_ptr, t64 * stride_kon + h * stride_koh + cols[None, :], G_K, NG_K)
+                  okt, ok, k_out_ptr, t64 * stride_kon + h * stride_koh + cols[None, :], G_K, NG_K, META8)
 
     # values: channel i of token o is residue o % 4 of byte (o % R) // 4 of row (o // R)·D + i
     vrow = (o // R) * D
@@ -113,4 +125,4 @@ def _history_kernel(
     vc = (vb >> (2 * (o % 4))[:, None]) & 3
     v_mean = tl.load(v_mean_ptr + h * stride_vmh + cols, mask=cm, other=0.0)
     _dequant_tile(vc, vs_ptr, vz_ptr, page * stride_vsp + h * stride_vsh + o * stride_vst, cols, stride_vsg, v_mean,
-                  okt, ok, v_out_ptr, t64 * stride_von + h * stride_voh + cols[None, :], G_V, NG_V)
+                  okt, ok, v_out_ptr, t64 * stride_von + h * stride_voh + cols[None, :], G_V, NG_V, META8)

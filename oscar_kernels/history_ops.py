@@ -34,8 +34,8 @@ COMPILE_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
 def _meta(name: str, pages: QuantizedRows, shape: tuple[int, int, int], d: int, dev: torch.device) -> int:
     """Check ``name``'s scale/zero ``[pages, H_kv, P, D/G]`` (one dtype, shared strides); returns ``G``."""
     s, z = pages.scale, pages.zero
-    check_tensor(f"{name}.scale", s, f"bf16/fp16/fp32 [{shape[0]}, {shape[1]}, {shape[2]}, D/G]",
-                 (*shape, None), META, dev)
+    check_tensor(f"{name}.scale", s, f"bf16/fp16/fp32/uint8 [{shape[0]}, {shape[1]}, {shape[2]}, D/G]",
+                 (*shape, None), (*META, torch.uint8), dev)
     ng = int(s.shape[3])
     if ng == 0 or d % ng:
         raise bad_tensor(f"{name}.scale", s, f"[..., D/G] with D/G dividing D = {d}")
@@ -111,4 +111,4 @@ def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: t
         blocks, start // p, km, km_stride, vm, vm_stride,
         k_out, k_out.stride(0), k_out.stride(1), v_out, v_out.stride(0), v_out.stride(1), n,
         P=p, R=r, D=d, BLOCK_D=next_pow2(d), G_K=g_k, NG_K=d // g_k, G_V=g_v, NG_V=d // g_v,
-        BLOCK_T=block_t, num_warps=num_warps, **COMPILE_OPTIONS)
+        BLOCK_T=block_t, META8=ks.dtype == torch.uint8, num_warps=num_warps, **COMPILE_OPTIONS)

@@ -118,15 +118,17 @@ def test_dequantize_history_block_sizes_and_strided_outputs(block_t: int) -> Non
 
 
 @pytest.mark.unit
-def test_dequantize_history_reads_vllm_pages() -> None:
+@pytest.mark.parametrize("meta", [torch.bfloat16, torch.uint8], ids=["meta16", "meta8"])
+def test_dequantize_history_reads_vllm_pages(meta: torch.dtype) -> None:
     """The engine's page views (``layout.carve_pages``: K, V, scales and zeros interleaved in one uint8 page, scales
-    strided), written by the quantize-on-write path, fp32 outputs too."""
+    strided), written by the quantize-on-write path, fp32 outputs too; ``meta8``: formula 10's one-byte scale and
+    zero, decoded in the kernel as the torch twin decodes them (bitwise)."""
     from oscar_cli.vllm.spec import slot_bytes
 
     p, d, h, n, s0 = 16, 64, 2, 70, 16
     gen = torch.Generator().manual_seed(7)
-    kv = torch.zeros(9, p, h, slot_bytes(d), dtype=torch.uint8, device=DEV)
-    kp, vp = layout.carve_pages(kv, d)
+    kv = torch.zeros(9, p, h, slot_bytes(d, 1 if meta == torch.uint8 else 2), dtype=torch.uint8, device=DEV)
+    kp, vp = layout.carve_pages(kv, d, meta)
     blocks = torch.tensor([4, 8, 2, 6, 1, 3, 7], dtype=torch.int32, device=DEV)
     slots = torch.tensor([int(blocks[i // p]) * p + i % p for i in range(s0 + n)], device=DEV)
     x = torch.randn(s0 + n, h, d, generator=gen).to(DEV)
