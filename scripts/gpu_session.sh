@@ -245,15 +245,13 @@ vruler)  # #20 item 5: RULER through vLLM on Qwen2.5 with a rope-mean artifact, 
         | tee /tmp/res/vllm-ruler-$nm.md
     ;;
 v4tests)  # #20/#21: INT4 keys and 8-bit metadata in vLLM's pages on CUDA: the paged low plane and meta8 decode tests,
-    # the simulated vLLM run (Triton path, every format), and vLLM's own classes (needs vjoin)
+    # the history kernel's meta8 pages, and vLLM's own classes (needs vjoin); the simulated vLLM run is CPU-only
+    # (interpreter): on the GPU, vruler checks the same path end to end
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-    PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
-        -k "paged_low_plane or meta8" 2>&1 | tail -4
+    PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
+        tests/test_history_ops.py -k "paged_low_plane or meta8 or vllm_pages" 2>&1 | tail -4
     echo "[kernels] $(( $(date +%s) - t0 )) s"
-    PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_vllm_logic.py \
-        -k "simulated" 2>&1 | tail -4
-    echo "[simulated] $(( $(date +%s) - t0 )) s"
     PYTHONPATH=/tmp/vsite:/tmp/site:$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_vllm_backend.py \
         2>&1 | tail -4
     echo "[vllm classes] $(( $(date +%s) - t0 )) s"
