@@ -73,13 +73,16 @@ def _quantize_write_kernel(
     CLIP_SORT: tl.constexpr = True,
     TQ_XOR: tl.constexpr = True,
     EXCLUSIVE_WORDS: tl.constexpr = False,
+    lo_ptr=None,  # INT4: the low plane, laid out as codes (rows layout, the codes' strides)
+    INT4: tl.constexpr = False,
 ):
     """Quantize ``BLOCK_T`` rows of one KV head and scatter them into the paged cache.
 
     Grid: ``(cdiv(N, BLOCK_T), H_kv)``. Token quads (``TQ``) update a row's 2 bits of each of its ``D`` 32-bit
     words in one of three ways (bitwise the same result under their preconditions; see the module docstring):
     ``EXCLUSIVE_WORDS`` a plain load / clear / or / store, ``TQ_XOR`` a relaxed load and one ``atomic_xor``,
-    else ``atomic_and`` + ``atomic_or``.
+    else ``atomic_and`` + ``atomic_or``. ``INT4`` (rows layout, no clip): formula 9's 16 levels, the high plane
+    into ``codes`` with its scale and zero, the low plane into ``lo_ptr`` at the same offsets.
     """
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,7 +109,7 @@ def _quantize_write_kernel(
         else:
             tau = _clip_select(y, clip_idx, BLOCK_T)
         y = tl.minimum(tl.maximum(y, -tau[:, None]), tau[:, None])
-    codes, scale, zero = _quantize_groups(y, BLOCK_T, D, G, scale_ptr.dtype.element_ty)
+    codes, scale, zero = _quantize_groups(y, BLOCK_T, D, G, scale_ptr.dtype.element_ty, INT4)
 
     slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
     ok = row_ok & (slot >= 0)
@@ -131,8 +134,11 @@ def _quantize_write_kernel(
             tl.atomic_or(word, codes << shift, mask=wok)
     else:
         cbase = page * stride_cp + h * stride_ch + off * stride_cr
-        packed = _pack_quarters(codes, BLOCK_T, D)
         qcols = tl.arange(0, D // 4)
+        if INT4:  # codes 0..15: the high plane (4·hi + lo) to the pages, the low plane beside them
+            tl.store(lo_ptr + cbase[:, None] + qcols[None, :], _pack_quarters(codes & 3, BLOCK_T, D), mask=ok[:, None])
+            codes = codes >> 2
+        packed = _pack_quarters(codes, BLOCK_T, D)
         tl.store(codes_ptr + cbase[:, None] + qcols[None, :], packed, mask=ok[:, None])
     mbase = page * stride_mp + h * stride_mh + off * stride_mr
     gcols = tl.arange(0, D // G)
@@ -159,15 +165,23 @@ def _clip_select(y, clip_idx, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _quantize_groups(y, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr, META: tl.constexpr):
-    """Min-max INT2 per group of ``G`` channels, exactly as ``reference.quantize_int2``.
+def _quantize_groups(y, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr, META: tl.constexpr,
+                     INT4: tl.constexpr = False):
+    """Min-max INT2 per group of ``G`` channels, exactly as ``reference.quantize_int2``; ``INT4``: formula 9's 16
+    levels as ``reference.quantize_int4_planes`` (codes 0..15 = ``4·hi + lo``; the stored scale is the high
+    plane's step, 4 fine steps).
 
     ``y`` float32 ``[BLOCK_T, D]`` -> codes int32 ``[BLOCK_T, D]``, scale and zero ``META [BLOCK_T, D/G]``.
     """
     yg = tl.reshape(y, [BLOCK_T, D // G, G])
     mn = tl.min(yg, axis=2)
     mx = tl.max(yg, axis=2)
-    s = tl.math.div_rn(tl.maximum(mx - mn, 1e-8), tl.full(mn.shape, 3.0, tl.float32))
+    if INT4:  # the reference's clamp(mx - mn)·4 / 15 (the product exact, one rounded division)
+        s = tl.math.div_rn(tl.maximum(mx - mn, 1e-8) * 4.0, tl.full(mn.shape, 15.0, tl.float32))
+        half = 1.875  # the grid's half width in stored steps: 15/4 / 2
+    else:
+        s = tl.math.div_rn(tl.maximum(mx - mn, 1e-8), tl.full(mn.shape, 3.0, tl.float32))
+        half = 1.5
     if META == tl.uint8:  # formula 10: e5m3 scale byte, zero byte z + 128 with zero = z·scale/16, grid centred
         mid = (mn + mx) * 0.5
         wide = tl.maximum(s, tl.math.div_rn(tl.abs(mid), tl.full(mid.shape, 5.5, tl.float32)))
@@ -175,7 +189,7 @@ def _quantize_groups(y, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         e = (r >> 3) - 127 + E5M3_BIAS
         byte = tl.where(e < 0, 0, tl.where(e > 31, 255, (e << 3) | (r & 7)))
         sf = meta8_scale(byte)
-        z = tl.floor(tl.math.div_rn(mid - sf * 1.5, sf * 0.0625) + 0.5)
+        z = tl.floor(tl.math.div_rn(mid - sf * half, sf * 0.0625) + 0.5)
         z = tl.minimum(tl.maximum(z, -128.0), 127.0)
         zf = z * (sf * 0.0625)
         scale = byte.to(tl.uint8)
@@ -185,9 +199,12 @@ def _quantize_groups(y, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
         zero = _round_to(mn, META)
         sf = scale.to(tl.float32)
         zf = zero.to(tl.float32)
-    q = tl.math.div_rn(yg - zf[:, :, None], tl.broadcast_to(sf[:, :, None], yg.shape))
-    c = tl.floor(q + 0.5)
-    c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+    if INT4:
+        q = tl.math.div_rn(yg - zf[:, :, None], tl.broadcast_to(sf[:, :, None] * 0.25, yg.shape))
+        c = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), 15.0).to(tl.int32)
+    else:
+        q = tl.math.div_rn(yg - zf[:, :, None], tl.broadcast_to(sf[:, :, None], yg.shape))
+        c = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), 3.0).to(tl.int32)
     return tl.reshape(c, [BLOCK_T, D]), scale, zero
 
 

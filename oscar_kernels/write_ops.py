@@ -62,7 +62,8 @@ def auto_block_t(n: int, rotation: bool) -> int:
 def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
                    rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
                    clip_ratio: float = 0.0, block_t: int | None = None, num_warps: int = 4, layout: str = "rows",
-                   clip_method: str = "sort", exclusive_words: bool = False, tq_update: str = "xor") -> None:
+                   clip_method: str = "sort", exclusive_words: bool = False, tq_update: str = "xor",
+                   low_plane: torch.Tensor | None = None) -> None:
     """Quantize rows and scatter them into a paged cache, in one launch for all tokens and KV heads.
 
     Args:
@@ -86,6 +87,10 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         tq_update: token quads without ``exclusive_words`` (rows of one word written by several programs):
             ``"xor"`` (default: a load and one ``atomic_xor`` per word) or ``"and_or"`` (``atomic_and`` +
             ``atomic_or``); bitwise the same bytes (:mod:`oscar_kernels.int2_pack` has the argument).
+
+        low_plane: INT4 keys (formula 9, ``reference.quantize_rows_int4``; ``layout="rows"``, no clip): a uint8 array
+            with ``cache.packed``'s shape and strides that takes each row's low plane at its codes' offsets, while
+            ``cache`` takes the high plane and the scale and zero (the vLLM backend's pages).
 
     Every non-negative slot may appear at most once per call (the token-quad updates assume one writer per token).
     """
@@ -133,6 +138,13 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
     else:
         mu, mu_stride = mean_arg("mean", mean, h_kv, d, dev)
         mu_row = 0
+    if low_plane is not None:
+        if tq or clip_ratio > 0:
+            raise ValueError("low_plane: INT4 keys are written in the rows layout and without a clip")
+        if low_plane.dtype != torch.uint8 or low_plane.device != codes.device or low_plane.shape != codes.shape \
+                or low_plane.stride() != codes.stride():
+            raise bad_tensor("low_plane", low_plane, f"uint8 {list(codes.shape)} with cache.packed's strides "
+                             f"{codes.stride()}")
     if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and n and int(slots.max()) >= codes.shape[0] * page_size:
         raise ValueError(f"slots: max slot {int(slots.max())} >= pages*P = {codes.shape[0] * page_size}")
     if n == 0:
@@ -150,7 +162,7 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
         n, page_size, row if tq else 0, clip_idx,
         D=d, G=d // ng, BLOCK_T=bt, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
         TQ=tq, CLIP_SORT=clip_method == "sort", TQ_XOR=tq_update == "xor", EXCLUSIVE_WORDS=tq and exclusive_words,
-        num_warps=num_warps,
+        lo_ptr=low_plane if low_plane is not None else codes, INT4=low_plane is not None, num_warps=num_warps,
     )
 
 

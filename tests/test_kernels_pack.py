@@ -494,3 +494,61 @@ def test_quantize_meta8_bitwise_at_every_magnitude(seed: int, log_mag: int, offs
     x[0, 1, 3] = 0.0  # a zero row: the smallest step
     got = ops.quantize_rows(x.to(DEV), None, None, clip, None, torch.uint8)
     _assert_same(got, _ref_cpu(x, None, None, clip, None, torch.uint8))
+
+
+INT4_CASES = [
+    # id, D, meta dtype, mean form (None, per head, per row), magnitude
+    ("D64-bf16meta-no-mean", 64, torch.bfloat16, None, 1.0),
+    ("D128-fp16meta-head-mean", 128, torch.float16, "head", 1.0),
+    ("D128-meta8-row-mean", 128, torch.uint8, "row", 1.0),
+    ("D64-meta8-head-mean-large", 64, torch.uint8, "head", 2.0**14),
+    ("D128-fp32meta-row-mean-tiny", 128, torch.float32, "row", 2.0**-20),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # masked rows of the last tile (never stored)
+@pytest.mark.parametrize("case", INT4_CASES, ids=[c[0] for c in INT4_CASES])
+def test_quantize_write_int4_planes_bitwise(case: tuple) -> None:
+    """INT4 keys (``low_plane``): the high plane, scale and zero into the pages and the low plane into an array of
+    the codes' layout, bitwise ``reference.quantize_rows_int4`` on the centred rows (16-bit and formula 10's 8-bit
+    metadata, a mean per head or per row); skipped rows (slot -1) and every other slot keep their bytes."""
+    name, d, meta, mean_form, mag = case
+    n, h, page, pages = 19, 2, 16, 3
+    x = _rows(len(name), 1, n, h, d, torch.float16)[0].float() * mag  # [N, H_kv, D]
+    gen = torch.Generator().manual_seed(d + n)
+    mean = None if mean_form is None else (torch.randn(*((n,) if mean_form == "row" else ()), h, d, generator=gen)
+                                           * mag).to(DEV)
+    slots = torch.randperm(pages * page, generator=gen)[:n].to(DEV)
+    slots[4] = -1
+    cache = ops.new_paged_cache(pages, h, page, d, None, meta, DEV)
+    cache.packed.fill_(0xAB)
+    low = torch.full_like(cache.packed, 0xCD)
+    ops.quantize_write(x, cache, slots, mean=mean, low_plane=low)
+    ok = (slots >= 0).cpu()
+    centred = x.cpu() if mean is None else x.cpu() - mean.cpu()
+    want, want_lo = ref.quantize_rows_int4(centred.transpose(0, 1), None, None, None, meta)  # [H, N, ...]
+    s = slots.cpu()[ok]
+    for got, exp in ((cache.packed, want.packed), (cache.scale, want.scale), (cache.zero, want.zero), (low, want_lo)):
+        assert torch.equal(got.cpu()[s // page, :, s % page], exp.transpose(0, 1)[ok])
+    untouched = torch.ones(pages * page, dtype=torch.bool)
+    untouched[s] = False
+    for arr, fill in ((cache.packed, 0xAB), (low, 0xCD)):
+        flat = arr.cpu().permute(0, 2, 1, 3).reshape(pages * page, h, d // 4)
+        assert (flat[untouched] == fill).all()
+
+
+@pytest.mark.unit
+def test_quantize_write_int4_refusals() -> None:
+    """A low plane needs the rows layout, no clip, and the codes' shape and strides."""
+    x = _rows(1, 1, 4, 2, 64, torch.float16)[0]
+    slots = torch.arange(4, dtype=torch.int64, device=DEV)
+    cache = ops.new_paged_cache(1, 2, 16, 64, None, torch.bfloat16, DEV)
+    low = torch.zeros_like(cache.packed)
+    with pytest.raises(ValueError, match="without a clip"):
+        ops.quantize_write(x, cache, slots, clip_ratio=0.9, low_plane=low)
+    with pytest.raises(ValueError, match="low_plane"):
+        ops.quantize_write(x, cache, slots, low_plane=low[:, :1])
+    tq = ops.new_paged_cache(1, 2, 16, 64, None, torch.bfloat16, DEV, layout="token_quads")
+    with pytest.raises(ValueError, match="rows layout"):
+        ops.quantize_write(x, tq, slots, layout="token_quads", low_plane=torch.zeros_like(tq.packed))

@@ -22,9 +22,9 @@ table), and a prefill chunk's dequantized history gets each position's mean back
 
 INT4 keys (recipe ``quant.int4_keys``, :attr:`PagedInt2Layer.key_bits` 4, formula 9): the layer's pages also hold
 the keys' low plane (:func:`oscar_cli.vllm.layout.carve_low_plane`, laid out as the key codes). Writes quantize keys
-with the reference's ``quantize_rows_int4`` in torch (both planes, scale and zero scattered through the slot
-mapping; a few device ops per layer and step, CUDA-graph capturable), the decode kernel reads the low plane through
-the same block table (``ops.LowPlane(codes)``, paged), and a prefill chunk dequantizes that layer's history in torch
+in one launch (``ops.quantize_write(low_plane=...)``: both planes, scale and zero, bitwise the reference's
+``quantize_rows_int4``; the torch twin :func:`write_int4_keys`), the decode kernel reads the low plane through the
+same block table (``ops.LowPlane(codes)``, paged), and a prefill chunk dequantizes that layer's history in torch
 (:func:`torch_history` with the plane: ``ops.dequantize_history`` reads 2-bit keys only).
 
 Semantics are the reference cache's (``oscar_cli.quant.int2_layer.Int2Layer``): the recent length follows its placement
@@ -208,9 +208,10 @@ def write_int4_keys(x: torch.Tensor, pages: QuantizedRows, low: torch.Tensor, sl
                     mean: torch.Tensor) -> None:
     """INT4 keys (formula 9) of rotated rows ``x [N, H_kv, D]``, centred by ``mean`` (``[H_kv, D]``, or one per row
     ``[N, H_kv, D]``), into the pages at ``slots`` (int64 ``[N]``): the high plane with its scale and zero into
-    ``pages``, the low plane into ``low`` (paged like the key codes). The reference's ``quantize_rows_int4``
-    computes them (what the transformers cache stores, bitwise). Rows with a negative slot (padding) go to slot 0,
-    in vLLM's null block 0, which no request reads: the write stays free of host syncs (CUDA-graph capturable)."""
+    ``pages``, the low plane into ``low`` (paged like the key codes), in torch: the twin of
+    ``ops.quantize_write(low_plane=...)``. The reference's ``quantize_rows_int4`` computes them (what the
+    transformers cache stores). Rows with a negative slot (padding) go to slot 0, in vLLM's null block 0, which no
+    request reads: the write stays free of host syncs."""
     m = mean.transpose(0, 1) if mean.dim() == 3 else mean  # the reference's rows layout: [H_kv, N, D]
     qk, lo = quantize_rows_int4(x.transpose(0, 1), None, m, None, pages.scale.dtype)
     p = int(pages.packed.shape[2])
@@ -230,6 +231,10 @@ class TorchTiers:
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
+
+    def quantize_write_int4(self, x: torch.Tensor, cache: QuantizedRows, low: torch.Tensor, slots: torch.Tensor,
+                            mean: torch.Tensor) -> None:
+        write_int4_keys(x, cache, low, slots, mean)
 
     def tier_write(self, kr: torch.Tensor, vr: torch.Tensor, tiers: Tiers, sink_row: torch.Tensor,
                    sink_pos: torch.Tensor, ring_row: torch.Tensor, ring_slot: torch.Tensor) -> None:
@@ -285,6 +290,13 @@ class TritonKernels:
         from oscar_kernels import ops
 
         ops.quantize_write(x, cache, slots, mean=mean, clip_ratio=clip, layout=layout, exclusive_words=exclusive_words)
+
+    def quantize_write_int4(self, x: torch.Tensor, cache: QuantizedRows, low: torch.Tensor, slots: torch.Tensor,
+                            mean: torch.Tensor) -> None:
+        """INT4 keys: both planes, scale and zero in one launch (no clip; formula 9)."""
+        from oscar_kernels import ops
+
+        ops.quantize_write(x, cache, slots, mean=mean, low_plane=low)
 
     def tier_write(self, kr: torch.Tensor, vr: torch.Tensor, tiers: Tiers, sink_row: torch.Tensor,
                    sink_pos: torch.Tensor, ring_row: torch.Tensor, ring_slot: torch.Tensor) -> None:
@@ -434,13 +446,13 @@ class PagedInt2Layer:
         (``exclusive_words``): its rows are one token per request, each in the request's own last page, and the
         padding rows are skipped; a static choice per captured graph (those are decode-only). Other steps keep
         the shared-word atomics (a prefill chunk's tokens share words). INT4 keys (``k_low``, the layer's low
-        plane): :func:`write_int4_keys`."""
+        plane): ``kernels.quantize_write_int4``."""
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
         k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n], st)  # one mean per row: rope
         if self._low(k_low) is not None:
             assert k_low is not None
-            write_int4_keys(kr, k_pages, k_low, slots, k_mean)
+            self.kernels.quantize_write_int4(kr, k_pages, k_low, slots, k_mean)
         else:
             self.kernels.quantize_write(kr, k_pages, slots, k_mean, self.t.k_clip, "rows")
         self.kernels.quantize_write(vr, v_pages, slots, self.t.v_mean, self.t.v_clip, "token_quads",
