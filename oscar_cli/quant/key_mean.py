@@ -16,8 +16,8 @@ token: the BPE is unchanged.
 
 Positions: the cache places row ``b``'s slot ``t`` at RoPE position ``t - pad_b`` (left padding), the positions
 ``oscar_cli.quant.generation`` and ``model.generate`` give. RoPE is the ``rotate_half`` form of Llama, Qwen2,
-Qwen3 and Mistral. Reference path only: the Triton decode kernel centres every INT2 key by the constant mean
-(a position-dependent mean adds one logit term per key), so it and vLLM refuse such a method.
+Qwen3 and Mistral. Served by the reference path, the Triton path (the decode kernel adds the mean's logit term per
+key itself, ``oscar_kernels.ops.RopeMean``) and the vLLM backend (``oscar_cli.vllm.core``).
 """
 
 from __future__ import annotations
