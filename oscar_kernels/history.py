@@ -14,7 +14,9 @@ and ``out[t, h, i] = rn(float32(zero) + float32(code)·float32(scale) + mean[h, 
 ``i // G`` of scale and zero: the product and the two sums rounded separately, in that order (the launcher turns
 off Triton's FMA contraction), then rounded once to the output dtype (round to nearest even: bit arithmetic for
 bfloat16, whose cast truncates in the CPU interpreter), bitwise the torch expressions of ``history``. ``META8``: formula 10's one-byte scale and zero, decoded exactly to
-float32 (``int2_pack.meta8_decode``) before the same expression.
+float32 (``int2_pack.meta8_decode``) before the same expression. ``HAS_LO`` (INT4 keys, formula 9): the keys' low
+plane, laid out as the key codes, read at the same offsets; the key code is ``4·hi + lo`` and its step
+``float32(scale)/4`` (exact), as ``reference.dequantize_int4_planes``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from oscar_kernels.rotate_kv import _cast_rn
 
 @triton.jit
 def _dequant_tile(codes, scale_ptr, zero_ptr, meta_off, cols, stride_mg, mean, okt, ok, out_ptr, out_off,
-                  G: tl.constexpr, NG: tl.constexpr, META8: tl.constexpr = False):
+                  G: tl.constexpr, NG: tl.constexpr, META8: tl.constexpr = False, FINE: tl.constexpr = False):
     """``out[out_off] = rn((zero + code·scale) + mean)`` for a ``[BLOCK_T, BLOCK_D]`` tile of codes (int32 0..3);
     ``meta_off`` ``[BLOCK_T]``: each token's scale/zero row; ``okt`` ``[BLOCK_T]``, ``ok`` the tile's mask;
-    ``META8``: the scale and zero are formula 10's bytes."""
+    ``META8``: the scale and zero are formula 10's bytes; ``FINE``: INT4 codes (0..15), a quarter of the scale each."""
     if NG == 1:
         s = tl.load(scale_ptr + meta_off, mask=okt, other=0)
         z = tl.load(zero_ptr + meta_off, mask=okt, other=0)
@@ -47,6 +49,8 @@ def _dequant_tile(codes, scale_ptr, zero_ptr, meta_off, cols, stride_mg, mean, o
             s, z = meta8_decode(s.to(tl.int32), z.to(tl.int32))
         s = s.to(tl.float32)
         z = z.to(tl.float32)
+    if FINE:
+        s = s * 0.25
     x = z + codes.to(tl.float32) * s
     y = x + mean[None, :]
     tl.store(out_ptr + out_off, _cast_rn(y, out_ptr.dtype.element_ty), mask=ok)
@@ -97,6 +101,8 @@ def _history_kernel(
     NG_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     META8: tl.constexpr = False,
+    lo_ptr=None,  # HAS_LO: uint8 low plane of the keys, the key codes' layout and strides
+    HAS_LO: tl.constexpr = False,
 ):
     """``BLOCK_T`` tokens of one KV head, K and V. Grid: ``(cdiv(T, BLOCK_T), H_kv)``."""
     pid = tl.program_id(0)
@@ -114,9 +120,13 @@ def _history_kernel(
     kb = tl.load(kc_ptr + (page * stride_kcp + h * stride_kch + o * stride_kct)[:, None] + (cols % (D // 4))[None, :],
                  mask=ok, other=0).to(tl.int32)
     kc = (kb >> (2 * (cols // (D // 4)))[None, :]) & 3
+    if HAS_LO:  # formula 9: the low plane's 2 bits under the high plane's
+        lb = tl.load(lo_ptr + (page * stride_kcp + h * stride_kch + o * stride_kct)[:, None]
+                     + (cols % (D // 4))[None, :], mask=ok, other=0).to(tl.int32)
+        kc = kc * 4 + ((lb >> (2 * (cols // (D // 4)))[None, :]) & 3)
     k_mean = tl.load(k_mean_ptr + h * stride_kmh + cols, mask=cm, other=0.0)
     _dequant_tile(kc, ks_ptr, kz_ptr, page * stride_ksp + h * stride_ksh + o * stride_kst, cols, stride_ksg, k_mean,
-                  okt, ok, k_out_ptr, t64 * stride_kon + h * stride_koh + cols[None, :], G_K, NG_K, META8)
+                  okt, ok, k_out_ptr, t64 * stride_kon + h * stride_koh + cols[None, :], G_K, NG_K, META8, HAS_LO)
 
     # values: channel i of token o is residue o % 4 of byte (o % R) // 4 of row (o // R)·D + i
     vrow = (o // R) * D

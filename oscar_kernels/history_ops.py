@@ -47,7 +47,7 @@ def _meta(name: str, pages: QuantizedRows, shape: tuple[int, int, int], d: int, 
 
 def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
                        k_out: torch.Tensor, v_out: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, *,
-                       block_t: int = 32, num_warps: int = 4) -> None:
+                       block_t: int = 32, num_warps: int = 4, k_low: torch.Tensor | None = None) -> None:
     """Positions ``start .. start + T`` of one sequence, dequantized into ``k_out``/``v_out`` ``[T, H_kv, D]``:
     ``out[t, h, i] = (float32(zero) + float32(code)·float32(scale) + mean[h, i]).to(out.dtype)`` (the product and
     the sums rounded one by one, left to right, then once to the output dtype, to nearest even), in one launch.
@@ -62,6 +62,8 @@ def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: t
         start: the first position, a multiple of ``P`` (``start / P + ⌈T/P⌉ <= max_pages``).
         k_out, v_out: ``[T, H_kv, D]`` bf16 / fp16 / fp32 (one dtype), last dims contiguous.
         k_mean, v_mean: float32 ``[D]`` (all heads) or ``[H_kv, D]``.
+        k_low: INT4 keys' low plane (formula 9): uint8 with ``k_pages.packed``'s shape and strides; the keys are
+            then ``zero + (4·hi + lo)·(scale/4)`` (``reference.dequantize_int4_planes``).
     """
     if not isinstance(k_out, torch.Tensor):
         raise ValueError(f"k_out: expected a torch.Tensor [T, H_kv, D], got {type(k_out).__name__}")
@@ -78,6 +80,9 @@ def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: t
     if p == 0 or p % 4 or (p > 64 and p % 64) or kc.stride(-1) != 1:
         raise bad_tensor("k_pages.packed", kc, "P a multiple of 4 (of 64 above 64) and a contiguous last dim")
     g_k = _meta("k_pages", k_pages, (num_k, h_kv, p), d, dev)
+    if k_low is not None and (not isinstance(k_low, torch.Tensor) or k_low.dtype != torch.uint8
+                              or k_low.device != dev or k_low.shape != kc.shape or k_low.stride() != kc.stride()):
+        raise bad_tensor("k_low", k_low, f"uint8 {list(kc.shape)} with k_pages.packed's strides {kc.stride()}")
     r = token_quad_row(p)
     vc = v_pages.packed
     check_tensor("v_pages.packed", vc, f"uint8 [pages, {h_kv}, {p // r * d}, {r // 4}] (token quads of pages of {p})",
@@ -111,4 +116,5 @@ def dequantize_history(k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: t
         blocks, start // p, km, km_stride, vm, vm_stride,
         k_out, k_out.stride(0), k_out.stride(1), v_out, v_out.stride(0), v_out.stride(1), n,
         P=p, R=r, D=d, BLOCK_D=next_pow2(d), G_K=g_k, NG_K=d // g_k, G_V=g_v, NG_V=d // g_v,
-        BLOCK_T=block_t, META8=ks.dtype == torch.uint8, num_warps=num_warps, **COMPILE_OPTIONS)
+        BLOCK_T=block_t, META8=ks.dtype == torch.uint8, lo_ptr=kc if k_low is None else k_low,
+        HAS_LO=k_low is not None, num_warps=num_warps, **COMPILE_OPTIONS)

@@ -142,6 +142,40 @@ def test_dequantize_history_reads_vllm_pages(meta: torch.dtype) -> None:
         assert (got[0].float() - x[s0:]).abs().max() < 0.7 * x.abs().max()  # (a dequantization, not noise)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("meta", [torch.bfloat16, torch.uint8], ids=["meta16", "meta8"])
+def test_dequantize_history_reads_int4_keys_bitwise(meta: torch.dtype) -> None:
+    """INT4 keys' pages (the vLLM backend's INT4 layers: the high plane with scale and zero in the page, the low
+    plane at the same offsets, written by ``quantize_write(low_plane=...)``): the kernel gives the torch twin's bytes
+    (``reference.dequantize_int4_planes``), and the keys come back closer to the rows than 2-bit keys would."""
+    from oscar_cli.vllm.spec import slot_bytes
+
+    p, d, h, n, s0 = 16, 64, 2, 70, 16
+    gen = torch.Generator().manual_seed(9)
+    kv = torch.zeros(9, p, h, slot_bytes(d, 1 if meta == torch.uint8 else 2, 4), dtype=torch.uint8, device=DEV)
+    kp, vp = layout.carve_pages(kv, d, meta, 4)
+    low = layout.carve_low_plane(kv, d, meta)
+    blocks = torch.tensor([4, 8, 2, 6, 1, 3, 7], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([int(blocks[i // p]) * p + i % p for i in range(s0 + n)], device=DEV)
+    x = torch.randn(s0 + n, h, d, generator=gen).to(DEV)
+    k_mean, v_mean = _means(gen, h, d, True)
+    ops.quantize_write(x.half(), kp, slots, mean=k_mean, low_plane=low)
+    ops.quantize_write(x.half(), vp, slots, mean=v_mean, clip_ratio=0.9, layout="token_quads")
+    for dtype in (torch.float16, torch.float32):
+        want = tuple(torch.full((n, h, d), float("nan"), dtype=dtype, device=DEV) for _ in range(2))
+        torch_history(kp, vp, blocks, s0, k_mean, v_mean, *want, k_low=low)
+        got = tuple(torch.full((n, h, d), float("nan"), dtype=dtype, device=DEV) for _ in range(2))
+        ops.dequantize_history(kp, vp, blocks, s0, *got, k_mean, v_mean, k_low=low)
+        for a, b in zip(got, want, strict=True):
+            _assert_bitwise(a, b, str(dtype))
+    err4 = (got[0].float() - x[s0:].half().float()).abs().max()
+    two = torch.full_like(got[0], float("nan"))
+    ops.dequantize_history(kp, vp, blocks, s0, two, torch.empty_like(two), k_mean, v_mean)  # the high plane alone
+    assert err4 < 0.5 * (two.float() - x[s0:].half().float()).abs().max()
+    with pytest.raises(ValueError, match="k_low"):
+        ops.dequantize_history(kp, vp, blocks, s0, *got, k_mean, v_mean, k_low=low[:, :1])
+
+
 class _Twin(TorchTiers):
     pass
 

@@ -25,7 +25,7 @@ the keys' low plane (:func:`oscar_cli.vllm.layout.carve_low_plane`, laid out as 
 in one launch (``ops.quantize_write(low_plane=...)``: both planes, scale and zero, bitwise the reference's
 ``quantize_rows_int4``; the torch twin :func:`write_int4_keys`), the decode kernel reads the low plane through the
 same block table (``ops.LowPlane(codes)``, paged), and a prefill chunk dequantizes that layer's history in torch
-(:func:`torch_history` with the plane: ``ops.dequantize_history`` reads 2-bit keys only).
+(``ops.dequantize_history`` with the plane; the torch twin :func:`torch_history`).
 
 Semantics are the reference cache's (``oscar_cli.quant.int2_layer.Int2Layer``): the recent length follows its placement
 rule (:func:`oscar_cli.vllm.layout.next_recent_len`), so a decode step sees exactly the tokens the reference keeps
@@ -262,8 +262,8 @@ class TorchTiers:
 
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
                 k_mean: torch.Tensor, v_mean: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
-                piece: int) -> None:
-        torch_history(k_pages, v_pages, blocks, start, k_mean, v_mean, k_out, v_out, piece)
+                piece: int, k_low: torch.Tensor | None = None) -> None:
+        torch_history(k_pages, v_pages, blocks, start, k_mean, v_mean, k_out, v_out, piece, k_low)
 
 
 class TritonKernels:
@@ -312,11 +312,12 @@ class TritonKernels:
 
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
                 k_mean: torch.Tensor, v_mean: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
-                piece: int) -> None:
-        """``ops.dequantize_history``: one launch for the whole range (``piece`` is the torch twin's)."""
+                piece: int, k_low: torch.Tensor | None = None) -> None:
+        """``ops.dequantize_history``: one launch for the whole range (``piece`` is the torch twin's); ``k_low``:
+        INT4 keys' low plane."""
         from oscar_kernels import ops
 
-        ops.dequantize_history(k_pages, v_pages, blocks, start, k_out, v_out, k_mean, v_mean)
+        ops.dequantize_history(k_pages, v_pages, blocks, start, k_out, v_out, k_mean, v_mean, k_low=k_low)
 
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
@@ -489,12 +490,12 @@ class PagedInt2Layer:
         """Dequantize positions ``start .. start + len(k_out)`` of the sequence whose pages are ``blocks`` (int32, its
         block-table row; ``start`` page-aligned) into ``k_out``/``v_out`` ``[T, H_kv, D]`` (activation dtype, rotated,
         mean added back: what the reference cache's view holds): ``kernels.history`` (``ops.dequantize_history``,
-        one launch; the torch twin :func:`torch_history` goes ``piece`` tokens at a time). INT4 keys (``k_low``):
-        :func:`torch_history` with the low plane, whichever kernels the layer has."""
-        if self._low(k_low) is not None:
-            torch_history(k_pages, v_pages, blocks, start, self.t.k_mean, self.t.v_mean, k_out, v_out, piece, k_low)
-            return
-        self.kernels.history(k_pages, v_pages, blocks, start, self.t.k_mean, self.t.v_mean, k_out, v_out, piece)
+        one launch; the torch twin :func:`torch_history` goes ``piece`` tokens at a time). INT4 keys: ``k_low``, the
+        layer's low plane, read with the high plane."""
+        low = self._low(k_low)
+        extra = {} if low is None else {"k_low": low}  # (history twins written for 2-bit keys take none)
+        self.kernels.history(k_pages, v_pages, blocks, start, self.t.k_mean, self.t.v_mean, k_out, v_out, piece,
+                             **extra)
 
     def prefill(self, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows,
                 v_pages: QuantizedRows, st: Step, attend: Attend = masked_attend,
