@@ -317,10 +317,12 @@ ykl)  # #18 d / #21: next-token KL under YaRN x4 at 64K and 131,008 (+ 64 scored
     python3 -c "import json,sys; [print(f, json.dumps(json.load(open(f)))[:700]) for f in sys.argv[1:]]" /tmp/res/ykl-*.json
     ;;
 yruler)  # #18 d / #21: RULER of the rope artifact at 64K and 128K under YaRN x4, resumable across calls
-    [ -f "$ARTR/manifest.json" ] || { echo "yruler: run rsetup first"; exit 1; }
+    # yruler [S [SAMPLES [ART]]]: ART default the rope artifact (rsetup); the recipe's: /tmp/q/art-rope-i48-m8 (i4setup 8 8)
+    ya=${4:-$ARTR}
+    [ -f "$ya/manifest.json" ] || { echo "yruler: no artifact at $ya (run rsetup or i4setup)"; exit 1; }
     mkdir -p /tmp/q/yruler
     [ -f .stage/yruler/samples.jsonl ] && [ ! -f /tmp/q/yruler/samples.jsonl ] && cp .stage/yruler/samples.jsonl /tmp/q/yruler/
-    oscar --json eval-ruler "$GGUF" --artifact "$ARTR" --ctx 64k,128k --rope-factor 4 --methods oscar \
+    oscar --json eval-ruler "$GGUF" --artifact "$ya" --ctx 64k,128k --rope-factor 4 --methods oscar \
         --samples "${3:-2}" --tasks all --backend auto --out /tmp/q/yruler --time-budget "${2:-400}" \
         > /tmp/res/yruler.json 2> /tmp/res/yruler.log
     echo "rc=$?"; tail -6 /tmp/res/yruler.log; wc -l /tmp/q/yruler/samples.jsonl
