@@ -218,7 +218,8 @@ class _Record:
     def quantize_write(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out, rope=None):  # type: ignore[no-untyped-def]
+    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out,  # type: ignore[no-untyped-def]
+               rope=None, low=None):
         self.inputs.append(tuple(x.clone() for x in (*sink, *recent, sink_len, recent_len)))
         return out
 

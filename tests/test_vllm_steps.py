@@ -110,7 +110,8 @@ class _Recorder(TorchTiers):
         else:
             assert not exclusive_words
 
-    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out, rope=None):
+    def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out, rope=None,
+               low=None):
         self.decodes.append((int(q.shape[0]), hist_len.tolist(), sink_len.tolist(), recent_len.tolist()))
         return out.zero_()
 

@@ -479,10 +479,9 @@ class PagedInt2Layer:
 
             assert self.t.k_mean_pre is not None
             rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
-        low = self._low(k_low)
-        extra = {} if low is None else {"low": low}  # (twins of the kernel calls written for 2-bit keys take none)
         return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
-                                   (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope, **extra)
+                                   (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope,
+                                   low=self._low(k_low))
 
     # ------------------------------------------------------------------ prefill
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
@@ -492,10 +491,8 @@ class PagedInt2Layer:
         mean added back: what the reference cache's view holds): ``kernels.history`` (``ops.dequantize_history``,
         one launch; the torch twin :func:`torch_history` goes ``piece`` tokens at a time). INT4 keys: ``k_low``, the
         layer's low plane, read with the high plane."""
-        low = self._low(k_low)
-        extra = {} if low is None else {"k_low": low}  # (history twins written for 2-bit keys take none)
         self.kernels.history(k_pages, v_pages, blocks, start, self.t.k_mean, self.t.v_mean, k_out, v_out, piece,
-                             **extra)
+                             k_low=self._low(k_low))
 
     def prefill(self, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows,
                 v_pages: QuantizedRows, st: Step, attend: Attend = masked_attend,

@@ -252,7 +252,8 @@ def page_offsets(block_size: int, h_kv: int, head_dim: int, meta: int, key_bits:
 
 
 def _page_geometry(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype, key_bits: int
-                   ) -> tuple[int, int, int, int, dict[str, int]]:
+                   ) -> tuple[int, int, int, int, int, dict[str, int]]:
+    """``(blocks, P, H_kv, page bytes, metadata bytes, page_offsets)`` of one layer's checked pages."""
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache: expected contiguous uint8 [blocks, P, H_kv, slot], got {kv_cache.dtype} "
                          f"{tuple(kv_cache.shape)}")
@@ -262,14 +263,14 @@ def _page_geometry(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtyp
     if off["end"] != p * h * slot:
         raise ValueError(f"kv_cache: slot {slot} does not hold INT2 K/V of head_dim {head_dim} with {meta}-byte "
                          f"metadata and {key_bits}-bit keys ({off['end'] // (p * h)} bytes)")
-    return nb, p, h, p * h * slot, off
+    return nb, p, h, p * h * slot, meta, off
 
 
 def carve_low_plane(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype = torch.bfloat16
                     ) -> torch.Tensor:
     """The INT4 keys' low plane of one layer's pages (``key_bits`` 4): ``uint8 [blocks, H_kv, P, D/4]`` with the
     K codes' strides (``oscar_kernels.ops.LowPlane(codes)``, paged: the block table addresses it)."""
-    nb, p, h, page, off = _page_geometry(kv_cache, head_dim, meta_dtype, 4)
+    nb, p, h, page, _, off = _page_geometry(kv_cache, head_dim, meta_dtype, 4)
     d4 = head_dim // 4
     return kv_cache.reshape(-1).as_strided((nb, h, p, d4), (page, p * d4, d4, 1), off["k_lo"])
 
@@ -283,8 +284,7 @@ def carve_pages(kv_cache: torch.Tensor, head_dim: int, meta_dtype: torch.dtype =
     requires). The page bytes are laid out as :func:`page_offsets` says; ``key_bits`` 4: the page also holds the
     keys' low plane (:func:`carve_low_plane`), and the keys here are its high plane.
     """
-    nb, p, h, page, off = _page_geometry(kv_cache, head_dim, meta_dtype, key_bits)
-    meta = torch.empty((), dtype=meta_dtype).element_size()
+    nb, p, h, page, meta, off = _page_geometry(kv_cache, head_dim, meta_dtype, key_bits)
     flat = kv_cache.reshape(-1)
     row = token_quad_row(p)
     d4 = head_dim // 4
