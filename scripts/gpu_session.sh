@@ -56,6 +56,9 @@
 #                                              --data PROSE --device cpu --out .stage/smolrope/art`): RULER through
 #                                              vLLM and through oscar's Triton path, same artifact and prompts, 8 tasks
 #                                              x 25 at 2K/4K/8K, compared per cell)
+#   bash scripts/gpu_session.sh srecipe [S [N]] (after spart 0/1; carry .stage/smolrec (the embedded model's recipe
+#                                              artifact, made here on CPU): RULER 8 tasks x N (50) at 1K-8K, bf16,
+#                                              kivi-2 and oscar, Triton path, for at most S (400) seconds; resumable)
 #   bash scripts/gpu_session.sh rsetup        (after setup, or instead of its calibration: the Qwen recipe with
 #                                              quant.key_mean rope (its default), on the same prose into ARTR)
 #   bash scripts/gpu_session.sh rtests        (the position-dependent key mean on CUDA: its gpu-marked tests, then
@@ -269,6 +272,19 @@ svruler)  # #20: the rope mean through vLLM on the embedded model (real weights,
     cp /tmp/q/sruler/samples.jsonl /tmp/res/sruler-samples.jsonl
     PYTHONPATH=/tmp/site python3 scripts/vllm_ruler_compare.py /tmp/res/vllm-ruler-smol.json /tmp/res/sruler-samples.jsonl \
         | tee /tmp/res/vllm-ruler-smol.md
+    ;;
+srecipe)  # #21: the SmolLM2 recipe's artifact (made here, carried as .stage/smolrec/art: `oscar calibrate smollm2-135m
+    # --data PROSE --device cpu --out .stage/smolrec/art`) on RULER's 8 NIAH tasks at 1K-8K next to bf16 and kivi-2,
+    # the Triton path, the shipped haystack: srecipe [S [SAMPLES]] (400 s, 50), resumable (carry .stage/srecipe back)
+    bash "$0" smolsite || exit 1
+    rm -rf /tmp/q/smolrec && mkdir -p /tmp/q/srecipe && cp -r .stage/smolrec/art /tmp/q/smolrec || exit 1
+    [ -f .stage/srecipe/samples.jsonl ] && [ ! -f /tmp/q/srecipe/samples.jsonl ] && cp .stage/srecipe/samples.jsonl /tmp/q/srecipe/
+    grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' /tmp/q/smolrec/manifest.json
+    oscar --json eval-ruler smollm2-135m --artifact /tmp/q/smolrec --ctx 1k,2k,4k,8k --methods bf16,kivi-2,oscar \
+        --samples "${3:-50}" --tasks all --backend auto --out /tmp/q/srecipe --time-budget "${2:-400}" \
+        > /tmp/res/srecipe.json 2> /tmp/res/srecipe.log
+    echo "rc=$? $(( $(date +%s) - t0 )) s"; tail -8 /tmp/res/srecipe.log; wc -l /tmp/q/srecipe/samples.jsonl
+    mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/srecipe -cf "${OUT:-/tmp/out}/res/srecipe.tar" .
     ;;
 ruler128k)  # #18: `oscar eval-ruler --ctx 128k` as typed on the default model: when do results start?
     site || exit 1  # and this tree's oscar again: the call may come after a commit since vjoin/setup
