@@ -275,12 +275,12 @@ svruler)  # #20: the rope mean through vLLM on the embedded model (real weights,
     ;;
 srecipe)  # #21: the SmolLM2 recipe's artifact (made here, carried as .stage/smolrec/art: `oscar calibrate smollm2-135m
     # --data PROSE --device cpu --out .stage/smolrec/art`) on RULER's 8 NIAH tasks at 1K-8K next to bf16 and kivi-2,
-    # the Triton path, the shipped haystack: srecipe [S [SAMPLES]] (400 s, 50), resumable (carry .stage/srecipe back)
+    # the Triton path, the shipped haystack: srecipe [S [SAMPLES [CTX]]] (400 s, 50, 1k,2k,4k,8k), resumable (carry .stage/srecipe back)
     bash "$0" smolsite || exit 1
     rm -rf /tmp/q/smolrec && mkdir -p /tmp/q/srecipe && cp -r .stage/smolrec/art /tmp/q/smolrec || exit 1
     [ -f .stage/srecipe/samples.jsonl ] && [ ! -f /tmp/q/srecipe/samples.jsonl ] && cp .stage/srecipe/samples.jsonl /tmp/q/srecipe/
     grep -o '"rotations.safetensors": "[0-9a-f]\{12\}' /tmp/q/smolrec/manifest.json
-    oscar --json eval-ruler smollm2-135m --artifact /tmp/q/smolrec --ctx 1k,2k,4k,8k --methods bf16,kivi-2,oscar \
+    oscar --json eval-ruler smollm2-135m --artifact /tmp/q/smolrec --ctx "${4:-1k,2k,4k,8k}" --methods oscar,bf16,kivi-2 \
         --samples "${3:-50}" --tasks all --backend auto --out /tmp/q/srecipe --time-budget "${2:-400}" \
         > /tmp/res/srecipe.json 2> /tmp/res/srecipe.log
     echo "rc=$? $(( $(date +%s) - t0 )) s"; tail -8 /tmp/res/srecipe.log; wc -l /tmp/q/srecipe/samples.jsonl
