@@ -56,9 +56,9 @@
 #                                              --data PROSE --device cpu --out .stage/smolrope/art`): RULER through
 #                                              vLLM and through oscar's Triton path, same artifact and prompts, 8 tasks
 #                                              x 25 at 2K/4K/8K, compared per cell)
-#   bash scripts/gpu_session.sh srecipe [S [N]] (after spart 0/1; carry .stage/smolrec (the embedded model's recipe
-#                                              artifact, made here on CPU): RULER 8 tasks x N (50) at 1K-8K, bf16,
-#                                              kivi-2 and oscar, Triton path, for at most S (400) seconds; resumable)
+#   bash scripts/gpu_session.sh srecipe [S [N [CTX]]] (after spart 0/1; carry .stage/smolrec (the embedded model's recipe
+#                                              artifact, made here on CPU): RULER 8 tasks x N (50) at CTX (1k,2k,4k,8k), oscar,
+#                                              bf16 and kivi-2, Triton path, for at most S (400) seconds; resumable)
 #   bash scripts/gpu_session.sh rsetup        (after setup, or instead of its calibration: the Qwen recipe with
 #                                              quant.key_mean rope (its default), on the same prose into ARTR)
 #   bash scripts/gpu_session.sh rtests        (the position-dependent key mean on CUDA: its gpu-marked tests, then
