@@ -96,9 +96,10 @@
 #   bash scripts/gpu_session.sh ykl [WINDOWS] (after setup and rsetup: eval-kl under YaRN x4 at 64K and 131,008
 #                                              tokens on held-out prose (Persuasion + Sense and Sensibility, carry
 #                                              .stage/corpus): kivi-2 + oscar with ART, then oscar with ARTR)
-#   bash scripts/gpu_session.sh yruler [S [N]] (after rsetup; carry .stage/yruler when it exists: RULER of ARTR at
-#                                              64K, 128K under YaRN x4, N (2) samples per task, resumable;
-#                                              returns res/yruler.tar)
+#   bash scripts/gpu_session.sh yruler [S [N [ART [METHODS]]]] (after rsetup or i4setup; carry .stage/yruler when it
+#                                              exists: RULER of ART (ARTR) at 64K, 128K under YaRN x4, N (2) samples
+#                                              per task, METHODS (oscar), resumable; returns res/yruler.tar; unpack
+#                                              it into .stage/yruler between calls)
 # qsweep across calls and sessions, here between calls (the samples file and the artifact travel together: an
 # oscar row resumes only for the same artifact path and rotations):
 #   rm -rf .stage/qsweep && mkdir .stage/qsweep && tar -C .stage/qsweep -xf FILES_AT/res/qsweep.tar
@@ -333,12 +334,13 @@ ykl)  # #18 d / #21: next-token KL under YaRN x4 at 64K and 131,008 (+ 64 scored
     python3 -c "import json,sys; [print(f, json.dumps(json.load(open(f)))[:700]) for f in sys.argv[1:]]" /tmp/res/ykl-*.json
     ;;
 yruler)  # #18 d / #21: RULER of the rope artifact at 64K and 128K under YaRN x4, resumable across calls
-    # yruler [S [SAMPLES [ART]]]: ART default the rope artifact (rsetup); the recipe's: /tmp/q/art-rope-i48-m8 (i4setup 8 8)
+    # yruler [S [SAMPLES [ART [METHODS]]]]: ART default the rope artifact (rsetup); the recipe's: /tmp/q/art-rope-i48-m8
+    # (i4setup 8 8); METHODS (oscar) e.g. oscar,bf16,kivi-2: the goal's protocol, resumed call after call
     ya=${4:-$ARTR}
     [ -f "$ya/manifest.json" ] || { echo "yruler: no artifact at $ya (run rsetup or i4setup)"; exit 1; }
     mkdir -p /tmp/q/yruler
     [ -f .stage/yruler/samples.jsonl ] && [ ! -f /tmp/q/yruler/samples.jsonl ] && cp .stage/yruler/samples.jsonl /tmp/q/yruler/
-    oscar --json eval-ruler "$GGUF" --artifact "$ya" --ctx 64k,128k --rope-factor 4 --methods oscar \
+    oscar --json eval-ruler "$GGUF" --artifact "$ya" --ctx 64k,128k --rope-factor 4 --methods "${5:-oscar}" \
         --samples "${3:-2}" --tasks all --backend auto --out /tmp/q/yruler --time-budget "${2:-400}" \
         > /tmp/res/yruler.json 2> /tmp/res/yruler.log
     echo "rc=$?"; tail -6 /tmp/res/yruler.log; wc -l /tmp/q/yruler/samples.jsonl
