@@ -4,8 +4,12 @@ and its paired difference to the first row (mean of per-sample differences ± it
     python3 scripts/ruler_paired.py FILE:METHOD [FILE:METHOD ...]
 
 FILE is an eval-ruler ``samples.jsonl`` (or ``.jsonl.gz``); METHOD picks its records (``oscar``, ``bf16``, ...).
+FILE may also be a ``.json`` from ``scripts/gpu_vllm_bench.py --stage ruler`` (records ``MODEL/BACKEND/ruler/TASK/
+LENGTH`` with per-sample ``scores`` and ``indices``); METHOD is then the backend (``oscar``, ``tq3``, ``bf16``): its
+prompts are eval-ruler's for the same task, length, index and seed.
 Samples pair on (task, length, index): eval-ruler builds the same prompt for the same triple and seed, so rows
-from different runs pair as long as the haystack and seed are the same. Used for docs/RESULTS.md's paired columns.
+from different runs pair as long as the haystack and seed are the same. Used for docs/RESULTS.md's and
+docs/VLLM.md's paired columns.
 """
 
 from __future__ import annotations
@@ -21,10 +25,28 @@ def load(spec: str) -> dict[tuple[str, int, int], float]:
     path, _, method = spec.rpartition(":")
     if not path:
         raise SystemExit(f"ruler_paired: {spec!r} is not FILE:METHOD")
+    if path.endswith(".json"):
+        return load_vllm(path, method)
     opener: IO[str] = gzip.open(path, "rt") if path.endswith(".gz") else open(path)  # noqa: SIM115
     with opener as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return {(r["task"], int(r["length"]), int(r["index"])): float(r["score"]) for r in rows if r.get("method") == method}
+
+
+def load_vllm(path: str, backend: str) -> dict[tuple[str, int, int], float]:
+    """The per-sample scores of ``backend``'s ruler records in a ``gpu_vllm_bench.py`` output."""
+    with open(path) as f:
+        records = json.load(f)
+    out: dict[tuple[str, int, int], float] = {}
+    for key, rec in records.items():
+        parts = key.split("/")
+        if len(parts) != 5 or parts[1] != backend or parts[2] != "ruler":
+            continue
+        if "indices" not in rec or len(rec["indices"]) != len(rec["scores"]):
+            raise SystemExit(f"ruler_paired: {path}: {key} has no per-sample indices to pair on")
+        for i, score in zip(rec["indices"], rec["scores"], strict=True):
+            out[(parts[3], int(parts[4]), int(i))] = float(score)
+    return out
 
 
 def paired(base: dict, other: dict, keys: list) -> tuple[float, float]:

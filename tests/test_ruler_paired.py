@@ -45,3 +45,31 @@ def test_a_method_with_no_records_is_an_error(tmp_path: Path) -> None:
         rp.main([f"{f}:oscar", f"{f}:kivi-2"])
     with pytest.raises(SystemExit, match="not FILE:METHOD"):
         rp.main(["nocolon"])
+
+
+def _vllm_json(path: Path, backend: str, cells: dict[tuple[str, int], list[float]], indices: bool = True) -> Path:
+    rec = {f"model/{backend}/ruler/{t}/{n}": {"score": sum(s) / len(s), "samples": len(s), "scores": s,
+                                               **({"indices": list(range(len(s)))} if indices else {})}
+           for (t, n), s in cells.items()}
+    rec[f"other-model/{backend}/capacity"] = {"kv_tokens": 1}  # not a ruler record: ignored
+    path.write_text(json.dumps(rec))
+    return path
+
+
+def test_vllm_ruler_records_pair_with_samples_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rp = load_script("ruler_paired")
+    base = _write(tmp_path / "s.jsonl", "bf16", {("a", 32768, 0): 100.0, ("a", 32768, 1): 0.0, ("a", 32768, 2): 50.0})
+    v = _vllm_json(tmp_path / "v.json", "tq3", {("a", 32768): [100.0, 100.0]})
+    _vllm_json(tmp_path / "o.json", "oscar", {("a", 32768): [0.0]})
+    assert rp.load(f"{v}:tq3") == {("a", 32768, 0): 100.0, ("a", 32768, 1): 100.0}
+    assert rp.load(f"{v}:oscar") == {}  # another backend's records only
+    assert rp.main([f"{base}:bf16", f"{v}:tq3"]) == 0
+    # common: indices 0 and 1; differences 0 and +100: mean 50, s.e. sqrt(5000 / 1 / 2) = 50
+    assert "| 32768 | 2 | 50.00 | 100.00 (+50.00 ± 50.00) |" in capsys.readouterr().out
+
+
+def test_vllm_ruler_records_without_indices_are_refused(tmp_path: Path) -> None:
+    rp = load_script("ruler_paired")
+    v = _vllm_json(tmp_path / "v.json", "tq3", {("a", 4096): [100.0]}, indices=False)
+    with pytest.raises(SystemExit, match="no per-sample indices"):
+        rp.load(f"{v}:tq3")
