@@ -41,6 +41,53 @@ import triton.language as tl
 
 @triton.jit
 def _quantize_write_kernel(
+    x_ptr,
+    stride_xn,
+    stride_xh,
+    r_ptr,
+    stride_rh,
+    mu_ptr,
+    stride_mun,
+    stride_muh,
+    slot_ptr,
+    codes_ptr,
+    stride_cp,
+    stride_ch,
+    stride_cr,
+    scale_ptr,
+    zero_ptr,
+    stride_mp,
+    stride_mh,
+    stride_mr,
+    n_rows,
+    page_size,
+    row_tokens,
+    clip_idx,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_R: tl.constexpr,
+    HAS_MU: tl.constexpr,
+    DO_CLIP: tl.constexpr,
+    TQ: tl.constexpr,
+    CLIP_SORT: tl.constexpr = True,
+    TQ_XOR: tl.constexpr = True,
+    EXCLUSIVE_WORDS: tl.constexpr = False,
+    lo_ptr=None,
+    INT4: tl.constexpr = False,
+):
+    """One launch of :func:`quantize_write_tile`. Grid: ``(cdiv(N, BLOCK_T), H_kv)``."""
+    quantize_write_tile(tl.program_id(0), tl.program_id(1), x_ptr, stride_xn, stride_xh, r_ptr, stride_rh, mu_ptr,
+                        stride_mun, stride_muh, slot_ptr, codes_ptr, stride_cp, stride_ch, stride_cr, scale_ptr,
+                        zero_ptr, stride_mp, stride_mh, stride_mr, n_rows, page_size, row_tokens, clip_idx, lo_ptr,
+                        D=D, G=G, BLOCK_T=BLOCK_T, HAS_R=HAS_R, HAS_MU=HAS_MU, DO_CLIP=DO_CLIP, TQ=TQ,
+                        CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=EXCLUSIVE_WORDS, INT4=INT4)
+
+
+@triton.jit
+def quantize_write_tile(
+    pid_t,  # the tile of BLOCK_T rows
+    h,  # the KV head
     x_ptr,  # [N, H_kv, D] activations (bf16 / fp16 / fp32)
     stride_xn,
     stride_xh,
@@ -63,6 +110,7 @@ def _quantize_write_kernel(
     page_size,  # P
     row_tokens,  # token quads: tokens per row R (P up to 64, else 64)
     clip_idx,  # min(int(ratio * D), D - 1); < 0 = no clipping
+    lo_ptr,  # INT4: the low plane, laid out as codes (rows layout, the codes' strides); else any pointer, unused
     D: tl.constexpr,
     G: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -70,22 +118,20 @@ def _quantize_write_kernel(
     HAS_MU: tl.constexpr,
     DO_CLIP: tl.constexpr,
     TQ: tl.constexpr,
-    CLIP_SORT: tl.constexpr = True,
-    TQ_XOR: tl.constexpr = True,
-    EXCLUSIVE_WORDS: tl.constexpr = False,
-    lo_ptr=None,  # INT4: the low plane, laid out as codes (rows layout, the codes' strides)
-    INT4: tl.constexpr = False,
+    CLIP_SORT: tl.constexpr,
+    TQ_XOR: tl.constexpr,
+    EXCLUSIVE_WORDS: tl.constexpr,
+    INT4: tl.constexpr,
 ):
-    """Quantize ``BLOCK_T`` rows of one KV head and scatter them into the paged cache.
+    """Quantize ``BLOCK_T`` rows (tile ``pid_t``) of KV head ``h`` and scatter them into the paged cache: the body of
+    ``_quantize_write_kernel`` and of the fused decode-step write (:mod:`oscar_kernels.write_step`).
 
-    Grid: ``(cdiv(N, BLOCK_T), H_kv)``. Token quads (``TQ``) update a row's 2 bits of each of its ``D`` 32-bit
+    Token quads (``TQ``) update a row's 2 bits of each of its ``D`` 32-bit
     words in one of three ways (bitwise the same result under their preconditions; see the module docstring):
     ``EXCLUSIVE_WORDS`` a plain load / clear / or / store, ``TQ_XOR`` a relaxed load and one ``atomic_xor``,
     else ``atomic_and`` + ``atomic_or``. ``INT4`` (rows layout, no clip): formula 9's 16 levels, the high plane
     into ``codes`` with its scale and zero, the low plane into ``lo_ptr`` at the same offsets.
     """
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, D)
     row_ok = rows < n_rows

@@ -2,7 +2,8 @@
 
 The public API, re-exported from :mod:`oscar_kernels.write_ops` (allocation, quantize-on-write),
 :mod:`oscar_kernels.decode_ops` (configs, plans, decode attention), :mod:`oscar_kernels.tier_ops` (the vLLM
-backend's BF16 tier copies), :mod:`oscar_kernels.rotate_ops` (its K/V rotation) and :mod:`oscar_kernels.history_ops`
+backend's BF16 tier copies), :mod:`oscar_kernels.write_step_ops` (its fused decode-step write),
+:mod:`oscar_kernels.rotate_ops` (its K/V rotation) and :mod:`oscar_kernels.history_ops`
 (its prefill's dequantized history); all check their arguments with :mod:`oscar_kernels.launch_checks`.
 
 Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPRET=1``, for tests):
@@ -15,6 +16,8 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
 - :func:`decode_attention_contiguous` — the same over a non-paged cache (``codes [B, H_kv, T, D/4]``).
 - :func:`tier_write` / :func:`tier_gather` — scatter new K/V rows into per-sequence BF16 sink and ring tiers /
   gather a decode batch's tier rows, centred, in the order the decode reads them (one launch each).
+- :func:`write_step` — a decode step's K pages, V pages and BF16 tiers of one layer in one launch (the three
+  launches of ``quantize_write`` for K and V and ``tier_write``, fused; the same bytes).
 - :func:`rotate_kv` — ``(float32(x) @ R).to(dtype)`` for a step's K and V rows ``[N, H_kv, D]`` (strided rows,
   shared or per-head rotations), one launch for both.
 - :func:`dequantize_history` — a range of one sequence's paged INT2 keys and values, dequantized through its
@@ -58,6 +61,7 @@ from oscar_kernels.rope_ops import position_table, rope_mean_logits
 from oscar_kernels.rotate_ops import rotate_kv
 from oscar_kernels.tier_ops import tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
+from oscar_kernels.write_step_ops import write_step
 
 __all__ = [
     "LAST_LAUNCH",
@@ -82,4 +86,5 @@ __all__ = [
     "rotate_kv",
     "tier_gather",
     "tier_write",
+    "write_step",
 ]

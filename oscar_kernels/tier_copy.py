@@ -47,8 +47,19 @@ def _tier_write_kernel(
     BLOCK_T: tl.constexpr,
 ):
     """``BLOCK_T`` tokens of one KV head. Grid: ``(cdiv(N, BLOCK_T), H_kv)``."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+    tier_write_tile(tl.program_id(0), tl.program_id(1), k_ptr, stride_kn, stride_kh, v_ptr, stride_vn, stride_vh,
+                    sink_k_ptr, sink_v_ptr, stride_sr, stride_sh, stride_st, ring_k_ptr, ring_v_ptr, stride_rr,
+                    stride_rh, stride_rt, sink_row_ptr, sink_pos_ptr, ring_row_ptr, ring_slot_ptr, n_tokens,
+                    D=D, BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T)
+
+
+@triton.jit
+def tier_write_tile(pid, h, k_ptr, stride_kn, stride_kh, v_ptr, stride_vn, stride_vh, sink_k_ptr, sink_v_ptr, stride_sr,
+                    stride_sh, stride_st, ring_k_ptr, ring_v_ptr, stride_rr, stride_rh, stride_rt, sink_row_ptr,
+                    sink_pos_ptr, ring_row_ptr, ring_slot_ptr, n_tokens, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_T: tl.constexpr):
+    """Tokens ``pid * BLOCK_T ..`` of KV head ``h`` into the tiers: the body of ``_tier_write_kernel`` and of the
+    fused decode-step write (:mod:`oscar_kernels.write_step`); arguments as the kernel's."""
     tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     ok = tok < n_tokens

@@ -32,6 +32,20 @@ def tier_write(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: t
     """``sink_*[sink_row[i], :, sink_pos[i]] = x[i]`` and ``ring_*[ring_row[i], :, ring_slot[i]] = x[i]`` for every
     token ``i`` of ``k``/``v`` ``[N, H_kv, D]``, in one launch (indices int64 ``[N]``, in range: tokens that go
     nowhere point at a scratch row; when several tokens share a destination one of them is kept)."""
+    check_tier_write(k, v, sink_k, sink_v, ring_k, ring_v, sink_row, sink_pos, ring_row, ring_slot)
+    n, h_kv, d = k.shape
+    if n == 0:
+        return
+    triton_module("tier_copy")._tier_write_kernel[(math.ceil(n / block_t), h_kv)](
+        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
+        ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), sink_row, sink_pos, ring_row, ring_slot,
+        n, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
+
+
+def check_tier_write(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor,
+                     ring_v: torch.Tensor, sink_row: torch.Tensor, sink_pos: torch.Tensor, ring_row: torch.Tensor,
+                     ring_slot: torch.Tensor) -> None:
+    """:func:`tier_write`'s argument checks (a bad argument raises, naming it)."""
     dev = k.device
     if k.dim() != 3 or k.dtype not in TIER_DTYPES:
         raise bad_tensor("k", k, "bf16/fp16/fp32 [N, H_kv, D]")
@@ -45,12 +59,6 @@ def tier_write(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sink_v: t
         check_tensor(nm, t, f"int64 [{n}]", (n,), (torch.int64,), dev)
         if t.stride(0) != 1:
             raise bad_tensor(nm, t, "a contiguous int64 vector")
-    if n == 0:
-        return
-    triton_module("tier_copy")._tier_write_kernel[(math.ceil(n / block_t), h_kv)](
-        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
-        ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), sink_row, sink_pos, ring_row, ring_slot,
-        n, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
 
 
 def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,

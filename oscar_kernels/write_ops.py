@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -59,6 +60,45 @@ def auto_block_t(n: int, rotation: bool) -> int:
     return min(16, next_pow2(n))
 
 
+class WriteArgs(NamedTuple):
+    """One checked :func:`quantize_write` call's kernel arguments (``int2_pack.quantize_write_tile``'s, by name)."""
+
+    n: int
+    h_kv: int
+    d: int
+    x: torch.Tensor
+    slots: torch.Tensor
+    r: torch.Tensor | None
+    r_stride: int
+    mu: torch.Tensor | None
+    mu_row: int
+    mu_stride: int
+    codes: torch.Tensor  # the int32 view for token quads
+    scale: torch.Tensor
+    zero: torch.Tensor
+    page_size: int
+    row: int  # token quads: tokens per row R; rows: 0
+    clip_idx: int
+    g: int
+    block_t: int
+    tq: bool
+    low_plane: torch.Tensor | None
+
+    def pointers(self) -> tuple[object, ...]:
+        """``x_ptr .. clip_idx`` of ``_quantize_write_kernel``, in order."""
+        c, sc = self.codes, self.scale
+        return (self.x, self.x.stride(0), self.x.stride(1), self.r if self.r is not None else self.x, self.r_stride,
+                self.mu if self.mu is not None else self.x, self.mu_row, self.mu_stride, self.slots, c,
+                *self.code_strides(), sc, self.zero, sc.stride(0), sc.stride(1), sc.stride(2), self.n,
+                self.page_size, self.row, self.clip_idx)
+
+    def code_strides(self) -> tuple[int, int, int]:
+        """Byte strides (page, head, row) of the codes (the uint8 array's, also for the int32 view)."""
+        s = self.codes.stride()
+        k = 4 if self.tq else 1
+        return s[0] * k, s[1] * k, s[2] * k
+
+
 def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *,
                    rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,
                    clip_ratio: float = 0.0, block_t: int | None = None, num_warps: int = 4, layout: str = "rows",
@@ -94,6 +134,24 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
 
     Every non-negative slot may appear at most once per call (the token-quad updates assume one writer per token).
     """
+    w = write_args(x, cache, slots, rotation=rotation, mean=mean, clip_ratio=clip_ratio, block_t=block_t,
+                   layout=layout, clip_method=clip_method, tq_update=tq_update, low_plane=low_plane)
+    if w.n == 0:
+        return
+    pack, _ = triton_modules()
+    pack._quantize_write_kernel[(math.ceil(w.n / w.block_t), w.h_kv)](
+        *w.pointers(), D=w.d, G=w.g, BLOCK_T=w.block_t, HAS_R=w.r is not None, HAS_MU=w.mu is not None,
+        DO_CLIP=w.clip_idx >= 0, TQ=w.tq, CLIP_SORT=clip_method == "sort", TQ_XOR=tq_update == "xor",
+        EXCLUSIVE_WORDS=w.tq and exclusive_words, lo_ptr=w.low_plane if w.low_plane is not None else w.codes,
+        INT4=w.low_plane is not None, num_warps=num_warps,
+    )
+
+
+def write_args(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *, rotation: torch.Tensor | None = None,
+               mean: torch.Tensor | None = None, clip_ratio: float = 0.0, block_t: int | None = None,
+               layout: str = "rows", clip_method: str = "sort", tq_update: str = "xor",
+               low_plane: torch.Tensor | None = None) -> WriteArgs:
+    """:func:`quantize_write`'s checks (a bad argument raises, naming it) and its kernel arguments."""
     dev = x.device
     if x.dim() != 3 or x.dtype not in (*ACT, torch.float32) or x.shape[-1] % 16 or x.stride(-1) != 1:
         raise bad_tensor("x", x, "bf16/fp16/fp32 [N, H_kv, D] with D % 16 == 0 and contiguous rows")
@@ -147,23 +205,12 @@ def quantize_write(x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, *
                              f"{codes.stride()}")
     if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and n and int(slots.max()) >= codes.shape[0] * page_size:
         raise ValueError(f"slots: max slot {int(slots.max())} >= pages*P = {codes.shape[0] * page_size}")
-    if n == 0:
-        return
     clip_idx = min(int(clip_ratio * d), d - 1) if clip_ratio > 0 else -1
     bt = auto_block_t(n, r is not None) if block_t is None else block_t
     if bt < 1 or bt & (bt - 1) or (r is not None and bt < 16):
         raise ValueError(f"block_t: expected a power of two (>= 16 with a rotation), got {bt}")
-    pack, _ = triton_modules()
-    grid = (math.ceil(n / bt), h_kv)
-    pack._quantize_write_kernel[grid](
-        x, x.stride(0), x.stride(1), r if r is not None else x, r_stride, mu if mu is not None else x, mu_row, mu_stride,
-        slots, codes.view(torch.int32) if tq else codes, codes.stride(0), codes.stride(1), codes.stride(2),
-        scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
-        n, page_size, row if tq else 0, clip_idx,
-        D=d, G=d // ng, BLOCK_T=bt, HAS_R=r is not None, HAS_MU=mu is not None, DO_CLIP=clip_idx >= 0,
-        TQ=tq, CLIP_SORT=clip_method == "sort", TQ_XOR=tq_update == "xor", EXCLUSIVE_WORDS=tq and exclusive_words,
-        lo_ptr=low_plane if low_plane is not None else codes, INT4=low_plane is not None, num_warps=num_warps,
-    )
+    return WriteArgs(n, h_kv, d, x, slots, r, r_stride, mu, mu_row, mu_stride, codes.view(torch.int32) if tq else codes,
+                     scale, zero, page_size, row if tq else 0, clip_idx, d // ng, bt, tq, low_plane)
 
 
 def quantize_rows(x: torch.Tensor, rotation: torch.Tensor | None = None, mean: torch.Tensor | None = None,

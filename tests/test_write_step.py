@@ -1,0 +1,129 @@
+"""``ops.write_step``: a decode step's key pages, value pages and BF16 tiers in one launch, byte for byte what
+``quantize_write`` (K, V) and ``tier_write`` write as three launches, over the backend's variants (2- and 4-bit
+keys, 16- and 8-bit metadata, a key mean per head or per row, token-quad updates with or without atomics, padding
+rows). CPU runs use the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_kernels import ops
+from oscar_kernels.reference import QuantizedRows
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+H, D, PAGE = 2, 64, 16
+
+CASES = [
+    # id, N, INT4 keys, metadata dtype, key mean per row, exclusive token-quad words, decode-shaped slots
+    ("n1-int2-bf16", 1, False, torch.bfloat16, False, True, True),
+    ("n5-int2-meta8-rowmean", 5, False, torch.uint8, True, True, True),
+    ("n5-int4-meta8-rowmean", 5, True, torch.uint8, True, True, True),
+    ("n3-int4-bf16-atomics", 3, True, torch.bfloat16, False, False, True),
+    ("n19-int2-bf16-prefill", 19, False, torch.bfloat16, True, False, False),
+    ("n19-int4-meta8-prefill", 19, True, torch.uint8, False, False, False),
+]
+
+
+def _state(n: int, int4: bool, meta: torch.dtype, row_mean: bool, decode: bool, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    pages = max(n + 2, 4)
+    if decode:  # one token per sequence, each on its own page (what exclusive words need)
+        slots = torch.randperm(pages, generator=gen)[:n] * PAGE + torch.randint(0, PAGE, (n,), generator=gen)
+    else:  # a prefill chunk: distinct slots sharing pages and token-quad words
+        slots = torch.randperm(pages * PAGE, generator=gen)[:n]
+    if n > 2:
+        slots[n // 2] = -1  # a padding row: no page write
+    rows, sink, ring = n + 1, 4, 8
+    kc = ops.new_paged_cache(pages, H, PAGE, D, None, meta, DEV)
+    vc = ops.new_paged_cache(pages, H, PAGE, D, None, meta, DEV, layout="token_quads")
+    for c in (kc, vc):  # stale bytes everywhere: what is not written must stay
+        c.packed.copy_(torch.randint(0, 256, c.packed.shape, generator=gen, dtype=torch.uint8))
+        for t in (c.scale, c.zero):
+            t.copy_(torch.randint(0, 200, t.shape, generator=gen).to(meta) if meta == torch.uint8 else
+                    torch.randn(t.shape, generator=gen).to(meta))
+    tiers = [torch.randn(rows, H, size, D, generator=gen).to(torch.float16) for size in (sink, sink, ring, ring)]
+    perm = torch.randperm(rows * sink, generator=gen)[:n]  # distinct destinations per token
+    permr = torch.randperm(rows * ring, generator=gen)[:n]
+    return {
+        "k": (torch.randn(n, H, D, generator=gen) * 2).to(torch.float16),
+        "v": torch.randn(n, H, D, generator=gen).to(torch.float16),
+        "k_cache": kc, "v_cache": vc,
+        "k_low": torch.randint(0, 256, kc.packed.shape, generator=gen, dtype=torch.uint8) if int4 else None,
+        "slots": slots.to(torch.int64),
+        "tiers": tiers,
+        "idx": (perm // sink, perm % sink, permr // ring, permr % ring),
+        "k_mean": torch.randn(*((n,) if row_mean else ()), H, D, generator=gen) * 0.3,
+        "v_mean": torch.randn(H, D, generator=gen) * 0.1,
+    }
+
+
+def _to(s: dict) -> dict:
+    """A copy of a state on the test device (caches, tiers and index tuples included)."""
+    def mv(x: object) -> object:
+        if isinstance(x, torch.Tensor):
+            return x.clone().to(DEV)
+        if isinstance(x, QuantizedRows):
+            return QuantizedRows(x.packed.clone().to(DEV), x.scale.clone().to(DEV), x.zero.clone().to(DEV))
+        if isinstance(x, (list, tuple)):
+            return type(x)(mv(t) for t in x)
+        return x
+
+    return {k: mv(v) for k, v in s.items()}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_write_step_equals_the_three_launches(case: tuple) -> None:
+    name, n, int4, meta, row_mean, exclusive, decode = case
+    base = _state(n, int4, meta, row_mean, decode, len(name) + n)
+    a, b = _to(base), _to(base)
+    k_clip = 0.0 if int4 else 0.92
+    ops.quantize_write(a["k"], a["k_cache"], a["slots"], mean=a["k_mean"], clip_ratio=k_clip, layout="rows",
+                       low_plane=a["k_low"])
+    ops.quantize_write(a["v"], a["v_cache"], a["slots"], mean=a["v_mean"], clip_ratio=0.9, layout="token_quads",
+                       exclusive_words=exclusive)
+    ops.tier_write(a["k"], a["v"], *a["tiers"], *a["idx"])
+    ops.write_step(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slots"], tuple(b["tiers"]), *b["idx"],
+                   k_mean=b["k_mean"], v_mean=b["v_mean"], k_clip=k_clip, v_clip=0.9, exclusive_words=exclusive,
+                   k_low=b["k_low"])
+    pairs = [("k_cache." + f, getattr(a["k_cache"], f), getattr(b["k_cache"], f)) for f in ("packed", "scale", "zero")]
+    pairs += [("v_cache." + f, getattr(a["v_cache"], f), getattr(b["v_cache"], f)) for f in ("packed", "scale", "zero")]
+    pairs += [(f"tier {i}", x, y) for i, (x, y) in enumerate(zip(a["tiers"], b["tiers"], strict=True))]
+    if int4:
+        pairs.append(("k_low", a["k_low"], b["k_low"]))
+    for what, x, y in pairs:
+        same = x.cpu().view(torch.uint8) == y.cpu().view(torch.uint8)
+        assert bool(same.all()), f"{what}: {int((~same).sum())} bytes differ"
+    assert not torch.equal(a["v_cache"].packed.cpu(), base["v_cache"].packed), "nothing was written"
+
+
+@pytest.mark.unit
+def test_write_step_refusals_name_the_argument() -> None:
+    s = _to(_state(3, False, torch.bfloat16, False, True, 7))
+    tiers = tuple(s["tiers"])
+    other = ops.new_paged_cache(8, H, 32, D, None, torch.bfloat16, DEV, layout="token_quads")
+    with pytest.raises(ValueError, match="one page size serves both"):
+        ops.write_step(s["k"], s["v"], s["k_cache"], other, s["slots"], tiers, *s["idx"])
+    with pytest.raises(ValueError, match="sink_row"):
+        ops.write_step(s["k"], s["v"], s["k_cache"], s["v_cache"], s["slots"], tiers, s["idx"][0][:2], *s["idx"][1:])
+    with pytest.raises(ValueError, match="low_plane"):
+        ops.write_step(s["k"], s["v"], s["k_cache"], s["v_cache"], s["slots"], tiers, *s["idx"], k_clip=0.9,
+                       k_low=torch.zeros_like(s["k_cache"].packed))
+
+
+@pytest.mark.unit
+def test_fused_write_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OSCAR_VLLM_FUSED_WRITE``: off unless 1; anything but 0 / 1 is refused in one line."""
+    from oscar_cli.vllm import debug
+
+    monkeypatch.delenv(debug.FUSED_WRITE_ENV, raising=False)
+    assert debug.fused_write() is False
+    monkeypatch.setenv(debug.FUSED_WRITE_ENV, "1")
+    assert debug.fused_write() is True
+    monkeypatch.setenv(debug.FUSED_WRITE_ENV, "0")
+    assert debug.fused_write() is False
+    monkeypatch.setenv(debug.FUSED_WRITE_ENV, "on")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        debug.fused_write()
