@@ -1,6 +1,8 @@
 """Micro-benchmark of the vLLM decode write path at the engine's shapes: ``ops.quantize_write`` of K (``"rows"``)
 and V (``"token_quads"``), clip on/off, clip threshold ``select`` vs ``sort``, ``block_t`` from N vs 16, 4 warps vs 1; and the
-step's rotation, ``ops.rotate_kv`` vs the torch path ``(x.float() @ r).to(bf16)`` for K and V.
+step's rotation, ``ops.rotate_kv`` vs the torch path ``(x.float() @ r).to(bf16)`` for K and V; and a decode step's
+writes of one layer (K and V with their clips on decode slots, V without atomics, the BF16 tiers) as the three
+launches the backend makes by default against one ``ops.write_step`` (``OSCAR_VLLM_FUSED_WRITE=1``).
 
 V token-quad word updates (``tq_update``, ``exclusive_words``), at the backend's settings (clip sort, block_t from
 N, 4 warps), clip on and off: ``and_or`` (two atomics) and ``xor`` (a load + one atomic) on the random slots, and
@@ -153,6 +155,28 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
             out.append(({"name": name, "op": "quantize_write", "n": n, "layout": "token_quads", "clip_ratio": clip,
                          "clip_method": "sort" if clip else None, "block_t": auto_block_t(n, False),
                          "block_t_auto": True, "num_warps": 4, "slots": kind, "tq_update": update}, vfn))
+
+    # the decode step's writes of one layer as the backend makes them (decode slots, clips, tiers): three launches
+    # (K, V, tiers) against one (ops.write_step, OSCAR_VLLM_FUSED_WRITE=1)
+    rows = n + 1
+    tiers = tuple(torch.zeros(rows, h_kv, t, d, dtype=bf16, device=dev) for t in (4, 4, 16, 16))
+    tok = torch.arange(n, device=dev)
+    tier_index = (tok, tok % 4, tok, tok % 16)
+
+    def three_writes() -> None:
+        ops.quantize_write(k, caches["rows"], decode_slots, mean=mean, clip_ratio=CLIP, layout="rows")
+        ops.quantize_write(v, caches["token_quads"], decode_slots, mean=mean, clip_ratio=CLIP, layout="token_quads",
+                           exclusive_words=True)
+        ops.tier_write(k, v, *tiers, *tier_index)
+
+    def fused_writes() -> None:
+        ops.write_step(k, v, caches["rows"], caches["token_quads"], decode_slots, tiers, *tier_index, k_mean=mean,
+                       v_mean=mean, k_clip=CLIP, v_clip=CLIP, exclusive_words=True)
+
+    out.append(({"name": "decode step writes: K + V + tiers, three launches", "op": "step_writes", "n": n,
+                 "fused": False}, three_writes))
+    out.append(({"name": "decode step writes: K + V + tiers, ops.write_step (one launch)", "op": "step_writes",
+                 "n": n, "fused": True}, fused_writes))
 
     def triton_rotate() -> None:
         ops.rotate_kv(k, v, r, r, dtype=bf16)

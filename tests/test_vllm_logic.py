@@ -461,7 +461,7 @@ def _cpu_simulation(kernels: str) -> str:
     """The simulated runs keep every tensor on the CPU (requests, pages, the reference cache): the torch twin runs
     anywhere, the Triton kernels in the interpreter only (CI, or TRITON_INTERPRET=1); on a GPU the same path is
     checked end to end by ``scripts/gpu_session.sh vruler`` (vLLM on Qwen2.5 against oscar's path)."""
-    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+    if kernels.startswith("triton") and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1)")
     return "cpu"
 
@@ -618,7 +618,8 @@ ROPE_SCALING = 1.07  # YaRN x2's attention factor: the term and the means scale 
 @pytest.mark.parametrize("fmt", ["meta16", "int4-keys-meta8"])
 @pytest.mark.parametrize("key_mean", ["constant", "rope"])
 @pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
-                                     pytest.param("triton", marks=pytest.mark.slow)])
+                                     pytest.param("triton", marks=pytest.mark.slow),
+                                     pytest.param("triton-fused-write", marks=pytest.mark.slow)])
 def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: str, fmt: str) -> None:
     """Two requests, chunked prefill, a mixed batch (a decode + a final chunk + padding tokens), decodes (with the
     torch twin: across a demotion): the INT2 pages hold the reference cache's codes bitwise and every output is
@@ -627,7 +628,8 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     centres by its position's mean, the decode adds the term, the prefill's history gets the means back.
     ``int4-keys-meta8``: the layer's keys in INT4 (the low plane in its pages, written by the reference quantizer,
     read by the decode kernel through the block table and by the prefill's torch history) and 8-bit metadata: the
-    pages hold the reference cache's high plane, low plane and metadata bytes bitwise."""
+    pages hold the reference cache's high plane, low plane and metadata bytes bitwise. ``triton-fused-write``: the
+    Triton path with each step's K, V and tier writes in one launch (``OSCAR_VLLM_FUSED_WRITE=1``)."""
     g = torch.Generator().manual_seed(3)
     pre = 3.0 * torch.randn(HKV, D, generator=g) if key_mean == "rope" else None
     t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),
@@ -650,7 +652,8 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     meth = replace(meth, key_mean="rope") if pre is not None else meth
     rope = layout.RopeFrequencies(INV_FREQ, ROPE_SCALING, 256) if pre is not None else None
     layer = PagedInt2Layer(layout.layer_tensors(meth, 1, HKV, D)[0], s, 4, HQ, HKV, D,
-                           P, ACT, _cpu_simulation(kernels), kernels=kern or TritonKernels(CFG),  # type: ignore[arg-type]
+                           P, ACT, _cpu_simulation(kernels),
+                           kernels=kern or TritonKernels(CFG, fused_write=kernels == "triton-fused-write"),  # type: ignore[arg-type]
                            rope=rope,
                            key_bits=s.key_bits(0))
     kv = torch.zeros(16, P, HKV, spec.slot_bytes(D, s.meta_bytes, s.key_bits(0)), dtype=torch.uint8)

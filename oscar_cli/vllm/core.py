@@ -269,13 +269,27 @@ class TorchTiers:
 class TritonKernels:
     """The kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin. ``pdl``:
     overrides the decode config's programmatic dependent launches (None: the config's choice); ``torch_rotate``:
-    every K/V rotation in torch (cuBLAS), not only those above :data:`ROTATE_TRITON_MAX_ROWS` tokens."""
+    every K/V rotation in torch (cuBLAS), not only those above :data:`ROTATE_TRITON_MAX_ROWS` tokens;
+    ``fused_write``: a step's K pages, V pages and tiers in one launch (:meth:`write_step`; ``OSCAR_VLLM_FUSED_WRITE=1``)."""
 
     def __init__(self, decode_config: object | None = None, pdl: bool | None = None,
-                 torch_rotate: bool = False) -> None:
+                 torch_rotate: bool = False, fused_write: bool = False) -> None:
         self.config = decode_config
         self.pdl = pdl
         self.torch_rotate = torch_rotate
+        self.fused_write = fused_write
+
+    def write_step(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
+                   slots: torch.Tensor, k_mean: torch.Tensor, k_clip: float, v_mean: torch.Tensor, v_clip: float,
+                   tiers: Tiers, tier_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   exclusive_words: bool, k_low: torch.Tensor | None) -> None:
+        """The K write, the V write and the tier write in one launch (``ops.write_step``: the bytes of
+        :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`)."""
+        from oscar_kernels import ops
+
+        ops.write_step(kr, vr, k_pages, v_pages, slots, tiers, *tier_index, k_mean=k_mean, v_mean=v_mean,
+                       k_clip=0.0 if k_low is not None else k_clip, v_clip=v_clip, exclusive_words=exclusive_words,
+                       k_low=k_low)
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,6 +465,12 @@ class PagedInt2Layer:
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
         k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n], st)  # one mean per row: rope
+        if getattr(self.kernels, "fused_write", False):  # the three launches below in one (the same bytes)
+            self.kernels.write_step(kr, vr, k_pages, v_pages, slots, k_mean, self.t.k_clip, self.t.v_mean,
+                                    self.t.v_clip, self.tiers, (st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
+                                                                st.ring_slot[:n]),
+                                    decode_only(st), self._low(k_low))
+            return
         if self._low(k_low) is not None:
             assert k_low is not None
             self.kernels.quantize_write_int4(kr, k_pages, k_low, slots, k_mean)
