@@ -35,24 +35,12 @@ def _write_step_kernel(
     ring_k_ptr, ring_v_ptr, stride_rr, stride_rh, stride_rt,
     sink_row_ptr, sink_pos_ptr, ring_row_ptr, ring_slot_ptr,
     n_rows, page_size, row_tokens, k_clip_idx, v_clip_idx,
-    D: tl.constexpr,
-    KG: tl.constexpr,
-    VG: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    K_HAS_MU: tl.constexpr,
-    V_HAS_MU: tl.constexpr,
-    K_CLIP: tl.constexpr,
-    V_CLIP: tl.constexpr,
-    K_INT4: tl.constexpr,
-    CLIP_SORT: tl.constexpr,
-    TQ_XOR: tl.constexpr,
-    EXCLUSIVE_WORDS: tl.constexpr,
+    D: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    K_HAS_MU: tl.constexpr, V_HAS_MU: tl.constexpr, K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, K_INT4: tl.constexpr,
+    CLIP_SORT: tl.constexpr, TQ_XOR: tl.constexpr, EXCLUSIVE_WORDS: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_T), H_kv, 3)``: axis 2 picks the job (0 keys, 1 values, 2 tiers)."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    job = tl.program_id(2)
+    pid, h, job = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if job == 0:
         quantize_write_tile(pid, h, k_ptr, stride_kn, stride_kh, k_ptr, 0, k_mu_ptr, stride_kmun, stride_kmuh,
                             slot_ptr, k_codes_ptr, stride_kcp, stride_kch, stride_kcr, k_scale_ptr, k_zero_ptr,

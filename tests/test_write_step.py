@@ -114,16 +114,17 @@ def test_write_step_refusals_name_the_argument() -> None:
 
 
 @pytest.mark.unit
-def test_fused_write_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``OSCAR_VLLM_FUSED_WRITE``: off unless 1; anything but 0 / 1 is refused in one line."""
+@pytest.mark.parametrize(("raw", "want"), [(None, False), ("1", True), ("0", False), (" 1 ", True), ("on", None)])
+def test_fused_write_switch(monkeypatch: pytest.MonkeyPatch, raw: str | None, want: bool | None) -> None:
+    """``OSCAR_VLLM_FUSED_WRITE``: off unless 1; anything but 0 / 1 is refused in one line (None: refused)."""
     from oscar_cli.vllm import debug
 
-    monkeypatch.delenv(debug.FUSED_WRITE_ENV, raising=False)
-    assert debug.fused_write() is False
-    monkeypatch.setenv(debug.FUSED_WRITE_ENV, "1")
-    assert debug.fused_write() is True
-    monkeypatch.setenv(debug.FUSED_WRITE_ENV, "0")
-    assert debug.fused_write() is False
-    monkeypatch.setenv(debug.FUSED_WRITE_ENV, "on")
-    with pytest.raises(ValueError, match="expected 0 or 1"):
-        debug.fused_write()
+    if raw is None:
+        monkeypatch.delenv(debug.FUSED_WRITE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(debug.FUSED_WRITE_ENV, raw)
+    if want is None:
+        with pytest.raises(ValueError, match=f"{debug.FUSED_WRITE_ENV}: expected 0 or 1"):
+            debug.fused_write()
+    else:
+        assert debug.fused_write() is want

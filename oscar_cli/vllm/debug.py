@@ -39,31 +39,28 @@ _stacks_armed = False
 PDL_ENV = "OSCAR_VLLM_PDL"
 
 
-def pdl_override() -> bool | None:
-    raw = os.environ.get(PDL_ENV, "").strip()
+def switch(env: str) -> bool | None:
+    """An A/B switch's value: ``1`` True, ``0`` False, unset or empty None; anything else is refused in one line."""
+    raw = os.environ.get(env, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"{PDL_ENV}: expected 0 or 1, got {raw!r}")
+        raise ValueError(f"{env}: expected 0 or 1, got {raw!r}")
     return None if raw == "" else raw == "1"
 
 
+def pdl_override() -> bool | None:
+    return switch(PDL_ENV)
+
+
 TORCH_ROTATE_ENV = "OSCAR_VLLM_TORCH_ROTATE"
-
-
-def torch_rotate_forced() -> bool:
-    raw = os.environ.get(TORCH_ROTATE_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{TORCH_ROTATE_ENV}: expected 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
 FUSED_WRITE_ENV = "OSCAR_VLLM_FUSED_WRITE"
 
 
+def torch_rotate_forced() -> bool:
+    return switch(TORCH_ROTATE_ENV) is True
+
+
 def fused_write() -> bool:
-    raw = os.environ.get(FUSED_WRITE_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{FUSED_WRITE_ENV}: expected 0 or 1, got {raw!r}")
-    return raw == "1"
+    return switch(FUSED_WRITE_ENV) is True
 
 
 def steps_enabled() -> bool:
