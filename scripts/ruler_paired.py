@@ -35,17 +35,16 @@ def load(spec: str) -> dict[tuple[str, int, int], float]:
 
 def load_vllm(path: str, backend: str) -> dict[tuple[str, int, int], float]:
     """The per-sample scores of ``backend``'s ruler records in a ``gpu_vllm_bench.py`` output."""
+    from vllm_ruler_compare import ruler_records  # scripts/vllm_ruler_compare.py
+
     with open(path) as f:
         records = json.load(f)
     out: dict[tuple[str, int, int], float] = {}
-    for key, rec in records.items():
-        parts = key.split("/")
-        if len(parts) != 5 or parts[1] != backend or parts[2] != "ruler":
-            continue
+    for task, length, rec in ruler_records(records, backend):
         if "indices" not in rec or len(rec["indices"]) != len(rec["scores"]):
-            raise SystemExit(f"ruler_paired: {path}: {key} has no per-sample indices to pair on")
+            raise SystemExit(f"ruler_paired: {path}: {task} at {length} has no per-sample indices to pair on")
         for i, score in zip(rec["indices"], rec["scores"], strict=True):
-            out[(parts[3], int(parts[4]), int(i))] = float(score)
+            out[(task, length, int(i))] = float(score)
     return out
 
 

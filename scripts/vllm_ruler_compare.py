@@ -17,6 +17,7 @@ import gzip
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +34,19 @@ def read_samples(path: Path, method: str) -> dict[tuple[str, int, int], dict[str
     return out
 
 
+def ruler_records(vllm: dict[str, Any], backend: str) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """``(task, length, record)`` of ``backend``'s ruler records (keys ``MODEL/BACKEND/ruler/TASK/LENGTH``)."""
+    for key, rec in vllm.items():
+        parts = key.split("/")
+        if len(parts) == 5 and parts[1] == backend and parts[2] == "ruler":
+            yield parts[3], int(parts[4]), rec
+
+
 def compare(vllm: dict[str, Any], ref: dict[tuple[str, int, int], dict[str, Any]], backend: str) -> dict[int, Any]:
     """``{length: {"tasks": {task: (vllm mean, ref mean, n)}, "same_score", "same_pred", "with_pred", "differs"}}``."""
     cells: dict[int, Any] = defaultdict(lambda: {"tasks": {}, "same_score": 0, "same_pred": 0, "with_pred": 0,
                                                  "differs": 0, "n": 0})
-    for key, rec in vllm.items():
-        parts = key.split("/")
-        if len(parts) != 5 or parts[1] != backend or parts[2] != "ruler":
-            continue
-        task, length = parts[3], int(parts[4])
+    for task, length, rec in ruler_records(vllm, backend):
         idx = rec.get("indices") or list(range(len(rec["scores"])))
         c = cells[length]
         mine, theirs = [], []
