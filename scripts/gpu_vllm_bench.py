@@ -85,7 +85,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -422,11 +422,13 @@ def write_qwen3_config(out: Path, shape: dict[str, int], max_pos: int) -> Path:
     return out
 
 
-def write_hadamard_artifact(model_dir: Path, out: Path, int4_keys: int = 0, meta_bits: int = 16) -> Path:
+def write_hadamard_artifact(model_dir: Path, out: Path, int4_keys: int = 0, meta_bits: int = 16,
+                            key_mean: str = "constant") -> Path:
     """A data-free oscar artifact (Sylvester Hadamard rotations, no centring, no clipping; S0 = 64, W = 256) for the
     model's architecture: speed does not depend on the values, and a random-weight model has nothing to calibrate.
-    ``int4_keys``: that many layers, evenly spaced, with INT4 keys; ``meta_bits`` 8: one-byte scale/zero (the
-    format of the recipes' artifacts, whose serving cost this measures)."""
+    ``int4_keys``: that many layers, evenly spaced, with INT4 keys; ``meta_bits`` 8: one-byte scale/zero;
+    ``key_mean`` rope: keys centred by position (a random pre-RoPE mean per layer) (the formats of the recipes'
+    artifacts, whose serving cost this measures)."""
     import torch
     from transformers import AutoConfig
 
@@ -445,10 +447,15 @@ def write_hadamard_artifact(model_dir: Path, out: Path, int4_keys: int = 0, meta
                              v_eigenvalues=torch.zeros(1, d), k_clip=0.0, v_clip=0.0)
               for _ in range(int(cfg.num_hidden_layers))]  # own tensors: safetensors refuses shared storage
     n = int(cfg.num_hidden_layers)
+    if key_mean == "rope":
+        gen = torch.Generator().manual_seed(0)
+        layers = [replace(layer, k_mean_pre=torch.randn(h, d, generator=gen)) for layer in layers]
     quant: dict[str, Any] = {"group_size": None, "meta_dtype": "uint8" if meta_bits == 8 else "bfloat16", "sink": 64,
                              "recent": 256}
     if int4_keys:
         quant["int4_keys"] = sorted({round(i * n / int4_keys) for i in range(int4_keys)})
+    if key_mean == "rope":
+        quant["key_mean"] = "rope"
     m = Manifest(oscar_version="0.1.0", model={"reference": str(model_dir), "resolved": "sha256:" + "0" * 64},
                  architecture=architecture_fingerprint(cfg), method="hadamard", recipe={}, quant=quant, data={},
                  seed=0)
@@ -759,6 +766,8 @@ def main() -> None:
                     help="dummy models' Hadamard artifact: this many layers (evenly spaced) with INT4 keys")
     ap.add_argument("--dummy-meta-bits", type=int, choices=(8, 16), default=16,
                     help="dummy models' Hadamard artifact: bits of each scale and zero")
+    ap.add_argument("--dummy-key-mean", choices=("constant", "rope"), default="constant",
+                    help="dummy models' Hadamard artifact: rope centres keys by position (the Qwen recipe's format)")
     ap.add_argument("--ctx", default="32k", help="prompt lengths, e.g. 32k or 4k,32k,128k")
     ap.add_argument("--out-tokens", type=int, default=256)
     ap.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue")
@@ -793,6 +802,9 @@ def main() -> None:
     ap.add_argument("--stacks-every", type=float, default=60.0, help="with --debug-steps: seconds between dumps")
     ap.add_argument("--no-pdl", action="store_true",
                     help="oscar: decode kernels without programmatic dependent launches (OSCAR_VLLM_PDL=0)")
+    ap.add_argument("--fused-write", action="store_true",
+                    help="oscar: decode steps' rotations and writes in one launch (OSCAR_VLLM_FUSED_WRITE=1); results "
+                         "under BACKEND+fused")
     ap.add_argument("--runner", choices=["auto", "v1", "v2"], default="auto",
                     help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; auto: vLLM's choice)")
     ap.add_argument("--profile-dir", type=Path, help="--stage profile: where the engine writes its torch trace")
@@ -808,6 +820,10 @@ def main() -> None:
         raise SystemExit(f"--stage: expected smoke or a comma list of {', '.join(STAGES[1:])}; got {args.stage!r}")
     if args.no_pdl:
         os.environ["OSCAR_VLLM_PDL"] = "0"
+    if args.fused_write:
+        if args.backend != "oscar":
+            raise SystemExit("--fused-write: oscar's switch (--backend oscar)")
+        os.environ["OSCAR_VLLM_FUSED_WRITE"] = "1"
     if args.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     expose_plugin()
@@ -842,9 +858,10 @@ def main() -> None:
     args.model_name = name
     artifact = args.artifact
     if artifact is None and dummy:
-        tag = f"-i4x{args.dummy_int4_keys}" * bool(args.dummy_int4_keys) + "-m8" * (args.dummy_meta_bits == 8)
+        tag = f"-i4x{args.dummy_int4_keys}" * bool(args.dummy_int4_keys) + "-m8" * (args.dummy_meta_bits == 8) + \
+            "-rope" * (args.dummy_key_mean == "rope")
         artifact = str(write_hadamard_artifact(model_dir, args.work / f"{name}-hadamard{tag}", args.dummy_int4_keys,
-                                               args.dummy_meta_bits))
+                                               args.dummy_meta_bits, args.dummy_key_mean))
     if smoke_only:
         smoke(args, str(model_dir), dummy, artifact)
         return
@@ -857,7 +874,7 @@ def main() -> None:
     llm = engine(str(model_dir), dummy, args.backend, artifact, args, max_len, args.gpu_mem)
     facts = engine_facts(llm) | {"gpu_memory_utilization": args.gpu_mem, "max_num_seqs": args.max_num_seqs,
                                  "chunk": args.chunk, "max_model_len": max_len}
-    base = f"{name}/{args.backend}"
+    base = f"{name}/{args.backend}" + ("+fused" if args.fused_write else "")
     head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
     bpt = kv_bytes_per_token(args.backend, int(model_cfg["num_hidden_layers"]),
                              int(model_cfg.get("num_key_value_heads", model_cfg["num_attention_heads"])), int(head_dim))

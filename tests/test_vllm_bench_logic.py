@@ -316,3 +316,19 @@ def test_decode_stage_profiles_and_excludes(bench: Any, monkeypatch: pytest.Monk
     a, b = rec["profiled_steps"]
     assert b - a == 2 and a == rec["prefill_steps"] + 1 + 8  # 8 steps after the last prefill step
     assert rec["full_batch"]["steps"] == 12 - 3 and rec["full_batch"]["mean_step_ms"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(("int4", "meta", "key_mean"), [(0, 16, "constant"), (2, 8, "rope")],
+                         ids=["plain", "recipe-format"])
+def test_dummy_hadamard_artifact_formats(bench: Any, tiny_model_dir: Any, tmp_path: Any, int4: int, meta: int,
+                                         key_mean: str) -> None:
+    """The random-weight model's data-free artifact in the recipes' formats (INT4 key layers, one-byte metadata, keys
+    centred by position) loads as an artifact of that format."""
+    from oscar_cli.artifact.io import load_artifact, rope_key_mean
+
+    art = load_artifact(bench.write_hadamard_artifact(tiny_model_dir, tmp_path / "art", int4, meta, key_mean))
+    m = art.manifest
+    assert rope_key_mean(m) is (key_mean == "rope")
+    assert all((layer.k_mean_pre is not None) is (key_mean == "rope") for layer in art.layers)
+    assert len(m.quant.get("int4_keys", [])) == int4
+    assert m.quant["meta_dtype"] == ("uint8" if meta == 8 else "bfloat16")

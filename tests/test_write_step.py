@@ -128,3 +128,107 @@ def test_fused_write_switch(monkeypatch: pytest.MonkeyPatch, raw: str | None, wa
             debug.fused_write()
     else:
         assert debug.fused_write() is want
+
+
+def _rotations(per_head: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (H, D, D) if per_head else (D, D)
+    return tuple(torch.linalg.qr(torch.randn(*shape, generator=gen, dtype=torch.float64))[0].float().to(DEV)
+                 for _ in range(2))  # type: ignore[return-value]
+
+
+ROTATED = [
+    # id, N, INT4 keys, metadata dtype, key mean per row, exclusive words, decode-shaped slots, per-head rotations
+    ("n1-int2-bf16-shared", 1, False, torch.bfloat16, False, True, True, False),
+    ("n5-int4-meta8-rowmean-perhead", 5, True, torch.uint8, True, True, True, True),
+    ("n19-int2-meta8-prefill-perhead", 19, False, torch.uint8, False, False, False, True),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ROTATED, ids=[c[0] for c in ROTATED])
+def test_write_step_with_rotation_equals_rotate_kv_then_write_step(case: tuple) -> None:
+    """``rotation=(R_K, R_V)``: unrotated rows in, the bytes of ``rotate_kv`` followed by the plain fused write
+    (pages, metadata, low plane and both tiers), for shared and per-head rotations, padding rows included."""
+    name, n, int4, meta, row_mean, exclusive, decode, per_head = case
+    base = _state(n, int4, meta, row_mean, decode, len(name) + 3 * n)
+    a, b = _to(base), _to(base)
+    rk, rv = _rotations(per_head, n)
+    k_clip = 0.0 if int4 else 0.92
+    kr, vr = ops.rotate_kv(a["k"], a["v"], rk, rv, dtype=a["k"].dtype)
+    common = dict(k_clip=k_clip, v_clip=0.9, exclusive_words=exclusive)
+    ops.write_step(kr, vr, a["k_cache"], a["v_cache"], a["slots"], tuple(a["tiers"]), *a["idx"], k_mean=a["k_mean"],
+                   v_mean=a["v_mean"], k_low=a["k_low"], **common)
+    ops.write_step(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slots"], tuple(b["tiers"]), *b["idx"],
+                   k_mean=b["k_mean"], v_mean=b["v_mean"], k_low=b["k_low"], rotation=(rk, rv), **common)
+    for what in ("k_cache", "v_cache"):
+        for f in ("packed", "scale", "zero"):
+            x, y = getattr(a[what], f).cpu(), getattr(b[what], f).cpu()
+            same = x.view(torch.uint8) == y.view(torch.uint8)
+            assert bool(same.all()), f"{what}.{f}: {int((~same).sum())} bytes differ"
+    for i, (x, y) in enumerate(zip(a["tiers"], b["tiers"], strict=True)):
+        assert torch.equal(x.cpu().view(torch.uint8), y.cpu().view(torch.uint8)), f"tier {i} differs"
+    if int4:
+        assert torch.equal(a["k_low"].cpu(), b["k_low"].cpu()), "k_low differs"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("b_q", "h_q", "per_head"), [(1, 8, False), (5, 6, True), (3, 2, False)],
+                         ids=["b1-group4", "b5-group3-perhead", "b3-of-5-group1"])
+def test_write_step_query_job_equals_the_decode_rotation(b_q: int, h_q: int, per_head: bool) -> None:
+    """``query=StepQuery(q, out, scale)``: ``out`` is bit for bit what ``DecodePlan``'s rotation kernel writes
+    (the same tile function), for GQA groups of 4, 3 (padded to 16 rows) and 1, per-head rotations, and fewer
+    decodes than the step's tokens; and within float32 rounding of the float64 product."""
+    n = 5
+    s = _to(_state(n, False, torch.bfloat16, False, True, 11 + b_q))
+    rk, rv = _rotations(per_head, h_q)
+    gen = torch.Generator().manual_seed(h_q)
+    q = (torch.randn(b_q, h_q, D, generator=gen) * 3).to(torch.float16).to(DEV)
+    scale = ops.query_scale(None, D)
+    out = torch.full_like(q, float("nan"))
+    ops.write_step(s["k"], s["v"], s["k_cache"], s["v_cache"], s["slots"], tuple(s["tiers"]), *s["idx"],
+                   k_mean=s["k_mean"], v_mean=s["v_mean"], rotation=(rk, rv), query=ops.StepQuery(q, out, scale))
+    want = torch.full_like(q, float("nan"))
+    g = h_q // H
+    r = rk.contiguous()
+    from oscar_kernels.launch_checks import triton_modules
+
+    triton_modules()[1]._rotate_q_kernel[(b_q * H, D // 32)](
+        q, q.stride(0), q.stride(1), r, D * D if per_head else 0, want, want.stride(0), want.stride(1), scale,
+        H_KV=H, GROUP=g, GP=max(16, 1 << (g - 1).bit_length()), D=D, BLOCK_E=32, PREC="tf32x3", PDL=False)
+    assert torch.equal(out.cpu().view(torch.int16), want.cpu().view(torch.int16))
+    rot = rk if per_head else rk.expand(H, D, D)
+    exact = torch.einsum("bgd,gde->bge", q.double().cpu(), rot.repeat_interleave(g, 0).double().cpu()) * scale
+    assert torch.allclose(out.cpu().double(), exact, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.unit
+def test_write_step_query_refusals_name_the_argument() -> None:
+    s = _to(_state(3, False, torch.float16, False, True, 5))
+    tiers = tuple(s["tiers"])
+    rk, rv = _rotations(False, 1)
+    q = torch.zeros(3, 4, D, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match="rotation=\\(R_K, R_V\\)"):
+        ops.write_step(s["k"], s["v"], s["k_cache"], s["v_cache"], s["slots"], tiers, *s["idx"],
+                       query=ops.StepQuery(q, torch.empty_like(q), 1.0))
+    with pytest.raises(ValueError, match="query.q"):
+        big = torch.zeros(4, 4, D, dtype=torch.float16, device=DEV)  # more decodes than the step's tokens
+        ops.write_step(s["k"], s["v"], s["k_cache"], s["v_cache"], s["slots"], tiers, *s["idx"], rotation=(rk, rv),
+                       query=ops.StepQuery(big, torch.empty_like(big), 1.0))
+    with pytest.raises(ValueError, match="query.out"):
+        ops.write_step(s["k"], s["v"], s["k_cache"], s["v_cache"], s["slots"], tiers, *s["idx"], rotation=(rk, rv),
+                       query=ops.StepQuery(q, torch.empty(3, 4, D, dtype=torch.bfloat16, device=DEV), 1.0))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("fused", "launches"), [("0", 8), ("1", 4)])
+def test_decode_step_launch_count(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fused: str,
+                                  launches: int) -> None:
+    """scripts/cpu_vllm_decode_ops.py on a batch-1 decode step: eight launches and no torch op per layer unfused; four
+    with ``OSCAR_VLLM_FUSED_WRITE=1`` (the write with both rotations, the tier gather, stage 1, the merge)."""
+    from helpers.scripts import load_script
+
+    monkeypatch.setenv("OSCAR_VLLM_FUSED_WRITE", fused)
+    monkeypatch.setattr("sys.argv", ["cpu_vllm_decode_ops.py", "--batch", "1", "--history", "256"])
+    load_script("cpu_vllm_decode_ops").main()
+    assert f": 0 torch ops + {launches} kernel launches = {launches} per layer" in capsys.readouterr().out
