@@ -13,7 +13,9 @@ Two more jobs can ride along (``write_step(rotation=..., query=...)``), each aga
 launch: ``HAS_R`` takes the step's unrotated K and V rows and rotates them inside each job as ``rotate_kv`` does
 (IEEE float32 ``tl.dot``, rounded once to the activation dtype), so ``rotate_kv`` is not launched; ``Q_JOBS > 0``
 adds the decode's query rotation (``int2_decode.rotate_q_tile``, ``D / 32`` column blocks per KV head, a tile's
-rows one after another), so the decode plan skips its first launch. A decode step's layer then takes four launches
+rows one after another), so the decode plan skips its first launch; ``K_ROPE`` centres the keys by their positions'
+means computed in the tile (``quantize_write_tile``'s ``ROPE_MU``), where the unfused write reads a mean tensor
+made by torch ops per layer. A decode step's layer then takes four launches
 instead of eight: this one, the tier gather, stage 1 and the merge.
 """
 
@@ -34,6 +36,7 @@ def _write_step_kernel(
     rk_ptr, stride_rkh, rv_ptr, stride_rvh,  # HAS_R: float32 R_K, R_V [H_r, D, D] (head stride 0: shared)
     q_ptr, stride_qb, stride_qh,  # Q_JOBS: the decodes' queries [B, H_q, D] (B <= N)
     qo_ptr, stride_qob, stride_qoh, n_q, qk_scale,  # Q_JOBS: q_rot [B, H_q, D] (rotated by R_K, times qk_scale)
+    pos_ptr, tab_ptr, rope_a_ptr, rope_scale, tab_rows,  # K_ROPE: positions [N], table [P, D], matrix, scaling, P
     slot_ptr,  # [N] int64 page slots (< 0: skipped)
     k_mu_ptr, stride_kmun, stride_kmuh,  # key mean [H_kv, D] or one per row [N, H_kv, D]
     v_mu_ptr, stride_vmun, stride_vmuh,
@@ -49,7 +52,7 @@ def _write_step_kernel(
     D: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     K_HAS_MU: tl.constexpr, V_HAS_MU: tl.constexpr, K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, K_INT4: tl.constexpr,
     CLIP_SORT: tl.constexpr, TQ_XOR: tl.constexpr, EXCLUSIVE_WORDS: tl.constexpr,
-    HAS_R: tl.constexpr, Q_JOBS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+    HAS_R: tl.constexpr, Q_JOBS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, K_ROPE: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_T), H_kv, 3 + Q_JOBS)``: axis 2 picks the job (0 keys, 1 values, 2 tiers, ``3 + j``
     the query rotation's column block ``j`` for the tile's rows below ``n_q``)."""
@@ -59,7 +62,9 @@ def _write_step_kernel(
                             slot_ptr, k_codes_ptr, stride_kcp, stride_kch, stride_kcr, k_scale_ptr, k_zero_ptr,
                             stride_kmp, stride_kmh, stride_kmr, n_rows, page_size, 0, k_clip_idx, k_lo_ptr,
                             D=D, G=KG, BLOCK_T=BLOCK_T, HAS_R=HAS_R, HAS_MU=K_HAS_MU, DO_CLIP=K_CLIP, TQ=False,
-                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=False, INT4=K_INT4, R_ROUND=True)
+                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=False, INT4=K_INT4, R_ROUND=True,
+                            ROPE_MU=K_ROPE, pos_ptr=pos_ptr, tab_ptr=tab_ptr, rope_a_ptr=rope_a_ptr,
+                            rope_scale=rope_scale, tab_rows=tab_rows)
     elif job == 1:
         quantize_write_tile(pid, h, v_ptr, stride_vn, stride_vh, rv_ptr, stride_rvh, v_mu_ptr, stride_vmun, stride_vmuh,
                             slot_ptr, v_codes_ptr, stride_vcp, stride_vch, stride_vcr, v_scale_ptr, v_zero_ptr,

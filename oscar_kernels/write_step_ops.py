@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, next_pow2, triton_module
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, next_pow2, triton_module
 from oscar_kernels.reference import QuantizedRows
 from oscar_kernels.tier_ops import check_tier_write
 from oscar_kernels.write_ops import write_args
@@ -28,6 +28,26 @@ class StepQuery(NamedTuple):
     q: torch.Tensor
     out: torch.Tensor
     qk_scale: float
+
+
+class StepRopeMean(NamedTuple):
+    """Keys centred by position (``quant.key_mean: rope``) in :func:`write_step`: the key of row ``i`` is centred by
+    ``scaling · (table[positions[i]] @ matrix[h])`` = ``RoPE_p(m_pre)·R_K`` up to float32 rounding, computed in the
+    launch. ``positions`` int64 ``[N]`` (clamped into the table: padding rows may hold anything); ``table`` float32 ``[P, D]``
+    (``rope_ops.position_table``); ``matrix`` float32 ``[H_kv, D, D]`` (``rope_ops.rope_mean_matrix``)."""
+
+    positions: torch.Tensor
+    table: torch.Tensor
+    matrix: torch.Tensor
+    scaling: float
+
+
+def _check_rope(rm: StepRopeMean, n: int, h_kv: int, d: int, dev: torch.device) -> None:
+    check_tensor("rope_mean.positions", rm.positions, f"int64 [{n}]", (n,), (torch.int64,), dev)
+    check_tensor("rope_mean.table", rm.table, f"float32 [positions, {d}]", (None, d), (torch.float32,), dev)
+    check_tensor("rope_mean.matrix", rm.matrix, f"float32 [{h_kv}, {d}, {d}]", (h_kv, d, d), (torch.float32,), dev)
+    if not (rm.table.is_contiguous() and rm.matrix.is_contiguous()):
+        raise ValueError("rope_mean: table and matrix must be contiguous")
 
 
 def _check_query(sq: StepQuery, n: int, h_kv: int, d: int) -> tuple[int, int]:
@@ -48,7 +68,7 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
                v_mean: torch.Tensor | None = None, k_clip: float = 0.0, v_clip: float = 0.0,
                exclusive_words: bool = False, k_low: torch.Tensor | None = None, clip_method: str = "sort",
                tq_update: str = "xor", rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
-               query: StepQuery | None = None, num_warps: int = 4) -> None:
+               query: StepQuery | None = None, rope_mean: StepRopeMean | None = None, num_warps: int = 4) -> None:
     """In one launch, what these three do (same bytes):
 
     - ``quantize_write(k, k_cache, slots, mean=k_mean, clip_ratio=k_clip, layout="rows", low_plane=k_low)``;
@@ -64,10 +84,13 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
     launch first does what ``rotate_kv(k, v, R_K, R_V, dtype=k.dtype)`` does (the same bytes follow; 16-row tiles,
     ``tl.dot``'s minimum). ``query`` (needs ``rotation``): also the decode's query rotation (:class:`StepQuery`),
     ``H_q / H_kv`` query heads per KV head, ``D / 32`` more jobs per tile. Grid ``(cdiv(N, BLOCK_T), H_kv, 3 +
-    (D / 32 with a query))``.
+    (D / 32 with a query))``. ``rope_mean`` (needs ``rotation``): the keys' position-dependent mean
+    (:class:`StepRopeMean`), subtracted after ``k_mean`` if that is given too.
     """
     if query is not None and rotation is None:
         raise ValueError("query: the query rotation rides on a write_step with rotation=(R_K, R_V) (it uses R_K)")
+    if rope_mean is not None and rotation is None:
+        raise ValueError("rope_mean: the in-launch key mean needs rotation=(R_K, R_V) (16-row tiles for its product)")
     rk, rv = rotation if rotation is not None else (None, None)
     bt = 16 if rotation is not None else None
     kw = write_args(k, k_cache, slots, rotation=rk, mean=k_mean, clip_ratio=k_clip, block_t=bt, layout="rows",
@@ -83,6 +106,8 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
         raise bad_tensor("k", k, f"{sink_k.dtype} rows (the tiers' dtype: the rotated rows are rounded to it)")
     n, h_kv, d = kw.n, kw.h_kv, kw.d
     nq, group = _check_query(query, n, h_kv, d) if query is not None else (0, 1)
+    if rope_mean is not None:
+        _check_rope(rope_mean, n, h_kv, d, k.device)
     if n == 0:
         return
     ks, vs = kw.scale, vw.scale
@@ -92,6 +117,8 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         kw.r if kw.r is not None else k, kw.r_stride, vw.r if vw.r is not None else v, vw.r_stride,
         q, q.stride(0), q.stride(1), qo, qo.stride(0), qo.stride(1), nq, query.qk_scale if query is not None else 1.0,
+        *((rope_mean.positions, rope_mean.table, rope_mean.matrix, float(rope_mean.scaling),
+           int(rope_mean.table.shape[0])) if rope_mean is not None else (slots, k, k, 1.0, 1)),
         slots,
         kw.mu if kw.mu is not None else k, kw.mu_row, kw.mu_stride,
         vw.mu if vw.mu is not None else v, vw.mu_row, vw.mu_stride,
@@ -105,5 +132,6 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
         D=d, KG=kw.g, VG=vw.g, BLOCK_T=kw.block_t, BLOCK_D=next_pow2(d), K_HAS_MU=kw.mu is not None,
         V_HAS_MU=vw.mu is not None, K_CLIP=kw.clip_idx >= 0, V_CLIP=vw.clip_idx >= 0, K_INT4=kw.low_plane is not None,
         CLIP_SORT=clip_method == "sort", TQ_XOR=tq_update == "xor", EXCLUSIVE_WORDS=exclusive_words,
-        HAS_R=rotation is not None, Q_JOBS=q_jobs, GROUP=group, GP=max(16, next_pow2(group)), num_warps=num_warps,
+        HAS_R=rotation is not None, Q_JOBS=q_jobs, GROUP=group, GP=max(16, next_pow2(group)),
+        K_ROPE=rope_mean is not None, num_warps=num_warps,
     )

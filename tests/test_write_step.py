@@ -221,14 +221,102 @@ def test_write_step_query_refusals_name_the_argument() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("fused", "launches"), [("0", 8), ("1", 4)])
+@pytest.mark.parametrize(("fused", "key_mean", "torch_ops", "launches"),
+                         [("0", "constant", 0, 8), ("1", "constant", 0, 4), ("0", "rope", 10, 8), ("1", "rope", 0, 4)])
 def test_decode_step_launch_count(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fused: str,
-                                  launches: int) -> None:
-    """scripts/cpu_vllm_decode_ops.py on a batch-1 decode step: eight launches and no torch op per layer unfused; four
-    with ``OSCAR_VLLM_FUSED_WRITE=1`` (the write with both rotations, the tier gather, stage 1, the merge)."""
+                                  key_mean: str, torch_ops: int, launches: int) -> None:
+    """scripts/cpu_vllm_decode_ops.py on a batch-1 decode step: eight launches per layer unfused, plus ten torch ops
+    for the key means of the rope format; four and no torch op with ``OSCAR_VLLM_FUSED_WRITE=1`` (the write with both
+    rotations and the key means, the tier gather, stage 1, the merge)."""
     from helpers.scripts import load_script
 
     monkeypatch.setenv("OSCAR_VLLM_FUSED_WRITE", fused)
-    monkeypatch.setattr("sys.argv", ["cpu_vllm_decode_ops.py", "--batch", "1", "--history", "256"])
+    monkeypatch.setattr("sys.argv", ["cpu_vllm_decode_ops.py", "--batch", "1", "--history", "256",
+                                     "--key-mean", key_mean])
     load_script("cpu_vllm_decode_ops").main()
-    assert f": 0 torch ops + {launches} kernel launches = {launches} per layer" in capsys.readouterr().out
+    assert f": {torch_ops} torch ops + {launches} kernel launches = {torch_ops + launches} per layer" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-rotation", "per-head-rotation"])
+def test_rope_mean_matrix_gives_the_position_means(shared: bool) -> None:
+    """``scaling · table[p] @ M[h]`` is ``position_means`` (RoPE of the pre-RoPE mean, then ``R_K``) at every
+    position, to float32 rounding, for positions up to 128K and YaRN's attention scaling."""
+    from oscar_cli.quant.key_mean import position_means
+    from oscar_kernels.reference import rope_cos_sin
+
+    gen = torch.Generator().manual_seed(4)
+    m_pre = torch.randn(H, D, generator=gen) * 5
+    rk, _ = _rotations(not shared, 2)
+    rk = rk.cpu()
+    inv_freq = 1e6 ** -(torch.arange(0, D, 2, dtype=torch.float32) / D)
+    pos = torch.tensor([0, 1, 17, 4095, 65_537, 131_071])
+    scaling = 1.2079
+    table = ops.position_table(inv_freq, 131_072, "cpu")
+    got = scaling * torch.einsum("nd,hde->nhe", table[pos].double(), ops.rope_mean_matrix(m_pre, rk).double())
+    cos, sin = rope_cos_sin(inv_freq, scaling, pos[None])
+    want = position_means(m_pre, rk if rk.dim() == 3 else rk[None], cos, sin)[0].transpose(0, 1).double()
+    assert torch.allclose(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("n", "int4", "meta"), [(1, False, torch.bfloat16), (7, True, torch.uint8),
+                                                 (19, False, torch.uint8)], ids=["n1-int2", "n7-int4-meta8",
+                                                                                 "n19-int2-meta8"])
+def test_write_step_rope_mean_in_the_launch(n: int, int4: bool, meta: torch.dtype) -> None:
+    """``rope_mean``: keys centred in the launch by ``scaling · table[p] @ M``, against the unfused form (the mean
+    tensor from ``position_means``): the tiers bitwise (they hold uncentred rows), the values bitwise, the keys'
+    codes equal but where the two float32 means straddle a rounding boundary (none here), their metadata to the
+    metadata's rounding."""
+    from oscar_cli.quant.key_mean import position_means
+    from oscar_kernels.reference import rope_cos_sin
+
+    base = _state(n, int4, meta, True, n < 10, 40 + n)
+    a, b = _to(base), _to(base)
+    rk, rv = _rotations(True, n)
+    gen = torch.Generator().manual_seed(n)
+    m_pre = torch.randn(H, D, generator=gen) * 4
+    inv_freq = 1e4 ** -(torch.arange(0, D, 2, dtype=torch.float32) / D)
+    pos = torch.randint(0, 5000, (n,), generator=gen)
+    if n > 2:
+        pos[n // 2] = -7  # a padding row (its slot is -1): any position, clamped into the table
+    scaling = 1.07
+    cos, sin = rope_cos_sin(inv_freq, scaling, pos.clamp(min=0)[None])
+    mean = position_means(m_pre, rk.cpu(), cos, sin)[0].transpose(0, 1).contiguous().to(DEV)
+    k_clip = 0.0 if int4 else 0.92
+    common = dict(v_mean=a["v_mean"], k_clip=k_clip, v_clip=0.9, exclusive_words=n < 10, rotation=(rk, rv))
+    ops.write_step(a["k"], a["v"], a["k_cache"], a["v_cache"], a["slots"], tuple(a["tiers"]), *a["idx"],
+                   k_mean=mean, k_low=a["k_low"], **common)
+    rm = ops.StepRopeMean(pos.to(DEV), ops.position_table(inv_freq, 5000, DEV),
+                          ops.rope_mean_matrix(m_pre, rk).to(DEV), scaling)
+    ops.write_step(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slots"], tuple(b["tiers"]), *b["idx"],
+                   k_low=b["k_low"], rope_mean=rm, **common)
+    for i, (x, y) in enumerate(zip(a["tiers"], b["tiers"], strict=True)):
+        assert torch.equal(x.cpu(), y.cpu()), f"tier {i}"
+    for f in ("packed", "scale", "zero"):
+        assert torch.equal(getattr(a["v_cache"], f).cpu(), getattr(b["v_cache"], f).cpu()), f"v_cache.{f}"
+    assert torch.equal(a["k_cache"].packed.cpu(), b["k_cache"].packed.cpu())
+    if int4:
+        assert torch.equal(a["k_low"].cpu(), b["k_low"].cpu())
+    for f in ("scale", "zero"):
+        x, y = getattr(a["k_cache"], f).cpu(), getattr(b["k_cache"], f).cpu()
+        if meta == torch.uint8:
+            assert int((x.int() - y.int()).abs().max()) <= 1, f
+        else:
+            assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=1e-6), f
+
+
+@pytest.mark.unit
+def test_write_step_rope_mean_refusals() -> None:
+    s = _to(_state(3, False, torch.float16, False, True, 9))
+    rk, rv = _rotations(False, 1)
+    good = ops.StepRopeMean(torch.zeros(3, dtype=torch.int64, device=DEV), torch.zeros(8, D, device=DEV),
+                            torch.zeros(H, D, D, device=DEV), 1.0)
+    args = (s["k"], s["v"], s["k_cache"], s["v_cache"], s["slots"], tuple(s["tiers"]), *s["idx"])
+    with pytest.raises(ValueError, match="rope_mean: the in-launch key mean needs rotation"):
+        ops.write_step(*args, rope_mean=good)
+    with pytest.raises(ValueError, match="rope_mean.positions"):
+        ops.write_step(*args, rotation=(rk, rv), rope_mean=good._replace(positions=good.positions.int()))
+    with pytest.raises(ValueError, match="rope_mean.matrix"):
+        ops.write_step(*args, rotation=(rk, rv), rope_mean=good._replace(matrix=torch.zeros(1, D, D, device=DEV)))

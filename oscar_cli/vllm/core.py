@@ -280,19 +280,21 @@ class TritonKernels:
         self.fused_write = fused_write
 
     def write_step(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
-                   slots: torch.Tensor, k_mean: torch.Tensor, k_clip: float, v_mean: torch.Tensor, v_clip: float,
+                   slots: torch.Tensor, k_mean: torch.Tensor | None, k_clip: float, v_mean: torch.Tensor, v_clip: float,
                    tiers: Tiers, tier_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                    exclusive_words: bool, k_low: torch.Tensor | None,
-                   rotation: tuple[torch.Tensor, torch.Tensor] | None = None, query: object | None = None) -> None:
+                   rotation: tuple[torch.Tensor, torch.Tensor] | None = None, query: object | None = None,
+                   rope_mean: object | None = None) -> None:
         """The K write, the V write and the tier write in one launch (``ops.write_step``: the bytes of
         :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`); ``rotation``: ``kr``/``vr``
         are unrotated and the launch rotates them as :meth:`rotate_kv` does; ``query``: an ``ops.StepQuery``, the
-        decode's query rotation in the same launch."""
+        decode's query rotation in the same launch; ``rope_mean``: an ``ops.StepRopeMean``, the keys' position means
+        computed in the launch."""
         from oscar_kernels import ops
 
         ops.write_step(kr, vr, k_pages, v_pages, slots, tiers, *tier_index, k_mean=k_mean, v_mean=v_mean,
                        k_clip=0.0 if k_low is not None else k_clip, v_clip=v_clip, exclusive_words=exclusive_words,
-                       k_low=k_low, rotation=rotation, query=query)  # type: ignore[arg-type]
+                       k_low=k_low, rotation=rotation, query=query, rope_mean=rope_mean)  # type: ignore[arg-type]
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,8 +420,12 @@ class PagedInt2Layer:
         self.gathered = gather_buffers(num_rows, num_kv_heads, int(self.sink_k.shape[2]), int(self.ring_k.shape[2]),
                                        head_dim, act_dtype, self.sink_k.device)
         if self.rope is not None:  # the decode's term: history slot n of every row sits at position S0 + n
+            from oscar_kernels.rope_ops import rope_mean_matrix
+
             self.position_table, self.rope = shared_rope(self.rope, self.sink_k.device)
             self.first_position = torch.full((num_rows,), s.sink, dtype=torch.int32, device=self.sink_k.device)
+            assert self.t.k_mean_pre is not None  # the fused write's key means: table row @ this (write)
+            self.rope_matrix = rope_mean_matrix(self.t.k_mean_pre, self.t.k_rotation).to(self.sink_k.device)
 
     # ------------------------------------------------------------------ transforms
     def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,20 +486,33 @@ class PagedInt2Layer:
 
         ``query`` (an ``ops.StepQuery``; fused kernels only, :meth:`fuses_step`): ``kr``/``vr`` are the step's
         *unrotated* rows, and one ``kernels.write_step`` launch rotates them, writes them and rotates the decodes'
-        queries into ``query.out`` (what :meth:`rotate` and the decode's first launch would do, the same bits)."""
+        queries into ``query.out`` (what :meth:`rotate` and the decode's first launch would do, the same bits);
+        keys centred by position get their means in that launch too (``ops.StepRopeMean``: the table row of the
+        position times :attr:`rope_matrix`, equal to :meth:`key_means` up to float32 rounding) instead of from
+        :meth:`key_means`' torch ops."""
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
-        k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n], st)  # one mean per row: rope
+        rope_mean = None
+        if self.rope is None:
+            k_mean: torch.Tensor | None = self.t.k_mean
+        elif query is not None:  # the fused step: each key's mean computed in the launch (table row @ rope_matrix)
+            from oscar_kernels.ops import StepRopeMean
+
+            k_mean = None
+            rope_mean = StepRopeMean(st.pos[:n], self.position_table, self.rope_matrix, self.rope.scaling)
+        else:
+            k_mean = self.key_means(st.pos[:n], st)  # one mean per row, torch ops
         if getattr(self.kernels, "fused_write", False):  # the three launches below in one (the same bytes)
             self.kernels.write_step(kr, vr, k_pages, v_pages, slots, k_mean, self.t.k_clip, self.t.v_mean,
                                     self.t.v_clip, self.tiers, (st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
                                                                 st.ring_slot[:n]),
                                     decode_only(st), self._low(k_low),
                                     rotation=None if query is None else (self.t.k_rotation, self.t.v_rotation),
-                                    query=query)
+                                    query=query, rope_mean=rope_mean)
             return
         if query is not None:
             raise ValueError("a fused query rotation needs kernels with fused_write")
+        assert k_mean is not None
         if self._low(k_low) is not None:
             assert k_low is not None
             self.kernels.quantize_write_int4(kr, k_pages, k_low, slots, k_mean)
