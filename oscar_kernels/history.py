@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from oscar_kernels.int2_pack import meta8_decode
-from oscar_kernels.rotate_kv import cast_rn
+from oscar_kernels.rotate_kv import _cast_rn
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _dequant_tile(codes, scale_ptr, zero_ptr, meta_off, cols, stride_mg, mean, o
         s = s * 0.25
     x = z + codes.to(tl.float32) * s
     y = x + mean[None, :]
-    tl.store(out_ptr + out_off, cast_rn(y, out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + out_off, _cast_rn(y, out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -38,8 +38,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from oscar_kernels.rotate_kv import cast_rn
-
 
 @triton.jit
 def _quantize_write_kernel(x_ptr, stride_xn, stride_xh, r_ptr, stride_rh, mu_ptr, stride_mun, stride_muh, slot_ptr,
@@ -94,13 +92,6 @@ def quantize_write_tile(
     TQ_XOR: tl.constexpr,
     EXCLUSIVE_WORDS: tl.constexpr,
     INT4: tl.constexpr,
-    R_ROUND: tl.constexpr = False,
-    ROPE_MU: tl.constexpr = False,
-    pos_ptr=None,  # ROPE_MU: int64 [N] positions of the rows
-    tab_ptr=None,  # ROPE_MU: float32 [positions, D] rows [cos θp | sin θp] (rope_ops.position_table)
-    rope_a_ptr=None,  # ROPE_MU: float32 [H_kv, D, D] (rope_ops.rope_mean_matrix)
-    rope_scale=1.0,  # ROPE_MU: the rotary embedding's attention scaling
-    tab_rows=1,  # ROPE_MU: the table's rows (positions are clamped into [0, tab_rows): padding rows hold any value)
 ):
     """Quantize ``BLOCK_T`` rows (tile ``pid_t``) of KV head ``h`` and scatter them into the paged cache: the body of
     ``_quantize_write_kernel`` and of the fused decode-step write (:mod:`oscar_kernels.write_step`).
@@ -109,11 +100,7 @@ def quantize_write_tile(
     words in one of three ways (bitwise the same result under their preconditions; see the module docstring):
     ``EXCLUSIVE_WORDS`` a plain load / clear / or / store, ``TQ_XOR`` a relaxed load and one ``atomic_xor``,
     else ``atomic_and`` + ``atomic_or``. ``INT4`` (rows layout, no clip): formula 9's 16 levels, the high plane
-    into ``codes`` with its scale and zero, the low plane into ``lo_ptr`` at the same offsets. ``HAS_R``: the rows
-    are rotated here (IEEE float32 ``tl.dot``, ``BLOCK_T >= 16``); ``R_ROUND``: the rotated rows rounded to ``x``'s
-    dtype before centring, as ``rotate_kv`` rounds them for the unfused write. ``ROPE_MU`` (keys centred by
-    position): the mean of the row at position ``p`` is ``rope_scale · (table[p] @ M_h)``, one IEEE float32 product
-    here instead of the per-row mean tensor ``HAS_MU`` reads (the same value up to float32 rounding).
+    into ``codes`` with its scale and zero, the low plane into ``lo_ptr`` at the same offsets.
     """
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, D)
@@ -126,18 +113,11 @@ def quantize_write_tile(
     if HAS_R:
         r = tl.load(r_ptr + h * stride_rh + cols[:, None] * D + cols[None, :])
         y = tl.dot(x, r, input_precision="ieee")
-        if R_ROUND:  # the rotated row in x's dtype first (what ``rotate_kv`` hands the unfused write)
-            y = cast_rn(y, x_ptr.dtype.element_ty).to(tl.float32)
     else:
         y = x
     if HAS_MU:
         y = y - tl.load(mu_ptr + rows[:, None].to(tl.int64) * stride_mun + h * stride_muh + cols[None, :],
                         mask=row_ok[:, None], other=0.0)
-    if ROPE_MU:
-        pos = tl.minimum(tl.maximum(tl.load(pos_ptr + rows, mask=row_ok, other=0), 0), tab_rows - 1).to(tl.int64)
-        t = tl.load(tab_ptr + pos[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
-        a = tl.load(rope_a_ptr + h * (D * D) + cols[:, None] * D + cols[None, :])
-        y = y - rope_scale * tl.dot(t, a, input_precision="ieee")
     if DO_CLIP:
         if CLIP_SORT:
             srt = tl.sort(tl.abs(y), dim=1)

@@ -17,10 +17,7 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
 - :func:`tier_write` / :func:`tier_gather` — scatter new K/V rows into per-sequence BF16 sink and ring tiers /
   gather a decode batch's tier rows, centred, in the order the decode reads them (one launch each).
 - :func:`write_step` — a decode step's K pages, V pages and BF16 tiers of one layer in one launch (the three
-  launches of ``quantize_write`` for K and V and ``tier_write``, fused; the same bytes); with ``rotation`` it
-  takes the unrotated rows (``rotate_kv`` fused in), with a :class:`StepQuery` also the decode's query rotation
-  (``DecodePlan(q_rot=...)`` then skips its own), with a :class:`StepRopeMean` the keys' position-dependent
-  mean (:func:`rope_mean_matrix`).
+  launches of ``quantize_write`` for K and V and ``tier_write``, fused; the same bytes).
 - :func:`rotate_kv` — ``(float32(x) @ R).to(dtype)`` for a step's K and V rows ``[N, H_kv, D]`` (strided rows,
   shared or per-head rotations), one launch for both.
 - :func:`dequantize_history` — a range of one sequence's paged INT2 keys and values, dequantized through its
@@ -58,14 +55,13 @@ from oscar_kernels.decode_ops import (
     default_config,
     default_num_splits,
     make_workspace,
-    query_scale,
 )
 from oscar_kernels.history_ops import dequantize_history
-from oscar_kernels.rope_ops import position_table, rope_mean_logits, rope_mean_matrix
+from oscar_kernels.rope_ops import position_table, rope_mean_logits
 from oscar_kernels.rotate_ops import rotate_kv
 from oscar_kernels.tier_ops import tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
-from oscar_kernels.write_step_ops import StepQuery, StepRopeMean, write_step
+from oscar_kernels.write_step_ops import write_step
 
 __all__ = [
     "LAST_LAUNCH",
@@ -76,8 +72,6 @@ __all__ = [
     "DecodePlan",
     "LowPlane",
     "RopeMean",
-    "StepQuery",
-    "StepRopeMean",
     "decode_attention",
     "decode_attention_contiguous",
     "dequantize_history",
@@ -86,11 +80,9 @@ __all__ = [
     "make_workspace",
     "new_paged_cache",
     "quantize_rows",
-    "query_scale",
     "quantize_write",
     "position_table",
     "rope_mean_logits",
-    "rope_mean_matrix",
     "rotate_kv",
     "tier_gather",
     "tier_write",

@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def cast_rn(y, DTYPE: tl.constexpr):
+def _cast_rn(y, DTYPE: tl.constexpr):
     """float32 -> ``DTYPE`` rounding to nearest even (NaN stays NaN)."""
     if DTYPE == tl.bfloat16:
         u = y.to(tl.uint32, bitcast=True)
@@ -39,7 +39,7 @@ def _rotate_tile(x_ptr, stride_xn, stride_xh, r_ptr, stride_rh, y_ptr, stride_yn
     x = tl.load(x_ptr + r64 * stride_xn + h * stride_xh + d[None, :], mask=ok, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + h * stride_rh + d[:, None] * D + cols_e[None, :])
     y = tl.dot(x, r, input_precision="ieee")
-    tl.store(y_ptr + r64 * stride_yn + h * stride_yh + cols_e[None, :], cast_rn(y, y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + r64 * stride_yn + h * stride_yh + cols_e[None, :], _cast_rn(y, y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

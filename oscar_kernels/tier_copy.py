@@ -18,8 +18,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from oscar_kernels.rotate_kv import cast_rn
-
 
 @triton.jit
 def _tier_write_kernel(
@@ -59,27 +57,16 @@ def _tier_write_kernel(
 def tier_write_tile(pid, h, k_ptr, stride_kn, stride_kh, v_ptr, stride_vn, stride_vh, sink_k_ptr, sink_v_ptr, stride_sr,
                     stride_sh, stride_st, ring_k_ptr, ring_v_ptr, stride_rr, stride_rh, stride_rt, sink_row_ptr,
                     sink_pos_ptr, ring_row_ptr, ring_slot_ptr, n_tokens, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_T: tl.constexpr, rk_ptr=None, stride_rkh=0, rv_ptr=None, stride_rvh=0,
-                    HAS_R: tl.constexpr = False):
+                    BLOCK_T: tl.constexpr):
     """Tokens ``pid * BLOCK_T ..`` of KV head ``h`` into the tiers: the body of ``_tier_write_kernel`` and of the
-    fused decode-step write (:mod:`oscar_kernels.write_step`); arguments as the kernel's. ``HAS_R``: ``k``/``v`` are
-    unrotated; each row is rotated here first, ``rn(float32(x) @ R)`` as ``rotate_kv`` computes it (``rk_ptr`` /
-    ``rv_ptr`` float32 ``[H_r, D, D]``, head stride 0 when shared; ``BLOCK_T >= 16``, ``BLOCK_D == D``)."""
+    fused decode-step write (:mod:`oscar_kernels.write_step`); arguments as the kernel's."""
     tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     ok = tok < n_tokens
     m = ok[:, None] & (cols < D)[None, :]
     t64 = tok[:, None].to(tl.int64)
-    if HAS_R:
-        kx = tl.load(k_ptr + t64 * stride_kn + h * stride_kh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        vx = tl.load(v_ptr + t64 * stride_vn + h * stride_vh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        rk = tl.load(rk_ptr + h * stride_rkh + cols[:, None] * D + cols[None, :])
-        rv = tl.load(rv_ptr + h * stride_rvh + cols[:, None] * D + cols[None, :])
-        k = cast_rn(tl.dot(kx, rk, input_precision="ieee"), sink_k_ptr.dtype.element_ty)
-        v = cast_rn(tl.dot(vx, rv, input_precision="ieee"), sink_v_ptr.dtype.element_ty)
-    else:
-        k = tl.load(k_ptr + t64 * stride_kn + h * stride_kh + cols[None, :], mask=m)
-        v = tl.load(v_ptr + t64 * stride_vn + h * stride_vh + cols[None, :], mask=m)
+    k = tl.load(k_ptr + t64 * stride_kn + h * stride_kh + cols[None, :], mask=m)
+    v = tl.load(v_ptr + t64 * stride_vn + h * stride_vh + cols[None, :], mask=m)
     sr = tl.load(sink_row_ptr + tok, mask=ok, other=0)
     sp = tl.load(sink_pos_ptr + tok, mask=ok, other=0)
     rr = tl.load(ring_row_ptr + tok, mask=ok, other=0)

@@ -8,15 +8,6 @@ their pages (``rows`` layout, INT2 with its clip, or INT4 with the low plane), t
 with their clip), and both rotated rows into the BF16 sink and ring tiers. The three write disjoint memory and read
 only the step's inputs, so their order inside the launch does not matter. What one launch saves is two launches'
 fixed cost per layer and step (the decode step's fixed cost over BF16: docs/VLLM.md).
-
-Two more jobs can ride along (``write_step(rotation=..., query=...)``), each again the device code of its own
-launch: ``HAS_R`` takes the step's unrotated K and V rows and rotates them inside each job as ``rotate_kv`` does
-(IEEE float32 ``tl.dot``, rounded once to the activation dtype), so ``rotate_kv`` is not launched; ``Q_JOBS > 0``
-adds the decode's query rotation (``int2_decode.rotate_q_tile``, ``D / 32`` column blocks per KV head, a tile's
-rows one after another), so the decode plan skips its first launch; ``K_ROPE`` centres the keys by their positions'
-means computed in the tile (``quantize_write_tile``'s ``ROPE_MU``), where the unfused write reads a mean tensor
-made by torch ops per layer. A decode step's layer then takes four launches
-instead of eight: this one, the tier gather, stage 1 and the merge.
 """
 
 from __future__ import annotations
@@ -24,19 +15,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from oscar_kernels.int2_decode import rotate_q_tile
 from oscar_kernels.int2_pack import quantize_write_tile
 from oscar_kernels.tier_copy import tier_write_tile
 
 
 @triton.jit
 def _write_step_kernel(
-    k_ptr, stride_kn, stride_kh,  # [N, H_kv, D] rotated keys (HAS_R: unrotated)
-    v_ptr, stride_vn, stride_vh,  # [N, H_kv, D] rotated values (HAS_R: unrotated)
-    rk_ptr, stride_rkh, rv_ptr, stride_rvh,  # HAS_R: float32 R_K, R_V [H_r, D, D] (head stride 0: shared)
-    q_ptr, stride_qb, stride_qh,  # Q_JOBS: the decodes' queries [B, H_q, D] (B <= N)
-    qo_ptr, stride_qob, stride_qoh, n_q, qk_scale,  # Q_JOBS: q_rot [B, H_q, D] (rotated by R_K, times qk_scale)
-    pos_ptr, tab_ptr, rope_a_ptr, rope_scale, tab_rows,  # K_ROPE: positions [N], table [P, D], matrix, scaling, P
+    k_ptr, stride_kn, stride_kh,  # [N, H_kv, D] rotated keys
+    v_ptr, stride_vn, stride_vh,  # [N, H_kv, D] rotated values
     slot_ptr,  # [N] int64 page slots (< 0: skipped)
     k_mu_ptr, stride_kmun, stride_kmuh,  # key mean [H_kv, D] or one per row [N, H_kv, D]
     v_mu_ptr, stride_vmun, stride_vmuh,
@@ -52,36 +38,23 @@ def _write_step_kernel(
     D: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     K_HAS_MU: tl.constexpr, V_HAS_MU: tl.constexpr, K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, K_INT4: tl.constexpr,
     CLIP_SORT: tl.constexpr, TQ_XOR: tl.constexpr, EXCLUSIVE_WORDS: tl.constexpr,
-    HAS_R: tl.constexpr, Q_JOBS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, K_ROPE: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_T), H_kv, 3 + Q_JOBS)``: axis 2 picks the job (0 keys, 1 values, 2 tiers, ``3 + j``
-    the query rotation's column block ``j`` for the tile's rows below ``n_q``)."""
+    """Grid ``(cdiv(N, BLOCK_T), H_kv, 3)``: axis 2 picks the job (0 keys, 1 values, 2 tiers)."""
     pid, h, job = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if job == 0:
-        quantize_write_tile(pid, h, k_ptr, stride_kn, stride_kh, rk_ptr, stride_rkh, k_mu_ptr, stride_kmun, stride_kmuh,
+        quantize_write_tile(pid, h, k_ptr, stride_kn, stride_kh, k_ptr, 0, k_mu_ptr, stride_kmun, stride_kmuh,
                             slot_ptr, k_codes_ptr, stride_kcp, stride_kch, stride_kcr, k_scale_ptr, k_zero_ptr,
                             stride_kmp, stride_kmh, stride_kmr, n_rows, page_size, 0, k_clip_idx, k_lo_ptr,
-                            D=D, G=KG, BLOCK_T=BLOCK_T, HAS_R=HAS_R, HAS_MU=K_HAS_MU, DO_CLIP=K_CLIP, TQ=False,
-                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=False, INT4=K_INT4, R_ROUND=True,
-                            ROPE_MU=K_ROPE, pos_ptr=pos_ptr, tab_ptr=tab_ptr, rope_a_ptr=rope_a_ptr,
-                            rope_scale=rope_scale, tab_rows=tab_rows)
+                            D=D, G=KG, BLOCK_T=BLOCK_T, HAS_R=False, HAS_MU=K_HAS_MU, DO_CLIP=K_CLIP, TQ=False,
+                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=False, INT4=K_INT4)
     elif job == 1:
-        quantize_write_tile(pid, h, v_ptr, stride_vn, stride_vh, rv_ptr, stride_rvh, v_mu_ptr, stride_vmun, stride_vmuh,
+        quantize_write_tile(pid, h, v_ptr, stride_vn, stride_vh, v_ptr, 0, v_mu_ptr, stride_vmun, stride_vmuh,
                             slot_ptr, v_codes_ptr, stride_vcp, stride_vch, stride_vcr, v_scale_ptr, v_zero_ptr,
                             stride_vmp, stride_vmh, stride_vmr, n_rows, page_size, row_tokens, v_clip_idx, v_codes_ptr,
-                            D=D, G=VG, BLOCK_T=BLOCK_T, HAS_R=HAS_R, HAS_MU=V_HAS_MU, DO_CLIP=V_CLIP, TQ=True,
-                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=EXCLUSIVE_WORDS, INT4=False,
-                            R_ROUND=True)
-    elif job == 2:
+                            D=D, G=VG, BLOCK_T=BLOCK_T, HAS_R=False, HAS_MU=V_HAS_MU, DO_CLIP=V_CLIP, TQ=True,
+                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=EXCLUSIVE_WORDS, INT4=False)
+    else:
         tier_write_tile(pid, h, k_ptr, stride_kn, stride_kh, v_ptr, stride_vn, stride_vh, sink_k_ptr, sink_v_ptr,
                         stride_sr, stride_sh, stride_st, ring_k_ptr, ring_v_ptr, stride_rr, stride_rh, stride_rt,
                         sink_row_ptr, sink_pos_ptr, ring_row_ptr, ring_slot_ptr, n_rows,
-                        D=D, BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T, rk_ptr=rk_ptr, stride_rkh=stride_rkh, rv_ptr=rv_ptr,
-                        stride_rvh=stride_rvh, HAS_R=HAS_R)
-    elif Q_JOBS > 0:
-        e = (job - 3) * 32 + tl.arange(0, 32)
-        for i in range(BLOCK_T):
-            b = pid * BLOCK_T + i
-            if b < n_q:
-                rotate_q_tile(q_ptr, stride_qb, stride_qh, rk_ptr, stride_rkh, qo_ptr, stride_qob, stride_qoh, qk_scale,
-                              b, h, e, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3")
+                        D=D, BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T)

@@ -6,7 +6,7 @@ cast), and the kernel entry points (the K/V rotation, quantize-on-write x2, the 
 decode's q rotation + stage 1 + merge) are counted by a stub; a step's total is this times the number of layers. The
 stub rotates as ``TritonKernels`` does on CUDA: one launch up to ``core.ROTATE_TRITON_MAX_ROWS`` tokens, the torch
 ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``. With ``OSCAR_VLLM_FUSED_WRITE=1`` it
-counts the fused step (``ops.write_step`` with the rotations, then the tier gather and the decode's two launches).
+counts the fused write (``ops.write_step``: K, V and tiers in one launch).
 No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
@@ -59,14 +59,14 @@ class KernelStub:
         self.launches += 1
 
     def write_step(self, *args: Any, **kw: Any) -> None:
-        self.launches += 1  # ops.write_step: K, V, tiers (and with a query, both rotations) in one launch
+        self.launches += 1  # ops.write_step: K, V and tiers in one launch
 
     def tier_gather(self, *args: Any) -> Any:
         self.launches += 1
         return args[-1]  # the layer's shared buffers (what ops.tier_gather fills)
 
-    def decode(self, *args: Any, q_rot: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
-        self.launches += 3 if q_rot is None else 2  # (q rotation,) stage 1, merge
+    def decode(self, *args: Any, **kw: Any) -> torch.Tensor:
+        self.launches += 3  # q rotation, stage 1, merge
         return args[11]  # out
 
 

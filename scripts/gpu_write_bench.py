@@ -107,7 +107,6 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
     import torch
 
     from oscar_kernels import ops
-    from oscar_kernels.launch_checks import triton_modules
     from oscar_kernels.write_ops import auto_block_t
 
     gen = torch.Generator().manual_seed(n)
@@ -178,33 +177,6 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
                  "fused": False}, three_writes))
     out.append(({"name": "decode step writes: K + V + tiers, ops.write_step (one launch)", "op": "step_writes",
                  "n": n, "fused": True}, fused_writes))
-
-    # the same plus the step's two rotations (K/V rows, the decode's queries: 32 query heads, GQA 4): five launches
-    # (rotate_kv, the three writes, the decode's q rotation) against one (write_step with rotation and query)
-    hq = 4 * h_kv
-    q = torch.randn(n, hq, d, dtype=bf16, device=dev)
-    q_rot = torch.empty_like(q)
-    scale = ops.query_scale(None, d)
-    rot_q = triton_modules()[1]._rotate_q_kernel
-
-    def five_launches() -> None:
-        kr, vr = ops.rotate_kv(k, v, r, r, dtype=bf16)
-        ops.quantize_write(kr, caches["rows"], decode_slots, mean=mean, clip_ratio=CLIP, layout="rows")
-        ops.quantize_write(vr, caches["token_quads"], decode_slots, mean=mean, clip_ratio=CLIP, layout="token_quads",
-                           exclusive_words=True)
-        ops.tier_write(kr, vr, *tiers, *tier_index)
-        rot_q[(n * h_kv, d // 32)](q, q.stride(0), q.stride(1), r, 0, q_rot, q_rot.stride(0), q_rot.stride(1), scale,
-                                   H_KV=h_kv, GROUP=hq // h_kv, GP=16, D=d, BLOCK_E=32, PREC="tf32x3", PDL=False)
-
-    def one_launch() -> None:
-        ops.write_step(k, v, caches["rows"], caches["token_quads"], decode_slots, tiers, *tier_index, k_mean=mean,
-                       v_mean=mean, k_clip=CLIP, v_clip=CLIP, exclusive_words=True, rotation=(r, r),
-                       query=ops.StepQuery(q, q_rot, scale))
-
-    out.append(({"name": "decode step write side: rotate_kv + K + V + tiers + q rotation, five launches",
-                 "op": "step_rotate_writes", "n": n, "fused": False}, five_launches))
-    out.append(({"name": "decode step write side: ops.write_step with rotation and query (one launch)",
-                 "op": "step_rotate_writes", "n": n, "fused": True}, one_launch))
 
     def triton_rotate() -> None:
         ops.rotate_kv(k, v, r, r, dtype=bf16)

@@ -30,8 +30,7 @@ def test_smoke_runs_every_case(tmp_path: Path) -> None:
         for method in ("select", "sort"):
             assert {(layout, method, True), (layout, method, False), (layout, None, True)} <= set(qw)
     assert {r["num_warps"] for r in rows if r["op"] == "quantize_write"} == {1, 4}
-    assert {r["op"] for r in rows} == {"quantize_write", "rotate_kv", "torch_rotate", "step_writes",
-                                       "step_rotate_writes"}
+    assert {r["op"] for r in rows} == {"quantize_write", "rotate_kv", "torch_rotate", "step_writes"}
     assert sorted(r["fused"] for r in rows if r["op"] == "step_writes") == [False, True]
     assert {r["block_t"] for r in rows if r["op"] == "quantize_write"} == {1, 16}  # N=1: auto picks 1
     v = {(r["clip_method"], r["slots"], r["tq_update"]) for r in rows if r["op"] == "quantize_write"

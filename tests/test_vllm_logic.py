@@ -629,9 +629,7 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     ``int4-keys-meta8``: the layer's keys in INT4 (the low plane in its pages, written by the reference quantizer,
     read by the decode kernel through the block table and by the prefill's torch history) and 8-bit metadata: the
     pages hold the reference cache's high plane, low plane and metadata bytes bitwise. ``triton-fused-write``: the
-    Triton path with each step's K, V and tier writes in one launch (``OSCAR_VLLM_FUSED_WRITE=1``), and a
-    decode-only step's rotations and ``rope`` key means in that launch too; its in-launch means equal the reference's
-    to float32 rounding (test_write_step.py), which on this data leaves every page byte equal."""
+    Triton path with each step's K, V and tier writes in one launch (``OSCAR_VLLM_FUSED_WRITE=1``)."""
     g = torch.Generator().manual_seed(3)
     pre = 3.0 * torch.randn(HKV, D, generator=g) if key_mean == "rope" else None
     t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),

@@ -280,21 +280,16 @@ class TritonKernels:
         self.fused_write = fused_write
 
     def write_step(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
-                   slots: torch.Tensor, k_mean: torch.Tensor | None, k_clip: float, v_mean: torch.Tensor, v_clip: float,
+                   slots: torch.Tensor, k_mean: torch.Tensor, k_clip: float, v_mean: torch.Tensor, v_clip: float,
                    tiers: Tiers, tier_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                   exclusive_words: bool, k_low: torch.Tensor | None,
-                   rotation: tuple[torch.Tensor, torch.Tensor] | None = None, query: object | None = None,
-                   rope_mean: object | None = None) -> None:
+                   exclusive_words: bool, k_low: torch.Tensor | None) -> None:
         """The K write, the V write and the tier write in one launch (``ops.write_step``: the bytes of
-        :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`); ``rotation``: ``kr``/``vr``
-        are unrotated and the launch rotates them as :meth:`rotate_kv` does; ``query``: an ``ops.StepQuery``, the
-        decode's query rotation in the same launch; ``rope_mean``: an ``ops.StepRopeMean``, the keys' position means
-        computed in the launch."""
+        :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`)."""
         from oscar_kernels import ops
 
         ops.write_step(kr, vr, k_pages, v_pages, slots, tiers, *tier_index, k_mean=k_mean, v_mean=v_mean,
                        k_clip=0.0 if k_low is not None else k_clip, v_clip=v_clip, exclusive_words=exclusive_words,
-                       k_low=k_low, rotation=rotation, query=query, rope_mean=rope_mean)  # type: ignore[arg-type]
+                       k_low=k_low)
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,11 +336,9 @@ class TritonKernels:
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
                recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
-               out: torch.Tensor | None, rope: object | None = None, low: torch.Tensor | None = None,
-               q_rot: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None, rope: object | None = None, low: torch.Tensor | None = None) -> torch.Tensor:
         """``rope``: an ``ops.RopeMean`` (keys centred by position: stage 1 adds their logit term); ``low``: INT4
-        keys' low plane, paged like the key codes (``ops.LowPlane(low)``); ``q_rot``: the queries already rotated
-        and scaled (:meth:`write_step`'s query job): two launches instead of three."""
+        keys' low plane, paged like the key codes (``ops.LowPlane(low)``)."""
         from oscar_kernels import ops
 
         cfg = self.config or ops.default_config(int(q.shape[0]), rope_mean=rope is not None)
@@ -354,7 +347,7 @@ class TritonKernels:
         return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
                               recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
                               sm_scale=scale, config=cfg, out=out, rope_mean=rope,  # type: ignore[arg-type]
-                              low_plane=None if low is None else ops.LowPlane(low), q_rot=q_rot).run()
+                              low_plane=None if low is None else ops.LowPlane(low)).run()
 
 
 _GATHERED: dict[tuple[object, ...], Tiers] = {}
@@ -420,12 +413,8 @@ class PagedInt2Layer:
         self.gathered = gather_buffers(num_rows, num_kv_heads, int(self.sink_k.shape[2]), int(self.ring_k.shape[2]),
                                        head_dim, act_dtype, self.sink_k.device)
         if self.rope is not None:  # the decode's term: history slot n of every row sits at position S0 + n
-            from oscar_kernels.rope_ops import rope_mean_matrix
-
             self.position_table, self.rope = shared_rope(self.rope, self.sink_k.device)
             self.first_position = torch.full((num_rows,), s.sink, dtype=torch.int32, device=self.sink_k.device)
-            assert self.t.k_mean_pre is not None  # the fused write's key means: table row @ this (write)
-            self.rope_matrix = rope_mean_matrix(self.t.k_mean_pre, self.t.k_rotation).to(self.sink_k.device)
 
     # ------------------------------------------------------------------ transforms
     def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,18 +452,8 @@ class PagedInt2Layer:
             r.repeat_interleave(self.group, 0)
 
     # ------------------------------------------------------------------ write
-    def fuses_step(self, st: Step) -> bool:
-        """Whether this step's layer runs fused: the kernels' ``fused_write`` (``OSCAR_VLLM_FUSED_WRITE=1``), a
-        decode-only step (:func:`decode_only`: nothing but the write and the decode needs the rotated rows), and
-        no forced torch rotation. Then one ``write_step`` launch rotates K and V (``ops.rotate_kv``'s arithmetic,
-        at every batch size: the torch rotation above :data:`ROTATE_TRITON_MAX_ROWS` rows is not used), writes
-        pages and tiers and rotates the queries; the decode launches stage 1 and the merge: four launches per
-        layer with the tier gather, where the unfused step takes eight."""
-        return bool(getattr(self.kernels, "fused_write", False)) and decode_only(st) and st.num_tokens > 0 and \
-            not getattr(self.kernels, "torch_rotate", False)
-
     def write(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
-              st: Step, k_low: torch.Tensor | None = None, query: object | None = None) -> None:
+              st: Step, k_low: torch.Tensor | None = None) -> None:
         """Store rotated rows ``kr``/``vr`` ``[N, H_kv, D]`` (from :meth:`rotate`): INT2 into the pages at
         ``st.slot_mapping`` (negative: skipped), BF16 into the sink / ring rows of their requests.
 
@@ -482,37 +461,16 @@ class PagedInt2Layer:
         (``exclusive_words``): its rows are one token per request, each in the request's own last page, and the
         padding rows are skipped; a static choice per captured graph (those are decode-only). Other steps keep
         the shared-word atomics (a prefill chunk's tokens share words). INT4 keys (``k_low``, the layer's low
-        plane): ``kernels.quantize_write_int4``.
-
-        ``query`` (an ``ops.StepQuery``; fused kernels only, :meth:`fuses_step`): ``kr``/``vr`` are the step's
-        *unrotated* rows, and one ``kernels.write_step`` launch rotates them, writes them and rotates the decodes'
-        queries into ``query.out`` (what :meth:`rotate` and the decode's first launch would do, the same bits);
-        keys centred by position get their means in that launch too (``ops.StepRopeMean``: the table row of the
-        position times :attr:`rope_matrix`, equal to :meth:`key_means` up to float32 rounding) instead of from
-        :meth:`key_means`' torch ops."""
+        plane): ``kernels.quantize_write_int4``."""
         n = int(kr.shape[0])
         slots = st.slot_mapping[:n]
-        rope_mean = None
-        if self.rope is None:
-            k_mean: torch.Tensor | None = self.t.k_mean
-        elif query is not None:  # the fused step: each key's mean computed in the launch (table row @ rope_matrix)
-            from oscar_kernels.ops import StepRopeMean
-
-            k_mean = None
-            rope_mean = StepRopeMean(st.pos[:n], self.position_table, self.rope_matrix, self.rope.scaling)
-        else:
-            k_mean = self.key_means(st.pos[:n], st)  # one mean per row, torch ops
+        k_mean = self.t.k_mean if self.rope is None else self.key_means(st.pos[:n], st)  # one mean per row: rope
         if getattr(self.kernels, "fused_write", False):  # the three launches below in one (the same bytes)
             self.kernels.write_step(kr, vr, k_pages, v_pages, slots, k_mean, self.t.k_clip, self.t.v_mean,
                                     self.t.v_clip, self.tiers, (st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
                                                                 st.ring_slot[:n]),
-                                    decode_only(st), self._low(k_low),
-                                    rotation=None if query is None else (self.t.k_rotation, self.t.v_rotation),
-                                    query=query, rope_mean=rope_mean)
+                                    decode_only(st), self._low(k_low))
             return
-        if query is not None:
-            raise ValueError("a fused query rotation needs kernels with fused_write")
-        assert k_mean is not None
         if self._low(k_low) is not None:
             assert k_low is not None
             self.kernels.quantize_write_int4(kr, k_pages, k_low, slots, k_mean)
@@ -526,11 +484,9 @@ class PagedInt2Layer:
     # ------------------------------------------------------------------ decode
 
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, st: Step,
-               out: torch.Tensor | None = None, k_low: torch.Tensor | None = None,
-               q_rot: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, k_low: torch.Tensor | None = None) -> torch.Tensor:
         """``q [B, H_q, D]`` (post-RoPE, unrotated) of the step's ``B = st.num_decodes`` first requests -> attention
-        output ``[B, H_q, D]`` in the model's space. ``q_rot``: ``q`` already rotated and scaled (the fused write's
-        query job, :meth:`write`)."""
+        output ``[B, H_q, D]`` in the model's space."""
         b = int(q.shape[0])
         g = self.gathered
         bufs = (g[0][:b], g[1][:b], g[2][:b], g[3][:b]) if b <= self.scratch else None
@@ -545,7 +501,7 @@ class PagedInt2Layer:
             rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
         return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
                                    (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope,
-                                   low=self._low(k_low), **({"q_rot": q_rot} if q_rot is not None else {}))
+                                   low=self._low(k_low))
 
     # ------------------------------------------------------------------ prefill
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
@@ -601,15 +557,6 @@ class PagedInt2Layer:
         (first ``st.num_decodes`` tokens, INT2 kernel) and each prefill chunk; fills ``out [N, H_q, D]``.
         ``k_low``: the keys' low plane of a layer with INT4 keys (:func:`oscar_cli.vllm.layout.carve_low_plane`)."""
         n, nd = st.num_tokens, st.num_decodes
-        if self.fuses_step(st):  # one launch for the rotations and the writes (see write), then the decode's two
-            from oscar_kernels.ops import StepQuery, query_scale
-
-            q_rot = torch.empty_like(q[:nd])
-            self.write(key[:n], value[:n], k_pages, v_pages, st, k_low,
-                       query=StepQuery(q[:nd], q_rot, query_scale(self.scale, self.d)))
-            if nd:
-                self.decode(q[:nd], k_pages, v_pages, st, out=out[:nd], k_low=k_low, q_rot=q_rot)
-            return out
         kr, vr = self.rotate(key[:n], value[:n])
         self.write(kr, vr, k_pages, v_pages, st, k_low)
         if nd:
