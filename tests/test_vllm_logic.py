@@ -625,11 +625,14 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     torch twin: across a demotion): the INT2 pages hold the reference cache's codes bitwise and every output is
     within fp16 attention error of the reference cache's (the Triton path runs in the interpreter on CPU: 4 steps).
     ``rope``: keys centred by position (a large pre-RoPE mean, as Qwen2.5's ``k_proj`` bias makes): every write
-    centres by its position's mean, the decode adds the term, the prefill's history gets the means back.
+    centres by its position's mean, the decode adds the term, the prefill's history gets the means back; the
+    backend computes the means as table rows times ``rope_matrix`` (one GEMM), the reference cache as RoPE then the
+    rotation: equal to float32 rounding, which on this data leaves every page byte equal.
     ``int4-keys-meta8``: the layer's keys in INT4 (the low plane in its pages, written by the reference quantizer,
     read by the decode kernel through the block table and by the prefill's torch history) and 8-bit metadata: the
     pages hold the reference cache's high plane, low plane and metadata bytes bitwise. ``triton-fused-write``: the
-    Triton path with each step's K, V and tier writes in one launch (``OSCAR_VLLM_FUSED_WRITE=1``)."""
+    Triton path with each step's K, V and tier writes in one launch (the engine's default; ``triton``: three,
+    ``OSCAR_VLLM_FUSED_WRITE=0``)."""
     g = torch.Generator().manual_seed(3)
     pre = 3.0 * torch.randn(HKV, D, generator=g) if key_mean == "rope" else None
     t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),

@@ -88,9 +88,9 @@ class Step:
     ring_row: torch.Tensor
     ring_slot: torch.Tensor
     prefills: list[tuple[int, int, int, int]] = field(default_factory=list)  # (request, q_start, q_end, seq_len)
-    # cos/sin of the new tokens' positions for keys centred by position, computed by the step's first layer and read
-    # by the others (:meth:`PagedInt2Layer.key_means`): (inv_freq, scaling, n) -> (cos, sin)
-    rope_cos_sin: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the position table's rows of the new tokens, for keys centred by position: gathered by the step's first layer
+    # and read by the others (:meth:`PagedInt2Layer.key_means`): (table, n) -> float32 [n, D]
+    rope_rows: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
 
 
 def split_decodes(query_start_loc_cpu: list[int]) -> int:
@@ -270,10 +270,11 @@ class TritonKernels:
     """The kernel entry points the layer uses (``oscar_kernels.ops``); tests may pass a torch twin. ``pdl``:
     overrides the decode config's programmatic dependent launches (None: the config's choice); ``torch_rotate``:
     every K/V rotation in torch (cuBLAS), not only those above :data:`ROTATE_TRITON_MAX_ROWS` tokens;
-    ``fused_write``: a step's K pages, V pages and tiers in one launch (:meth:`write_step`; ``OSCAR_VLLM_FUSED_WRITE=1``)."""
+    ``fused_write``: a step's K pages, V pages and tiers in one launch (:meth:`write_step`; the engine's default,
+    ``OSCAR_VLLM_FUSED_WRITE=0`` turns it off)."""
 
     def __init__(self, decode_config: object | None = None, pdl: bool | None = None,
-                 torch_rotate: bool = False, fused_write: bool = False) -> None:
+                 torch_rotate: bool = False, fused_write: bool = True) -> None:
         self.config = decode_config
         self.pdl = pdl
         self.torch_rotate = torch_rotate
@@ -358,7 +359,7 @@ def shared_rope(rope: RopeFrequencies, device: torch.device) -> tuple[torch.Tens
     """``(ops.position_table over rope's positions, rope with its frequencies on device)``, built once per engine and
     device and shared by all layers (64 MB at 128K positions, D = 128), at fixed addresses (CUDA graphs; the
     frequencies on the device: a per-step host-to-device copy would break graph capture). One object for every
-    layer, so the step's cos/sin are shared too (``Step.rope_cos_sin``)."""
+    layer, so the step's table rows are shared too (``Step.rope_rows``)."""
     key = (str(device), rope.positions, rope.scaling, tuple(rope.inv_freq.tolist()))
     if key not in _SHARED_ROPE:
         from oscar_kernels.rope_ops import position_table
@@ -413,8 +414,14 @@ class PagedInt2Layer:
         self.gathered = gather_buffers(num_rows, num_kv_heads, int(self.sink_k.shape[2]), int(self.ring_k.shape[2]),
                                        head_dim, act_dtype, self.sink_k.device)
         if self.rope is not None:  # the decode's term: history slot n of every row sits at position S0 + n
+            from oscar_kernels.rope_ops import rope_mean_matrix
+
             self.position_table, self.rope = shared_rope(self.rope, self.sink_k.device)
             self.first_position = torch.full((num_rows,), s.sink, dtype=torch.int32, device=self.sink_k.device)
+            assert self.t.k_mean_pre is not None
+            m = rope_mean_matrix(self.t.k_mean_pre, self.t.k_rotation, self.rope.scaling)  # [H_kv, D, D]
+            # [D, H_kv·D]: a key mean is table row @ this, viewed [H_kv, D] (key_means)
+            self.rope_matrix = m.permute(1, 0, 2).reshape(head_dim, num_kv_heads * head_dim).to(self.sink_k.device)
 
     # ------------------------------------------------------------------ transforms
     def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,23 +430,22 @@ class PagedInt2Layer:
         return self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act)
 
     def key_means(self, pos: torch.Tensor, st: Step | None = None) -> torch.Tensor:
-        """``RoPE_p(k_mean_pre)·R_K`` float32 ``[n, H_kv, D]`` for int64 positions ``pos [n]`` (keys centred by
-        position), as the reference cache computes them (``oscar_cli.quant.key_mean.position_means`` over
-        ``reference.rope_cos_sin``'s float64 angles). ``st``: ``pos`` are that step's new tokens, whose cos/sin
-        every layer shares (``Step.rope_cos_sin``: computed once per step, not once per layer)."""
-        from oscar_cli.quant.key_mean import position_means
-        from oscar_kernels.reference import rope_cos_sin
-
-        assert self.rope is not None and self.t.k_mean_pre is not None
-        key = (id(self.rope), int(pos.shape[0]))
-        cs = st.rope_cos_sin.get(key) if st is not None else None
-        if cs is None:
-            cs = rope_cos_sin(self.rope.inv_freq, self.rope.scaling, pos.clamp(min=0)[None])
+        """``a·RoPE_p(k_mean_pre)·R_K`` float32 ``[n, H_kv, D]`` for int64 positions ``pos [n]`` (keys centred by
+        position; ``a`` the attention scaling) as one GEMM: the positions' rows of the shared position table
+        (``[cos θp | sin θp]`` from float64 angles) times :attr:`rope_matrix`
+        (``oscar_kernels.rope_ops.rope_mean_matrix``, the layer's mean and rotation folded together in float64).
+        The reference cache computes the same float64 definition as RoPE then a rotation
+        (``oscar_cli.quant.key_mean.position_means``): the two agree to float32 rounding (``tests/test_vllm_logic.py``),
+        and this takes one device op per layer where that took ten. ``st``: ``pos`` are that step's new tokens, whose
+        table rows every layer shares (``Step.rope_rows``: gathered once per step)."""
+        assert self.rope is not None
+        key = (id(self.position_table), int(pos.shape[0]))
+        rows = st.rope_rows.get(key) if st is not None else None
+        if rows is None:
+            rows = self.position_table[pos.clamp(0, int(self.position_table.shape[0]) - 1)]
             if st is not None:
-                st.rope_cos_sin[key] = cs
-        cos, sin = cs
-        r = self.t.k_rotation if self.t.k_rotation.dim() == 3 else self.t.k_rotation[None]
-        return position_means(self.t.k_mean_pre, r, cos, sin)[0].transpose(0, 1).contiguous()
+                st.rope_rows[key] = rows
+        return (rows @ self.rope_matrix).view(-1, self.h_kv, self.d)
 
     def _low(self, k_low: torch.Tensor | None) -> torch.Tensor | None:
         """The low plane a call got, checked against the layer's key bits (INT4 layers need it, INT2 ones take none)."""

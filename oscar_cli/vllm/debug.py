@@ -9,9 +9,9 @@
 - ``OSCAR_VLLM_TORCH_ROTATE=1``: the K/V rotation of every batch runs in torch (a cuBLAS float32 GEMM per tensor,
   as before the Triton rotation), not only of batches above ``core.ROTATE_TRITON_MAX_ROWS`` tokens (an A/B switch
   for the rotation's cost and rounding; ``0`` or unset: the Triton kernel up to that size).
-- ``OSCAR_VLLM_FUSED_WRITE=1``: a step's key pages, value pages and BF16 tiers of a layer are written by one launch
-  (``ops.write_step``, the same bytes) instead of three (an A/B switch for the decode step's fixed cost; ``0`` or
-  unset: three launches, the measured default).
+- ``OSCAR_VLLM_FUSED_WRITE=0``: a step's key pages, value pages and BF16 tiers of a layer are written by three
+  launches instead of one (``ops.write_step``, the same bytes; an A/B switch for the decode step's fixed cost; ``1``
+  or unset: one launch, the measured default: docs/VLLM.md).
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
@@ -60,7 +60,7 @@ def torch_rotate_forced() -> bool:
 
 
 def fused_write() -> bool:
-    return switch(FUSED_WRITE_ENV) is True
+    return switch(FUSED_WRITE_ENV) is not False
 
 
 def steps_enabled() -> bool:
