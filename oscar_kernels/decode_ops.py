@@ -76,6 +76,12 @@ class DecodeConfig:
     meta_words: bool | None = None
 
 
+def query_scale(sm_scale: float | None, d: int) -> float:
+    """The factor folded into the rotated queries: the softmax scale (default ``D^-1/2``) times ``log2(e)`` (the
+    kernels' exponentials are base 2)."""
+    return (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
+
+
 def default_config(batch: int, rope_mean: bool = False) -> DecodeConfig:
     """The measured H200 choice (docs/KERNELS.md): one warp per split, 64-token tiles, a double-buffered INT2 loop,
     programmatic dependent launches, L2 prefetch of each program's first tile; from batch 16 the q operands are
@@ -268,7 +274,8 @@ class DecodePlan:
 
     The plan keeps references to its tensors; refill them in place (new q, new cache rows, new lengths) and call
     :meth:`run` again, or capture :meth:`run` in a CUDA graph and replay it. Arguments as in
-    :func:`decode_attention`.
+    :func:`decode_attention`; ``q_rot``: ``q @ R_K · query_scale(sm_scale, D)`` computed elsewhere (the query jobs
+    of ``tier_gather(query=...)``, the same tile function): stage 1 reads it and the plan launches two kernels.
     """
 
     def __init__(
@@ -280,7 +287,7 @@ class DecodePlan:
         config: DecodeConfig | None = None, out: torch.Tensor | None = None,
         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
         logit_bias: torch.Tensor | None = None, rope_mean: RopeMean | None = None,
-        low_plane: LowPlane | None = None,
+        low_plane: LowPlane | None = None, q_rot: torch.Tensor | None = None,
     ) -> None:
         cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1, rope_mean is not None)
         dev = q.device
@@ -353,8 +360,12 @@ class DecodePlan:
         vc = v_cache.packed
         g = h_q // h_kv
         gp = max(cfg.min_gp, 1 << (g - 1).bit_length())
-        scale = (sm_scale if sm_scale is not None else d ** -0.5) * _LOG2E
-        q_rot = torch.empty_like(q)
+        scale = query_scale(sm_scale, d)
+        self.rotates_q = q_rot is None  # else q_rot is q @ R_K · scale already (tier_gather's query jobs)
+        if q_rot is None:
+            q_rot = torch.empty_like(q)
+        elif q_rot.shape != q.shape or q_rot.dtype != q.dtype or q_rot.device != dev or q_rot.stride(-1) != 1:
+            raise bad_tensor("q_rot", q_rot, f"{q.dtype} {list(q.shape)} on {dev} with a contiguous last dim")
         self.out, self.num_splits, self.config = out, s, cfg
         self.meta_words = words  # 8-bit metadata read as 32-bit words (resolved from cfg.meta_words)
         self._kernels = triton_modules()[1]
@@ -392,9 +403,11 @@ class DecodePlan:
                  **({"launch_pdl": True} if cfg.pdl else {})))
 
     def run(self) -> torch.Tensor:
-        """Launch the three kernels (rotate q, stage 1, merge + rotate back); returns ``out [B, H_q, D]``."""
+        """Launch the three kernels (rotate q, stage 1, merge + rotate back; two with ``q_rot`` given); returns
+        ``out [B, H_q, D]``."""
         k = self._kernels
-        k._rotate_q_kernel[self._rot[0]](*self._rot[1], **self._rot[2])
+        if self.rotates_q:
+            k._rotate_q_kernel[self._rot[0]](*self._rot[1], **self._rot[2])
         LAST_LAUNCH["stage1"] = k._decode_stage1_kernel[self._stage1[0]](*self._stage1[1], **self._stage1[2])
         k._merge_rotate_kernel[self._merge[0]](*self._merge[1], **self._merge[2])
         return self.out

@@ -136,23 +136,11 @@ def _pow2_scale(xmax):
 
 
 @triton.jit
-def _rotate_q_kernel(
-    q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
-    r_ptr, stride_rh,  # R_K [H_r, D, D] float32 (stride 0: shared)
-    out_ptr, stride_ob, stride_oh,  # q_rot [B, H_q, D] act dtype
-    qk_scale,  # softmax scale * log2(e)
-    H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr,
-):
-    """``q_rot[:, e] = (q @ R_K[:, e]) * qk_scale`` for the ``g`` query heads of one KV head and output columns
-    ``[e0, e0 + BLOCK_E)``. Grid: ``(B * H_kv, D / BLOCK_E)``. ``PDL``: let stage 1 (a programmatic dependent
-    launch) start right away; it waits for this grid with ``griddepcontrol.wait`` before reading ``q_rot``."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    b = pid // H_KV
-    h = pid % H_KV
+def rotate_q_tile(q_ptr, stride_qb, stride_qh, r_ptr, stride_rh, out_ptr, stride_ob, stride_oh, qk_scale, b, h, e,
+                  GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    """``q_rot[b, g, e] = (q[b, g] @ R_K[:, e]) * qk_scale`` for the ``GROUP`` query heads ``g`` of KV head ``h`` and
+    the output columns ``e``: the body of ``_rotate_q_kernel`` and of the tier gather's query jobs
+    (:mod:`oscar_kernels.tier_copy`), so both give the same bits."""
     rows = tl.arange(0, GP)
     cols = tl.arange(0, D)
     ok = (rows < GROUP)[:, None]
@@ -162,6 +150,27 @@ def _rotate_q_kernel(
     qr = tl.dot(q32, r, input_precision=PREC) * qk_scale
     ptrs = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + e[None, :]
     tl.store(ptrs, qr.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rotate_q_kernel(
+    q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
+    r_ptr, stride_rh,  # R_K [H_r, D, D] float32 (stride 0: shared)
+    out_ptr, stride_ob, stride_oh,  # q_rot [B, H_q, D] act dtype
+    qk_scale,  # softmax scale * log2(e)
+    H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr,
+):
+    """``q_rot[:, e] = (q @ R_K[:, e]) * qk_scale`` for the ``g`` query heads of one KV head and output columns
+    ``[e0, e0 + BLOCK_E)`` (:func:`rotate_q_tile`). Grid: ``(B * H_kv, D / BLOCK_E)``. ``PDL``: let stage 1 (a
+    programmatic dependent launch) start right away; it waits for this grid with ``griddepcontrol.wait`` before
+    reading ``q_rot``."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rotate_q_tile(q_ptr, stride_qb, stride_qh, r_ptr, stride_rh, out_ptr, stride_ob, stride_oh, qk_scale,
+                  pid // H_KV, pid % H_KV, e, GROUP=GROUP, GP=GP, D=D, PREC=PREC)
 
 
 @triton.jit

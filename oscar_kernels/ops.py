@@ -15,7 +15,8 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
   :class:`DecodePlan` — the same, validated once and launched many times (CUDA graphs, benchmarks).
 - :func:`decode_attention_contiguous` — the same over a non-paged cache (``codes [B, H_kv, T, D/4]``).
 - :func:`tier_write` / :func:`tier_gather` — scatter new K/V rows into per-sequence BF16 sink and ring tiers /
-  gather a decode batch's tier rows, centred, in the order the decode reads them (one launch each).
+  gather a decode batch's tier rows, centred, in the order the decode reads them (one launch each); with a
+  :class:`GatherQuery` the gather also rotates the decode's queries (``DecodePlan(q_rot=...)`` then skips its own).
 - :func:`write_step` — a decode step's K pages, V pages and BF16 tiers of one layer in one launch (the three
   launches of ``quantize_write`` for K and V and ``tier_write``, fused; the same bytes).
 - :func:`rotate_kv` — ``(float32(x) @ R).to(dtype)`` for a step's K and V rows ``[N, H_kv, D]`` (strided rows,
@@ -55,11 +56,12 @@ from oscar_kernels.decode_ops import (
     default_config,
     default_num_splits,
     make_workspace,
+    query_scale,
 )
 from oscar_kernels.history_ops import dequantize_history
 from oscar_kernels.rope_ops import position_table, rope_mean_logits
 from oscar_kernels.rotate_ops import rotate_kv
-from oscar_kernels.tier_ops import tier_gather, tier_write
+from oscar_kernels.tier_ops import GatherQuery, tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
 from oscar_kernels.write_step_ops import write_step
 
@@ -70,6 +72,7 @@ __all__ = [
     "ConfigError",
     "DecodeConfig",
     "DecodePlan",
+    "GatherQuery",
     "LowPlane",
     "RopeMean",
     "decode_attention",
@@ -80,6 +83,7 @@ __all__ = [
     "make_workspace",
     "new_paged_cache",
     "quantize_rows",
+    "query_scale",
     "quantize_write",
     "position_table",
     "rope_mean_logits",

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oscar_kernels.int2_decode import rotate_q_tile
+
 
 @triton.jit
 def _tier_write_kernel(
@@ -120,29 +122,49 @@ def _tier_gather_kernel(
     n_sink,  # S
     n_ring,  # R
     sink_tiles,  # cdiv(S, BLOCK_T): programs 0 .. sink_tiles - 1 copy the sink, the rest the ring
+    tiles,  # cdiv(S, BLOCK_T) + cdiv(R, BLOCK_T): programs from here on rotate queries (Q_JOBS)
+    q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh, qk_scale,  # Q_JOBS: as
+    # int2_decode._rotate_q_kernel's q, R_K, q_rot, qk_scale
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    Q_JOBS: tl.constexpr = 0,
+    GROUP: tl.constexpr = 1,
+    GP: tl.constexpr = 16,
+    PDL: tl.constexpr = False,
 ):
-    """``BLOCK_T`` slots of one sequence and KV head. Grid: ``(cdiv(S, BLOCK_T) + cdiv(R, BLOCK_T), H_kv, B)``."""
+    """``BLOCK_T`` slots of one sequence and KV head, or (``Q_JOBS`` > 0, programs ``tiles ..``) the decode's query
+    rotation for 32 output columns of that sequence and KV head (:func:`int2_decode.rotate_q_tile`, the body of the
+    decode plan's own first launch, so the same bits). Grid: ``(tiles + Q_JOBS, H_kv, B)``. ``PDL``: let the
+    decode's stage 1 (a programmatic dependent launch) start right away, as the rotation kernel does."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    cols = tl.arange(0, BLOCK_D)
-    cm = cols < D
-    k_mean = tl.load(k_mean_ptr + h * stride_kmh + cols, mask=cm, other=0.0)
-    v_mean = tl.load(v_mean_ptr + h * stride_vmh + cols, mask=cm, other=0.0)
-    row = tl.load(rows_ptr + b)
-    if pid < sink_tiles:
-        j = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok = j < n_sink
-        src = (row * stride_sr + h * stride_sh + j.to(tl.int64) * stride_st)[:, None] + cols[None, :]
-        dst = (b.to(tl.int64) * stride_ob + h * stride_oh + j * stride_ot)[:, None] + cols[None, :]
-        _centred_copy(sink_k_ptr, sink_v_ptr, src, sk_out, sv_out, dst, ok[:, None] & cm[None, :], k_mean, v_mean)
+    if pid >= tiles:  # only with Q_JOBS > 0: the grid has `tiles` programs along axis 0 otherwise
+        if Q_JOBS > 0:
+            e = (pid - tiles) * 32 + tl.arange(0, 32)
+            rotate_q_tile(q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh, qk_scale,
+                          b, h, e, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3")
     else:
-        j = (pid - sink_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
-        ok = j < n_ring
-        slot = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + j, mask=ok, other=0)
-        src = (row * stride_rr + h * stride_rh + slot * stride_rt)[:, None] + cols[None, :]
-        dst = (b.to(tl.int64) * stride_pb + h * stride_ph + j * stride_pt)[:, None] + cols[None, :]
-        _centred_copy(ring_k_ptr, ring_v_ptr, src, rk_out, rv_out, dst, ok[:, None] & cm[None, :], k_mean, v_mean)
+        cols = tl.arange(0, BLOCK_D)
+        cm = cols < D
+        k_mean = tl.load(k_mean_ptr + h * stride_kmh + cols, mask=cm, other=0.0)
+        v_mean = tl.load(v_mean_ptr + h * stride_vmh + cols, mask=cm, other=0.0)
+        row = tl.load(rows_ptr + b)
+        if pid < sink_tiles:
+            j = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok = j < n_sink
+            src = (row * stride_sr + h * stride_sh + j.to(tl.int64) * stride_st)[:, None] + cols[None, :]
+            dst = (b.to(tl.int64) * stride_ob + h * stride_oh + j * stride_ot)[:, None] + cols[None, :]
+            _centred_copy(sink_k_ptr, sink_v_ptr, src, sk_out, sv_out, dst, ok[:, None] & cm[None, :], k_mean,
+                          v_mean)
+        else:
+            j = (pid - sink_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+            ok = j < n_ring
+            slot = tl.load(idx_ptr + b.to(tl.int64) * stride_ib + j, mask=ok, other=0)
+            src = (row * stride_rr + h * stride_rh + slot * stride_rt)[:, None] + cols[None, :]
+            dst = (b.to(tl.int64) * stride_pb + h * stride_ph + j * stride_pt)[:, None] + cols[None, :]
+            _centred_copy(ring_k_ptr, ring_v_ptr, src, rk_out, rv_out, dst, ok[:, None] & cm[None, :], k_mean,
+                          v_mean)

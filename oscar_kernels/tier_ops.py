@@ -8,12 +8,41 @@ tiers (and the gather's K and V outputs) share strides. Both launches are CUDA-g
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, mean_arg, next_pow2, triton_module
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_tensor, mean_arg, next_pow2, rotation_arg, triton_module
 
 TIER_DTYPES = (*ACT, torch.float32)
+Q_BLOCK = 32  # output columns per query-rotation program (the decode plan's rotation kernel's BLOCK_E)
+
+
+class GatherQuery(NamedTuple):
+    """The decode's query rotation as extra programs of :func:`tier_gather`: ``out = (q @ R_K) · qk_scale`` in
+    ``q``'s dtype, bit for bit what the decode plan's first launch writes (pass ``out`` as ``DecodePlan(q_rot=)``).
+    ``q`` ``[B, H_q, D]`` post-RoPE queries of the gathered sequences, ``rotation`` float32 ``[D, D]`` or
+    ``[H_kv, D, D]``, ``qk_scale`` :func:`oscar_kernels.decode_ops.query_scale`."""
+
+    q: torch.Tensor
+    rotation: torch.Tensor
+    out: torch.Tensor
+    qk_scale: float
+
+
+def _query_args(gq: GatherQuery, b: int, h_kv: int, d: int, dev: torch.device) -> tuple[tuple[object, ...], int]:
+    """(kernel arguments, GQA group) of a valid :class:`GatherQuery`; raises ValueError naming the tensor."""
+    q, out = gq.q, gq.out
+    if q.dim() != 3 or q.dtype not in ACT or q.device != dev or tuple(q.shape[::2]) != (b, d) or q.shape[1] % h_kv \
+            or q.stride(-1) != 1:
+        raise bad_tensor("query.q", q, f"bf16/fp16 [{b}, H_q, {d}] on {dev}, H_q a multiple of {h_kv}, a contiguous "
+                         "last dim")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != dev or out.stride(-1) != 1:
+        raise bad_tensor("query.out", out, f"{q.dtype} {list(q.shape)} with a contiguous last dim")
+    r, r_stride = rotation_arg("query.rotation", gq.rotation, h_kv, d, dev)
+    assert r is not None
+    return (q, q.stride(0), q.stride(1), r, r_stride, out, out.stride(0), out.stride(1), float(gq.qk_scale)), \
+        int(q.shape[1]) // h_kv
 
 
 def _pair(name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
@@ -64,7 +93,8 @@ def check_tier_write(k: torch.Tensor, v: torch.Tensor, sink_k: torch.Tensor, sin
 def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                 rows: torch.Tensor, ring_index: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, *,
                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                dtype: torch.dtype | None = None, block_t: int = 32, num_warps: int = 4
+                dtype: torch.dtype | None = None, block_t: int = 32, num_warps: int = 4,
+                query: GatherQuery | None = None, pdl: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode's tier inputs of sequences ``rows`` (int64 ``[B]``), in one launch:
     ``(sink_k_c, sink_v_c, recent_k_c, recent_v_c)`` ``[B, H_kv, S or R, D]`` with
@@ -72,7 +102,12 @@ def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor
     ``recent_k_c[b, h, j] = (float32(ring_k[rows[b], h, ring_index[b, j]]) - k_mean[h]).to(dtype)`` for every column
     of ``ring_index`` (int64 ``[B, R']``, entries in ``[0, R)``); V alike with ``v_mean`` (float32 ``[D]`` or
     ``[H_kv, D]``). ``out``: four tensors of those shapes (last dims contiguous, K and V sharing strides) to fill;
-    else they are allocated contiguous in ``dtype`` (default: the tiers' dtype)."""
+    else they are allocated contiguous in ``dtype`` (default: the tiers' dtype).
+
+    ``query``: the same launch also rotates the decode's queries (:class:`GatherQuery`; ``D / 32`` more programs per
+    sequence and KV head), so that the decode plan (``DecodePlan(q_rot=query.out)``) launches two kernels instead of
+    three. ``pdl`` (CUDA): the launch lets a programmatic dependent launch after it (the plan's stage 1) start at once,
+    as the plan's own rotation kernel does."""
     dev = sink_k.device
     if sink_k.dim() != 4 or sink_k.dtype not in TIER_DTYPES:
         raise bad_tensor("sink_k", sink_k, "bf16/fp16/fp32 [rows, H_kv, S, D]")
@@ -99,13 +134,18 @@ def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor
         _pair("out[2]/out[3]", rk, rv, (b, h_kv, r, d), (sk.dtype,), dev, f"{sk.dtype} [{b}, {h_kv}, {r}, {d}]")
         if dtype is not None and sk.dtype != dtype:
             raise bad_tensor("out[0]", sk, f"{dtype} (the dtype asked for)")
+    q_args, group = _query_args(query, b, h_kv, d, dev) if query is not None else ((sk, 0, 0, sk, 0, sk, 0, 0, 1.0), 1)
     if b == 0:
         return sk, sv, rk, rv
     sink_tiles = math.ceil(s / block_t)
-    triton_module("tier_copy")._tier_gather_kernel[(sink_tiles + math.ceil(r / block_t), h_kv, b)](
+    tiles = sink_tiles + math.ceil(r / block_t)
+    q_jobs = d // Q_BLOCK if query is not None else 0
+    pdl = pdl and dev.type == "cuda"  # griddepcontrol is a CUDA launch attribute
+    triton_module("tier_copy")._tier_gather_kernel[(tiles + q_jobs, h_kv, b)](
         sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         rows, ring_index, ring_index.stride(0), km, vm, km_stride, vm_stride,
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
-        s, r, sink_tiles, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, num_warps=num_warps)
+        s, r, sink_tiles, tiles, *q_args, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, Q_JOBS=q_jobs, GROUP=group,
+        GP=max(16, next_pow2(group)), PDL=pdl, num_warps=num_warps)
     return sk, sv, rk, rv

@@ -6,7 +6,8 @@ cast), and the kernel entry points (the K/V rotation, quantize-on-write x2, the 
 decode's q rotation + stage 1 + merge) are counted by a stub; a step's total is this times the number of layers. The
 stub rotates as ``TritonKernels`` does on CUDA: one launch up to ``core.ROTATE_TRITON_MAX_ROWS`` tokens, the torch
 ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``; the writes as one launch
-(``ops.write_step``: K, V and tiers), or as three with ``OSCAR_VLLM_FUSED_WRITE=0``.
+(``ops.write_step``: K, V and tiers), or as three with ``OSCAR_VLLM_FUSED_WRITE=0``; the decode's q rotation in
+the tier gather's launch with ``OSCAR_VLLM_FUSED_GATHER=1``.
 No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
@@ -44,6 +45,7 @@ class KernelStub:
         self.launches = 0
         self.torch_rotate = debug.torch_rotate_forced()
         self.fused_write = debug.fused_write()
+        self.fused_gather = debug.fused_gather()
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +63,12 @@ class KernelStub:
     def write_step(self, *args: Any, **kw: Any) -> None:
         self.launches += 1  # ops.write_step: K, V and tiers in one launch
 
-    def tier_gather(self, *args: Any) -> Any:
-        self.launches += 1
+    def tier_gather(self, *args: Any, **kw: Any) -> Any:
+        self.launches += 1  # with a query (OSCAR_VLLM_FUSED_GATHER=1) the decode's q rotation is in this launch
         return args[-1]  # the layer's shared buffers (what ops.tier_gather fills)
 
-    def decode(self, *args: Any, **kw: Any) -> torch.Tensor:
-        self.launches += 3  # q rotation, stage 1, merge
+    def decode(self, *args: Any, q_rot: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+        self.launches += 3 if q_rot is None else 2  # (q rotation,) stage 1, merge
         return args[11]  # out
 
 

