@@ -341,19 +341,3 @@ def test_layer_steps_same_tiers_and_decode_inputs_with_triton_or_torch() -> None
             else:
                 assert torch.equal(x, y)
 
-
-@pytest.mark.unit
-@pytest.mark.parametrize(("raw", "want"), [(None, False), ("1", True), ("0", False), ("yes", None)])
-def test_fused_gather_switch(monkeypatch: pytest.MonkeyPatch, raw: str | None, want: bool | None) -> None:
-    """``OSCAR_VLLM_FUSED_GATHER``: off unless 1 (not yet measured on a GPU); anything but 0 / 1 is refused."""
-    from oscar_cli.vllm import debug
-
-    if raw is None:
-        monkeypatch.delenv(debug.FUSED_GATHER_ENV, raising=False)
-    else:
-        monkeypatch.setenv(debug.FUSED_GATHER_ENV, raw)
-    if want is None:
-        with pytest.raises(ValueError, match=f"{debug.FUSED_GATHER_ENV}: expected 0 or 1"):
-            debug.fused_gather()
-    else:
-        assert debug.fused_gather() is want

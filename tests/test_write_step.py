@@ -114,22 +114,26 @@ def test_write_step_refusals_name_the_argument() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("raw", "want"), [(None, True), ("1", True), ("0", False), (" 0 ", False), ("", True),
-                                           ("on", None)])
-def test_fused_write_switch(monkeypatch: pytest.MonkeyPatch, raw: str | None, want: bool | None) -> None:
-    """``OSCAR_VLLM_FUSED_WRITE``: on unless 0 (the measured default); anything but 0 / 1 is refused in one line
-    (None: refused)."""
+@pytest.mark.parametrize(("which", "raw", "want"), [
+    ("fused_write", None, True), ("fused_write", "1", True), ("fused_write", "0", False), ("fused_write", " 0 ", False),
+    ("fused_write", "", True), ("fused_write", "on", None),
+    ("fused_gather", None, False), ("fused_gather", "1", True), ("fused_gather", "0", False),
+    ("fused_gather", "yes", None)])
+def test_fusion_switches(monkeypatch: pytest.MonkeyPatch, which: str, raw: str | None, want: bool | None) -> None:
+    """``OSCAR_VLLM_FUSED_WRITE``: on unless 0 (the measured default); ``OSCAR_VLLM_FUSED_GATHER``: off unless 1 (not
+    yet timed on a GPU); anything but 0 / 1 is refused in one line naming the variable (None: refused)."""
     from oscar_cli.vllm import debug
 
+    env = {"fused_write": debug.FUSED_WRITE_ENV, "fused_gather": debug.FUSED_GATHER_ENV}[which]
     if raw is None:
-        monkeypatch.delenv(debug.FUSED_WRITE_ENV, raising=False)
+        monkeypatch.delenv(env, raising=False)
     else:
-        monkeypatch.setenv(debug.FUSED_WRITE_ENV, raw)
+        monkeypatch.setenv(env, raw)
     if want is None:
-        with pytest.raises(ValueError, match=f"{debug.FUSED_WRITE_ENV}: expected 0 or 1"):
-            debug.fused_write()
+        with pytest.raises(ValueError, match=f"{env}: expected 0 or 1"):
+            getattr(debug, which)()
     else:
-        assert debug.fused_write() is want
+        assert getattr(debug, which)() is want
 
 
 @pytest.mark.unit
