@@ -340,4 +340,3 @@ def test_layer_steps_same_tiers_and_decode_inputs_with_triton_or_torch() -> None
                 _assert_bitwise(x, y, f"decode {k}: input {i}")
             else:
                 assert torch.equal(x, y)
-
