@@ -107,4 +107,3 @@ def rope_mean_matrix(mean_pre: torch.Tensor, rotation: torch.Tensor, scaling: fl
     top = lo * r[:, :k] + hi * r[:, k:]
     bottom = lo * r[:, k:] - hi * r[:, :k]
     return torch.cat((top, bottom), 1).float().contiguous()
-

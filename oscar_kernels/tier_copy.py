@@ -129,13 +129,14 @@ def _tier_gather_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     Q_JOBS: tl.constexpr = 0,
+    Q_BLOCK: tl.constexpr = 32,
     GROUP: tl.constexpr = 1,
     GP: tl.constexpr = 16,
     PDL: tl.constexpr = False,
 ):
     """``BLOCK_T`` slots of one sequence and KV head, or (``Q_JOBS`` > 0, programs ``tiles ..``) the decode's query
-    rotation for 32 output columns of that sequence and KV head (:func:`int2_decode.rotate_q_tile`, the body of the
-    decode plan's own first launch, so the same bits). Grid: ``(tiles + Q_JOBS, H_kv, B)``. ``PDL``: let the
+    rotation for ``Q_BLOCK`` output columns of that sequence and KV head (:func:`int2_decode.rotate_q_tile`, the body
+    of the decode plan's own first launch, so the same bits). Grid: ``(tiles + Q_JOBS, H_kv, B)``. ``PDL``: let the
     decode's stage 1 (a programmatic dependent launch) start right away, as the rotation kernel does."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -144,7 +145,7 @@ def _tier_gather_kernel(
     b = tl.program_id(2)
     if pid >= tiles:  # only with Q_JOBS > 0: the grid has `tiles` programs along axis 0 otherwise
         if Q_JOBS > 0:
-            e = (pid - tiles) * 32 + tl.arange(0, 32)
+            e = (pid - tiles) * Q_BLOCK + tl.arange(0, Q_BLOCK)
             rotate_q_tile(q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh, qk_scale,
                           b, h, e, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3")
     else:

@@ -146,6 +146,6 @@ def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         rows, ring_index, ring_index.stride(0), km, vm, km_stride, vm_stride,
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), rk, rv, rk.stride(0), rk.stride(1), rk.stride(2),
-        s, r, sink_tiles, tiles, *q_args, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, Q_JOBS=q_jobs, GROUP=group,
-        GP=max(16, next_pow2(group)), PDL=pdl, num_warps=num_warps)
+        s, r, sink_tiles, tiles, *q_args, D=d, BLOCK_D=next_pow2(d), BLOCK_T=block_t, Q_JOBS=q_jobs, Q_BLOCK=Q_BLOCK,
+        GROUP=group, GP=max(16, next_pow2(group)), PDL=pdl, num_warps=num_warps)
     return sk, sv, rk, rv

@@ -21,20 +21,19 @@ from oscar_kernels.tier_copy import tier_write_tile
 
 @triton.jit
 def _write_step_kernel(
-    k_ptr, stride_kn, stride_kh,  # [N, H_kv, D] rotated keys
-    v_ptr, stride_vn, stride_vh,  # [N, H_kv, D] rotated values
-    slot_ptr,  # [N] int64 page slots (< 0: skipped)
-    k_mu_ptr, stride_kmun, stride_kmuh,  # key mean [H_kv, D] or one per row [N, H_kv, D]
-    v_mu_ptr, stride_vmun, stride_vmuh,
-    k_codes_ptr, stride_kcp, stride_kch, stride_kcr,  # key pages (rows layout), byte strides
-    k_scale_ptr, k_zero_ptr, stride_kmp, stride_kmh, stride_kmr,
+    # the keys' quantize_write_tile arguments (write_ops.WriteArgs.pointers(): rows, rotation, mean, slots, pages
+    # in the rows layout, metadata, N, P, 0, clip index)
+    k_ptr, stride_kn, stride_kh, k_r_ptr, stride_krh, k_mu_ptr, stride_kmun, stride_kmuh, k_slot_ptr,
+    k_codes_ptr, stride_kcp, stride_kch, stride_kcr, k_scale_ptr, k_zero_ptr, stride_kmp, stride_kmh, stride_kmr,
+    n_rows, page_size, k_row_tokens, k_clip_idx,
+    # the values' (pages: the int32 view of the token quads)
+    v_ptr, stride_vn, stride_vh, v_r_ptr, stride_vrh, v_mu_ptr, stride_vmun, stride_vmuh, v_slot_ptr,
+    v_codes_ptr, stride_vcp, stride_vch, stride_vcr, v_scale_ptr, v_zero_ptr, stride_vmp, stride_vmh, stride_vmr,
+    v_n_rows, v_page_size, row_tokens, v_clip_idx,
     k_lo_ptr,  # INT4 keys: the low plane (the key codes' layout); else any pointer
-    v_codes_ptr, stride_vcp, stride_vch, stride_vcr,  # value pages: the int32 view of the token quads
-    v_scale_ptr, v_zero_ptr, stride_vmp, stride_vmh, stride_vmr,
     sink_k_ptr, sink_v_ptr, stride_sr, stride_sh, stride_st,  # tiers, as tier_copy._tier_write_kernel's
     ring_k_ptr, ring_v_ptr, stride_rr, stride_rh, stride_rt,
     sink_row_ptr, sink_pos_ptr, ring_row_ptr, ring_slot_ptr,
-    n_rows, page_size, row_tokens, k_clip_idx, v_clip_idx,
     D: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     K_HAS_MU: tl.constexpr, V_HAS_MU: tl.constexpr, K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, K_INT4: tl.constexpr,
     CLIP_SORT: tl.constexpr, TQ_XOR: tl.constexpr, EXCLUSIVE_WORDS: tl.constexpr,
@@ -42,17 +41,19 @@ def _write_step_kernel(
     """Grid ``(cdiv(N, BLOCK_T), H_kv, 3)``: axis 2 picks the job (0 keys, 1 values, 2 tiers)."""
     pid, h, job = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if job == 0:
-        quantize_write_tile(pid, h, k_ptr, stride_kn, stride_kh, k_ptr, 0, k_mu_ptr, stride_kmun, stride_kmuh,
-                            slot_ptr, k_codes_ptr, stride_kcp, stride_kch, stride_kcr, k_scale_ptr, k_zero_ptr,
-                            stride_kmp, stride_kmh, stride_kmr, n_rows, page_size, 0, k_clip_idx, k_lo_ptr,
-                            D=D, G=KG, BLOCK_T=BLOCK_T, HAS_R=False, HAS_MU=K_HAS_MU, DO_CLIP=K_CLIP, TQ=False,
-                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=False, INT4=K_INT4)
+        quantize_write_tile(pid, h, k_ptr, stride_kn, stride_kh, k_r_ptr, stride_krh, k_mu_ptr, stride_kmun,
+                            stride_kmuh, k_slot_ptr, k_codes_ptr, stride_kcp, stride_kch, stride_kcr, k_scale_ptr,
+                            k_zero_ptr, stride_kmp, stride_kmh, stride_kmr, n_rows, page_size, k_row_tokens,
+                            k_clip_idx, k_lo_ptr, D=D, G=KG, BLOCK_T=BLOCK_T, HAS_R=False, HAS_MU=K_HAS_MU,
+                            DO_CLIP=K_CLIP, TQ=False, CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=False,
+                            INT4=K_INT4)
     elif job == 1:
-        quantize_write_tile(pid, h, v_ptr, stride_vn, stride_vh, v_ptr, 0, v_mu_ptr, stride_vmun, stride_vmuh,
-                            slot_ptr, v_codes_ptr, stride_vcp, stride_vch, stride_vcr, v_scale_ptr, v_zero_ptr,
-                            stride_vmp, stride_vmh, stride_vmr, n_rows, page_size, row_tokens, v_clip_idx, v_codes_ptr,
-                            D=D, G=VG, BLOCK_T=BLOCK_T, HAS_R=False, HAS_MU=V_HAS_MU, DO_CLIP=V_CLIP, TQ=True,
-                            CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR, EXCLUSIVE_WORDS=EXCLUSIVE_WORDS, INT4=False)
+        quantize_write_tile(pid, h, v_ptr, stride_vn, stride_vh, v_r_ptr, stride_vrh, v_mu_ptr, stride_vmun,
+                            stride_vmuh, v_slot_ptr, v_codes_ptr, stride_vcp, stride_vch, stride_vcr, v_scale_ptr,
+                            v_zero_ptr, stride_vmp, stride_vmh, stride_vmr, v_n_rows, v_page_size, row_tokens,
+                            v_clip_idx, v_codes_ptr, D=D, G=VG, BLOCK_T=BLOCK_T, HAS_R=False, HAS_MU=V_HAS_MU,
+                            DO_CLIP=V_CLIP, TQ=True, CLIP_SORT=CLIP_SORT, TQ_XOR=TQ_XOR,
+                            EXCLUSIVE_WORDS=EXCLUSIVE_WORDS, INT4=False)
     else:
         tier_write_tile(pid, h, k_ptr, stride_kn, stride_kh, v_ptr, stride_vn, stride_vh, sink_k_ptr, sink_v_ptr,
                         stride_sr, stride_sh, stride_st, ring_k_ptr, ring_v_ptr, stride_rr, stride_rh, stride_rt,

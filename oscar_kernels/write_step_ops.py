@@ -46,18 +46,11 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
     if kw.n == 0:
         return
     n, h_kv, d = kw.n, kw.h_kv, kw.d
-    ks, vs = kw.scale, vw.scale
     triton_module("write_step")._write_step_kernel[(math.ceil(n / kw.block_t), h_kv, 3)](
-        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slots,
-        kw.mu if kw.mu is not None else k, kw.mu_row, kw.mu_stride,
-        vw.mu if vw.mu is not None else v, vw.mu_row, vw.mu_stride,
-        kw.codes, *kw.code_strides(), ks, kw.zero, ks.stride(0), ks.stride(1), ks.stride(2),
-        kw.low_plane if kw.low_plane is not None else kw.codes,
-        vw.codes, *vw.code_strides(), vs, vw.zero, vs.stride(0), vs.stride(1), vs.stride(2),
+        *kw.pointers(), *vw.pointers(), kw.low_plane if kw.low_plane is not None else kw.codes,
         sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         sink_row, sink_pos, ring_row, ring_slot,
-        n, kw.page_size, vw.row, kw.clip_idx, vw.clip_idx,
         D=d, KG=kw.g, VG=vw.g, BLOCK_T=kw.block_t, BLOCK_D=next_pow2(d), K_HAS_MU=kw.mu is not None,
         V_HAS_MU=vw.mu is not None, K_CLIP=kw.clip_idx >= 0, V_CLIP=vw.clip_idx >= 0, K_INT4=kw.low_plane is not None,
         CLIP_SORT=clip_method == "sort", TQ_XOR=tq_update == "xor", EXCLUSIVE_WORDS=exclusive_words,
