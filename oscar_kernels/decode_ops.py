@@ -140,8 +140,9 @@ def _lengths(name: str, v: torch.Tensor | int, b: int, cap: int, dev: torch.devi
     return v
 
 
-def _tier(name: str, t: torch.Tensor, b: int, h_kv: int, d: int, act: torch.dtype, dev: torch.device) -> None:
-    check_tensor(name, t, f"{act} [{b}, {h_kv}, T, {d}] (last dim contiguous)", (b, h_kv, None, d), (act,), dev)
+def _tier(name: str, t: torch.Tensor, b: int | None, h_kv: int, d: int, act: torch.dtype, dev: torch.device) -> None:
+    lead = "rows" if b is None else b  # (a tier read in place through a TierIndex: any number of rows)
+    check_tensor(name, t, f"{act} [{lead}, {h_kv}, T, {d}] (last dim contiguous)", (b, h_kv, None, d), (act,), dev)
     if t.stride(-1) != 1:
         raise bad_tensor(name, t, "a last dim with stride 1")
 
@@ -244,6 +245,48 @@ class LowPlane:
         return self
 
 
+@dataclass(frozen=True)
+class TierIndex:
+    """Stage 1 reads the BF16 tiers where the vLLM backend keeps them, instead of gathered copies
+    (``ops.tier_gather``): with this, ``sink_k``/``sink_v`` are the sink storage ``[rows, H_kv, S, D]`` and
+    ``recent_k``/``recent_v`` the ring storage ``[rows, H_kv, R, D]`` (uncentred), and the values stage 1 reads are
+    bit for bit those the gather would have written (the same centring, the same order): one launch fewer.
+
+    Attributes:
+        rows: int64 ``[B]``: each sequence's row of the storage.
+        ring_index: int64 ``[B, R']``: ring slot of each sequence's ``j``-th recent token, oldest first (entries in
+            ``[0, R)``: ``OSCAR_KERNEL_DEBUG=1`` checks them, and ``rows``, at the cost of a device sync);
+            ``recent_len`` is at most ``R'``.
+        k_mean, v_mean: float32 ``[D]`` or ``[H_kv, D]``: subtracted from every row read (``float32(x) - mean``,
+            rounded to the activation dtype).
+    """
+
+    rows: torch.Tensor
+    ring_index: torch.Tensor
+    k_mean: torch.Tensor
+    v_mean: torch.Tensor
+
+    def args(self, b: int, h_kv: int, d: int, storage: tuple[torch.Tensor, torch.Tensor],
+             dev: torch.device) -> tuple[Any, ...]:
+        """Stage 1's ``DIRECT_TIERS`` arguments, validated (raises ``ValueError`` naming the tensor)."""
+        check_tensor("tier_index.rows", self.rows, f"int64 [{b}]", (b,), (torch.int64,), dev)
+        check_tensor("tier_index.ring_index", self.ring_index, f"int64 [{b}, R']", (b, None), (torch.int64,), dev)
+        if self.ring_index.stride(-1) != 1:
+            raise bad_tensor("tier_index.ring_index", self.ring_index, "a contiguous last dim")
+        km, km_stride = mean_arg("tier_index.k_mean", self.k_mean, h_kv, d, dev)
+        vm, vm_stride = mean_arg("tier_index.v_mean", self.v_mean, h_kv, d, dev)
+        if km is None or vm is None:
+            raise ValueError("tier_index.k_mean, tier_index.v_mean: expected float32 [D] or [H_kv, D], got None")
+        if os.environ.get("OSCAR_KERNEL_DEBUG") == "1" and b:
+            n_rows = min(int(storage[0].shape[0]), int(storage[1].shape[0]))
+            if int(self.rows.min()) < 0 or int(self.rows.max()) >= n_rows:
+                raise ValueError(f"tier_index.rows: entries outside [0, {n_rows})")
+            if self.ring_index.numel() and (int(self.ring_index.min()) < 0 or
+                                            int(self.ring_index.max()) >= storage[1].shape[2]):
+                raise ValueError(f"tier_index.ring_index: entries outside [0, {int(storage[1].shape[2])})")
+        return (self.rows, self.ring_index, self.ring_index.stride(0), km, vm, km_stride, vm_stride)
+
+
 # fp16 copies of position tables' first rows, per live table (by id, dropped when the table is freed; a table is
 # never written after position_table builds it), so a plan built every decode step does not cast them again
 _TABLE_HEADS: dict[int, tuple[weakref.ref[torch.Tensor], dict[int, torch.Tensor]]] = {}
@@ -275,7 +318,8 @@ class DecodePlan:
     The plan keeps references to its tensors; refill them in place (new q, new cache rows, new lengths) and call
     :meth:`run` again, or capture :meth:`run` in a CUDA graph and replay it. Arguments as in
     :func:`decode_attention`; ``q_rot``: ``q @ R_K · query_scale(sm_scale, D)`` computed elsewhere (the query jobs
-    of ``tier_gather(query=...)``, the same tile function): stage 1 reads it and the plan launches two kernels.
+    of ``tier_gather(query=...)`` or ``rotate_kv(query=...)``, the same tile function): stage 1 reads it and the
+    plan launches two kernels; ``tier_index``: the tiers are read in place (:class:`TierIndex`).
     """
 
     def __init__(
@@ -287,7 +331,7 @@ class DecodePlan:
         config: DecodeConfig | None = None, out: torch.Tensor | None = None,
         workspace: tuple[torch.Tensor, torch.Tensor] | None = None, paged: bool = True,
         logit_bias: torch.Tensor | None = None, rope_mean: RopeMean | None = None,
-        low_plane: LowPlane | None = None, q_rot: torch.Tensor | None = None,
+        low_plane: LowPlane | None = None, q_rot: torch.Tensor | None = None, tier_index: TierIndex | None = None,
     ) -> None:
         cfg = config or default_config(int(q.shape[0]) if q.dim() == 3 else 1, rope_mean is not None)
         dev = q.device
@@ -324,13 +368,15 @@ class DecodePlan:
         cap = int(block_table.shape[1]) * page
         hl = _lengths("hist_len", hist_len, b, cap, dev)
         for nm, t in (("sink_k", sink_k), ("sink_v", sink_v), ("recent_k", recent_k), ("recent_v", recent_v)):
-            _tier(nm, t, b, h_kv, d, q.dtype, dev)
+            _tier(nm, t, b if tier_index is None else None, h_kv, d, q.dtype, dev)
         for a, b_, pair in ((sink_k, sink_v, "sink_k/sink_v"), (recent_k, recent_v, "recent_k/recent_v")):
             if not _same_layout(a, b_):
                 raise ValueError(f"{pair} must share shape and strides (over dims of size > 1), got "
                                  f"{tuple(a.shape)}/{tuple(b_.shape)} with strides {a.stride()}/{b_.stride()}")
         sl = _lengths("sink_len", sink_len, b, int(sink_k.shape[2]), dev)
-        rl = _lengths("recent_len", recent_len, b, int(recent_k.shape[2]), dev)
+        rl = _lengths("recent_len", recent_len, b, int(recent_k.shape[2] if tier_index is None else
+                                                        tier_index.ring_index.shape[1]), dev)
+        direct = tier_index.args(b, h_kv, d, (sink_k, recent_k), dev) if tier_index is not None else None
         rk, rk_stride = rotation_arg("rotation_k", rotation_k, h_kv, d, dev)
         rv, rv_stride = rotation_arg("rotation_v", rotation_v, h_kv, d, dev)
         mu, mu_stride = mean_arg("mean_v", mean_v, h_kv, d, dev)
@@ -385,12 +431,14 @@ class DecodePlan:
               if lo is not None else (kc, 0, 0, hl)),
             sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), sl,
             recent_k, recent_v, recent_k.stride(0), recent_k.stride(1), recent_k.stride(2), rl,
+            *(direct if direct is not None else (hl, hl, 0, o_part, o_part, 0, 0)),
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), s),
             dict(H_KV=h_kv, GROUP=g, GP=gp, D=d, BLOCK_N=cfg.block_n, BLOCK_NB=cfg.block_nb, PTX=dev.type == "cuda",
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
                  HAS_LO=0 if lo is None else 2 if lo.paged else 1, META8=(2 if words else 1) if ks.dtype == torch.uint8 else 0,
+                 DIRECT_TIERS=direct is not None,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (

@@ -732,6 +732,37 @@ def _online_bf16_segment(qt, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.c
 
 
 @triton.jit
+def _online_tier_rows(qt, k_base, v_base, stride_t, slot_ptr, n, km, vm, m_i, l_i, acc, D: tl.constexpr,
+                      BLOCK_NB: tl.constexpr, ACT: tl.constexpr, INDEXED: tl.constexpr):
+    """:func:`_online_bf16_segment` over ``n`` rows of a tier where the vLLM backend keeps it (``DIRECT_TIERS``):
+    row ``j`` at ``base + (slot_ptr[j] if INDEXED else j) · stride_t``, read as ``rn(float32(x) - mean)`` in ``ACT``
+    (``km``/``vm`` ``[D]`` float32): the values and the order ``ops.tier_gather`` writes and the gathered segment
+    reads, so the same bits without the copy."""
+    cols = tl.arange(0, D)
+    for n0 in range(0, n, BLOCK_NB):
+        tok = n0 + tl.arange(0, BLOCK_NB)
+        valid = tok < n
+        if INDEXED:
+            row = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
+        else:
+            row = tok.to(tl.int64)
+        roff = row * stride_t
+        k = tl.load(k_base + roff[:, None] + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        k = tl.where(valid[:, None], k - km[None, :], 0.0).to(ACT)
+        s = tl.dot(k, qt)
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        vt = tl.load(v_base + roff[None, :] + cols[:, None], mask=valid[None, :], other=0.0).to(tl.float32)
+        vt = tl.where(valid[None, :], vt - vm[:, None], 0.0).to(ACT)
+        acc = tl.dot(vt, p.to(ACT), acc * alpha[None, :])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _bf16_tiers(
     b, h, sp, part,
     q_ptr, stride_qb, stride_qh,
@@ -740,10 +771,14 @@ def _bf16_tiers(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_NB: tl.constexpr,
     ACT: tl.constexpr, TIER_PARTS: tl.constexpr,
+    # DIRECT: the tiers are the backend's storage [rows + 1, H_kv, S or R, D] (uncentred), read through the
+    # sequence's row rows[b] (int64 [B]) and, for the ring, its slot order ring_index[b, j] (int64 [B, R'], row
+    # stride stride_ib), centred by the float32 means km / vm [H_kv or 1, D] (head strides stride_kmh / stride_vmh)
+    rows_ptr, ridx_ptr, stride_ib, km_ptr, vm_ptr, stride_kmh, stride_vmh, DIRECT: tl.constexpr,
 ):
     """Range ``part`` of ``TIER_PARTS`` over [sink rows | recent rows] of one (batch, KV head) in one online
     softmax; writes partial ``sp``. Ranges are whole tiles of ``BLOCK_NB`` rows; an empty range writes
-    ``lse = -inf, o = 0``."""
+    ``lse = -inf, o = 0``. ``DIRECT``: the tiers read in place (the gather's work done here, the same bits)."""
     heads = tl.arange(0, GP)
     qt = tl.load(q_ptr + b * stride_qb + (h * GROUP + heads)[None, :] * stride_qh + tl.arange(0, D)[:, None],
                  mask=(heads < GROUP)[None, :], other=0.0)  # [D, GP]
@@ -757,12 +792,24 @@ def _bf16_tiers(
     s1 = tl.minimum(end, n_sink)
     r0 = tl.maximum(start - n_sink, 0)  # recent rows [r0, r1)
     r1 = tl.maximum(end - n_sink, 0)
-    sink_off = b * stride_sb + h * stride_sh + s0 * stride_st
-    m_i, l_i, acc = _online_bf16_segment(
-        qt, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB, ACT)
-    recent_off = b * stride_rb + h * stride_rh + r0 * stride_rt
-    m_i, l_i, acc = _online_bf16_segment(
-        qt, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D, BLOCK_NB, ACT)
+    if DIRECT:
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        km = tl.load(km_ptr + h * stride_kmh + tl.arange(0, D))
+        vm = tl.load(vm_ptr + h * stride_vmh + tl.arange(0, D))
+        sink_off = row * stride_sb + h * stride_sh + s0 * stride_st
+        m_i, l_i, acc = _online_tier_rows(qt, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, rows_ptr, s1 - s0,
+                                          km, vm, m_i, l_i, acc, D, BLOCK_NB, ACT, False)
+        recent_off = row * stride_rb + h * stride_rh
+        m_i, l_i, acc = _online_tier_rows(qt, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt,
+                                          ridx_ptr + b.to(tl.int64) * stride_ib + r0, r1 - r0, km, vm, m_i, l_i,
+                                          acc, D, BLOCK_NB, ACT, True)
+    else:
+        sink_off = b * stride_sb + h * stride_sh + s0 * stride_st
+        m_i, l_i, acc = _online_bf16_segment(
+            qt, sk_ptr + sink_off, sv_ptr + sink_off, stride_st, s1 - s0, m_i, l_i, acc, D, BLOCK_NB, ACT)
+        recent_off = b * stride_rb + h * stride_rh + r0 * stride_rt
+        m_i, l_i, acc = _online_bf16_segment(
+            qt, rk2_ptr + recent_off, rv2_ptr + recent_off, stride_rt, r1 - r0, m_i, l_i, acc, D, BLOCK_NB, ACT)
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     _store_partial_t(acc / tl.where(has, l_i, 1.0)[None, :], lse, op_ptr, lse_ptr, b, h, sp, stride_ob, stride_oh,
@@ -785,6 +832,8 @@ def _decode_stage1_kernel(
     lo_ptr, stride_lob, stride_loh, lo_first_ptr,
     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,  # sink tier [B, H_kv, T_s, D]
     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,  # recent tier [B, H_kv, T_r, D]
+    # DIRECT_TIERS: the two tiers above are the backend's storage [rows + 1, H_kv, T, D] (see _bf16_tiers)
+    tier_rows_ptr, ring_idx_ptr, stride_ib, tkm_ptr, tvm_ptr, stride_tkm, stride_tvm,
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # o [B,H_q,S+TP,D], lse [B,H_q,S+TP]
     num_splits,  # S
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
@@ -793,8 +842,10 @@ def _decode_stage1_kernel(
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
     ROPE_PREC: tl.constexpr = "tf32x3", HAS_LO: tl.constexpr = 0, META8: tl.constexpr = False,
+    DIRECT_TIERS: tl.constexpr = False,
 ):
-    """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers.
+    """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers
+    (``DIRECT_TIERS``: read in the backend's storage through row and ring indices, centred here).
 
     Grid: ``(B * H_kv, S + TIER_PARTS)``. ``PDL``: launched as a programmatic dependent launch of the q rotation:
     wait for it (``griddepcontrol.wait``) before reading ``q_rot``; let the merge launch once every program has
@@ -809,7 +860,7 @@ def _decode_stage1_kernel(
             _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
                                  hist_len_ptr, D, BLOCK_N, PAGED, PAGE, VROW)
-        else:
+        elif not DIRECT_TIERS:  # (in place, the rows are not where this would look, and this step writes them)
             _prefetch_tier_rows(b, h, sp - num_splits, sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                                 rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr, D, BLOCK_NB,
                                 TIER_PARTS)
@@ -830,7 +881,8 @@ def _decode_stage1_kernel(
                     sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                     rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
                     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    GROUP, GP, D, BLOCK_NB, ACT, TIER_PARTS)
+                    GROUP, GP, D, BLOCK_NB, ACT, TIER_PARTS, tier_rows_ptr, ring_idx_ptr, stride_ib, tkm_ptr,
+                    tvm_ptr, stride_tkm, stride_tvm, DIRECT_TIERS)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 

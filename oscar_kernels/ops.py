@@ -20,12 +20,14 @@ Entry points (all tensors on one CUDA device; on CPU only under ``TRITON_INTERPR
 - :func:`write_step` — a decode step's K pages, V pages and BF16 tiers of one layer in one launch (the three
   launches of ``quantize_write`` for K and V and ``tier_write``, fused; the same bytes).
 - :func:`rotate_kv` — ``(float32(x) @ R).to(dtype)`` for a step's K and V rows ``[N, H_kv, D]`` (strided rows,
-  shared or per-head rotations), one launch for both.
+  shared or per-head rotations), one launch for both; with a :class:`GatherQuery` the decode's queries too.
 - :func:`dequantize_history` — a range of one sequence's paged INT2 keys and values, dequantized through its
   block-table row with the mean added back, into activation-dtype ``[T, H_kv, D]`` buffers (one launch; the vLLM
   backend's prefill chunks attend to it).
 - :class:`RopeMean` — the position-dependent key mean (``quant.key_mean: rope``) for :func:`decode_attention`'s
   ``rope_mean``: stage 1 adds the term ``q·RoPE_p(m_pre)`` of every INT2 key itself, from :func:`position_table`.
+- :class:`TierIndex` — for :class:`DecodePlan`'s ``tier_index``: stage 1 reads the BF16 tiers where the vLLM
+  backend keeps them (through row and ring indices, centred as the gather would), so no gather launch.
 - :class:`LowPlane` — INT4 keys' low plane (``quant.int4_keys``) for :func:`decode_attention`'s ``low_plane``:
   stage 1 reads it beside the pages' high plane, in the same tile.
 - :func:`rope_mean_logits` — the same term as a ``[B, H_q, L]`` tensor (one float32 GEMM over the table) for the
@@ -51,6 +53,7 @@ from oscar_kernels.decode_ops import (
     DecodePlan,
     LowPlane,
     RopeMean,
+    TierIndex,
     decode_attention,
     decode_attention_contiguous,
     default_config,
@@ -75,6 +78,7 @@ __all__ = [
     "GatherQuery",
     "LowPlane",
     "RopeMean",
+    "TierIndex",
     "decode_attention",
     "decode_attention_contiguous",
     "dequantize_history",

@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from oscar_kernels.int2_decode import rotate_q_tile
+
 
 @triton.jit
 def _cast_rn(y, DTYPE: tl.constexpr):
@@ -61,18 +63,32 @@ def _rotate_kv_kernel(
     stride_yvn,
     stride_yvh,
     n_rows,  # N
+    t_tiles,  # cdiv(N, BLOCK_T): programs from here on along axis 0 rotate queries (Q_JOBS)
+    q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh, qk_scale,  # Q_JOBS: as
+    # int2_decode._rotate_q_kernel's q, R_K, q_rot, qk_scale
     H_KV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    Q_JOBS: tl.constexpr = False,
+    GROUP: tl.constexpr = 1,
+    GP: tl.constexpr = 16,
 ):
-    """Grid: ``(cdiv(N, BLOCK_T), 2 · H_kv, D / BLOCK_E)``; axis 1 is ``kv · H_kv + head`` (kv 0: K, 1: V)."""
+    """Grid: ``(cdiv(N, BLOCK_T) + B_q, 2 · H_kv, D / BLOCK_E)``; axis 1 is ``kv · H_kv + head`` (kv 0: K, 1: V).
+    ``Q_JOBS``: programs ``t_tiles + b`` of axis 0 with ``head < H_kv`` compute the decode's rotated query of
+    sequence ``b`` for that KV head's ``GROUP`` query heads and ``BLOCK_E`` columns (:func:`rotate_q_tile`, the body
+    of the decode plan's own first launch, so the same bits; ``B_q = 0`` without queries)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_e = tl.program_id(2)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    if pid_h < H_KV:
+    if pid_t >= t_tiles:
+        if Q_JOBS:
+            if pid_h < H_KV:
+                rotate_q_tile(q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh,
+                              qk_scale, pid_t - t_tiles, pid_h, cols_e, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3")
+    elif pid_h < H_KV:
         _rotate_tile(k_ptr, stride_kn, stride_kh, rk_ptr, stride_rkh, yk_ptr, stride_ykn, stride_ykh, pid_h, rows,
                      n_rows, cols_e, D)
     else:

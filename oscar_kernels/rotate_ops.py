@@ -11,14 +11,16 @@ import math
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_rows, rotation_arg, triton_module
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_rows, next_pow2, rotation_arg, triton_module
+from oscar_kernels.tier_ops import Q_BLOCK, GatherQuery, query_args
 
 ROTATE_DTYPES = (*ACT, torch.float32)
 
 
 def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor, *,
               out: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
-              block_t: int | None = None, block_e: int = 32, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+              block_t: int | None = None, block_e: int = 32, num_warps: int = 4,
+              query: GatherQuery | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(float32(k) @ r_k).to(dtype), (float32(v) @ r_v).to(dtype)`` per KV head, in one launch.
 
     Args:
@@ -31,6 +33,10 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
     The sums are float32 (IEEE, no TF32), in another order than cuBLAS's: results may differ from
     ``x.float() @ r`` in the last bits of float32, so a rounded output may differ by one unit in the last place where
     the float32 value lies next to a rounding boundary. Returns the two outputs.
+
+    ``query`` (a :class:`~oscar_kernels.tier_ops.GatherQuery`, ``q [B_q, H_q, D]``): the same launch also writes the
+    decode's rotated queries into ``query.out``, bit for bit what the decode plan's first launch writes (pass it as
+    ``DecodePlan(q_rot=...)``, which then launches two kernels); ``B_q`` more programs along the token axis.
     """
     if not isinstance(k, torch.Tensor):
         raise ValueError(f"k: expected a torch.Tensor [N, H_kv, D], got {type(k).__name__}")
@@ -57,10 +63,19 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
     bt = block_t or (16 if n <= 64 else 64)
     if bt < 16 or bt & (bt - 1) or block_e < 16 or block_e & (block_e - 1) or d % block_e:
         raise ValueError(f"block_t, block_e: expected powers of two >= 16 (block_e dividing {d}), got {bt}, {block_e}")
-    if n == 0:
+    if query is not None:
+        if block_e != Q_BLOCK:
+            raise ValueError(f"block_e: {Q_BLOCK} with a query (the decode plan's rotation tiles), got {block_e}")
+        bq = int(query.q.shape[0]) if isinstance(query.q, torch.Tensor) and query.q.dim() == 3 else -1
+        q_args, group = query_args(query, bq, h_kv, d, dev)
+    else:
+        bq, q_args, group = 0, (yk, 0, 0, yk, 0, yk, 0, 0, 1.0), 1
+    t_tiles = math.ceil(n / bt)
+    if t_tiles + bq == 0:
         return yk, yv
-    triton_module("rotate_kv")._rotate_kv_kernel[(math.ceil(n / bt), 2 * h_kv, d // block_e)](
+    triton_module("rotate_kv")._rotate_kv_kernel[(t_tiles + bq, 2 * h_kv, d // block_e)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), rk, rk_stride, rv, rv_stride,
-        yk, yk.stride(0), yk.stride(1), yv, yv.stride(0), yv.stride(1), n,
-        H_KV=h_kv, D=d, BLOCK_T=bt, BLOCK_E=block_e, num_warps=num_warps)
+        yk, yk.stride(0), yk.stride(1), yv, yv.stride(0), yv.stride(1), n, t_tiles, *q_args,
+        H_KV=h_kv, D=d, BLOCK_T=bt, BLOCK_E=block_e, Q_JOBS=query is not None, GROUP=group,
+        GP=max(16, next_pow2(group)), num_warps=num_warps)
     return yk, yv

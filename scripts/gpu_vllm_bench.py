@@ -808,6 +808,9 @@ def main() -> None:
     ap.add_argument("--fused-gather", action="store_true",
                     help="oscar: the decode's q rotation in the tier gather's launch (OSCAR_VLLM_FUSED_GATHER=1); "
                          "results under BACKEND+fgather")
+    ap.add_argument("--direct-tiers", action="store_true",
+                    help="oscar: no tier gather: stage 1 reads the tiers in place and the q rotation runs in the K/V "
+                         "rotation's launch (OSCAR_VLLM_DIRECT_TIERS=1); results under BACKEND+direct")
     ap.add_argument("--runner", choices=["auto", "v1", "v2"], default="auto",
                     help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; auto: vLLM's choice)")
     ap.add_argument("--profile-dir", type=Path, help="--stage profile: where the engine writes its torch trace")
@@ -827,6 +830,10 @@ def main() -> None:
         if args.backend != "oscar":
             raise SystemExit("--unfused-write: oscar's switch (--backend oscar)")
         os.environ["OSCAR_VLLM_FUSED_WRITE"] = "0"
+    if args.direct_tiers:
+        if args.backend != "oscar":
+            raise SystemExit("--direct-tiers: oscar's switch (--backend oscar)")
+        os.environ["OSCAR_VLLM_DIRECT_TIERS"] = "1"
     if args.fused_gather:
         if args.backend != "oscar":
             raise SystemExit("--fused-gather: oscar's switch (--backend oscar)")
@@ -864,6 +871,7 @@ def main() -> None:
         args.vocab = int(model_cfg["vocab_size"])
     args.model_name = name
     artifact = args.artifact
+    tag = ""  # the dummy artifact's format, in its directory name and in the results' keys
     if artifact is None and dummy:
         tag = f"-i4x{args.dummy_int4_keys}" * bool(args.dummy_int4_keys) + "-m8" * (args.dummy_meta_bits == 8) + \
             "-rope" * (args.dummy_key_mean == "rope")
@@ -881,8 +889,8 @@ def main() -> None:
     llm = engine(str(model_dir), dummy, args.backend, artifact, args, max_len, args.gpu_mem)
     facts = engine_facts(llm) | {"gpu_memory_utilization": args.gpu_mem, "max_num_seqs": args.max_num_seqs,
                                  "chunk": args.chunk, "max_model_len": max_len}
-    base = f"{name}/{args.backend}" + ("+unfused" if args.unfused_write else "") + \
-        ("+fgather" if args.fused_gather else "")
+    base = f"{name}/{args.backend}{tag}" + ("+unfused" if args.unfused_write else "") + \
+        ("+fgather" if args.fused_gather else "") + ("+direct" if args.direct_tiers else "")
     head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
     bpt = kv_bytes_per_token(args.backend, int(model_cfg["num_hidden_layers"]),
                              int(model_cfg.get("num_key_value_heads", model_cfg["num_attention_heads"])), int(head_dim))

@@ -791,3 +791,82 @@ def test_decode_plan_refill_in_place_and_empty_rows() -> None:
     # row 1 has no keys at all: zeros (then + mu_V, rotated back), never NaN
     want = (c["mean_v"].float() @ c["rotation_v"].T).to(out.dtype)
     torch.testing.assert_close(out[1], want.expand_as(out[1]), rtol=0, atol=2e-3)
+
+
+# ---- the BF16 tiers read in place (ops.TierIndex: the vLLM backend's OSCAR_VLLM_DIRECT_TIERS) ------------------
+
+DIRECT_CASES = [CPU_CASES[0], CPU_CASES[2], CPU_CASES[5]]  # ragged rows, no INT2 history, ranges straddling tiers
+
+
+def _tier_storage(c: dict, rows_total: int, ring: int, means: str, seed: int) -> tuple[tuple[torch.Tensor, ...],
+                                                                                           ops.TierIndex]:
+    """The case's tiers as the vLLM layer keeps them: storage ``[rows_total + 1, H_kv, S or ring, D]`` (uncentred,
+    rows in a shuffled order, ring slots wrapped by each sequence's length) and the :class:`ops.TierIndex` that reads
+    the case's ``sink_len`` / ``recent_len`` rows of it."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h_kv, s_cap, d = c["sink_k"].shape
+    dt, dev = c["q"].dtype, c["q"].device
+    store = tuple((torch.randn(rows_total + 1, h_kv, t, d, generator=gen) * 2).to(dt).to(dev)
+                  for t in (s_cap, s_cap, ring, ring))
+    rows = torch.randperm(rows_total, generator=gen)[:b].to(torch.int64).to(dev)
+    seq = c["recent_len"].cpu().long() + torch.randint(0, 3 * ring, (b,), generator=gen)  # wrapped at any offset
+    from oscar_cli.vllm.layout import ring_gather_index
+
+    idx = ring_gather_index(seq, c["recent_len"].cpu(), ring).to(dev)
+    shape = (h_kv, d) if means == "per-head" else (d,)
+    km, vm = (torch.randn(*shape, generator=gen).to(dev) for _ in range(2))
+    return store, ops.TierIndex(rows, idx, km, vm)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("means", ["per-head", "shared"])
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=[c[0] for c in DIRECT_CASES])
+def test_decode_reads_the_tiers_in_place_bitwise(case: tuple, means: str) -> None:
+    """``tier_index=ops.TierIndex(...)``: stage 1 reads the sink and ring storage through each sequence's row and
+    ring order and centres what it reads; the output is bit for bit the gather-then-decode path's (``ops.tier_gather``
+    into ``[B, ...]`` copies, then the plain decode), which it replaces. fp16 in the interpreter (its bf16 cast
+    truncates where the GPU rounds), bf16 on CUDA."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = case
+    dev = "cuda" if CUDA else "cpu"
+    dt = torch.bfloat16 if CUDA else torch.float16
+    c = make_case(len(name) + 5, b, h_q, h_kv, d, hist, sink, recent, page, dt, dev, meta=torch.float16)
+    store, index = _tier_storage(c, b + 3, max(recent) + 5, means, len(name))
+    gathered = ops.tier_gather(*store, index.rows, index.ring_index, index.k_mean, index.v_mean)
+    kw = dict(rotation_k=c["rotation_k"], rotation_v=c["rotation_v"], mean_v=c["mean_v"], num_splits=splits,
+              config=TINY)
+    want = ops.decode_attention(c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["hist_len"], gathered[0],
+                                gathered[1], c["sink_len"], gathered[2], gathered[3], c["recent_len"],
+                                **kw)  # type: ignore[arg-type]
+    plan = ops.DecodePlan(c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["hist_len"], store[0], store[1],
+                          c["sink_len"], store[2], store[3], c["recent_len"], tier_index=index, out=_poisoned(c),
+                          **kw)  # type: ignore[arg-type]
+    got = plan.run()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert plan._stage1[2]["DIRECT_TIERS"]
+
+
+@pytest.mark.unit
+def test_decode_tier_index_refusals_name_the_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, _ = DIRECT_CASES[0]
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(1, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, dev, meta=torch.float16)
+    store, index = _tier_storage(c, b + 3, max(recent) + 5, "per-head", 1)
+    args = (c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["hist_len"], store[0], store[1], c["sink_len"],
+            store[2], store[3], c["recent_len"])
+    kw = dict(rotation_k=c["rotation_k"], rotation_v=c["rotation_v"], config=TINY)
+    bad = {"tier_index.rows": replace(index, rows=index.rows.int()),
+           "tier_index.ring_index": replace(index, ring_index=index.ring_index[:1]),
+           "tier_index.k_mean": replace(index, k_mean=index.k_mean.half()),
+           "tier_index.v_mean": replace(index, v_mean=index.v_mean[:, :8])}
+    for what, ti in bad.items():
+        with pytest.raises(ValueError, match=what.replace(".", r"\.")):
+            ops.DecodePlan(*args, tier_index=ti, **kw)  # type: ignore[arg-type]
+    short = replace(index, ring_index=index.ring_index[:, :1])  # recent_len is up to 5: more than 1 column
+    with pytest.raises(ValueError, match="recent_len"):
+        monkeypatch.setenv("OSCAR_KERNEL_DEBUG", "1")
+        ops.DecodePlan(*args, tier_index=short, **kw)  # type: ignore[arg-type]
+    far = replace(index, ring_index=index.ring_index + int(store[2].shape[2]))
+    with pytest.raises(ValueError, match="tier_index.ring_index: entries outside"):
+        ops.DecodePlan(*args, tier_index=far, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tier_index.rows: entries outside"):
+        ops.DecodePlan(*args, tier_index=replace(index, rows=index.rows + 100), **kw)  # type: ignore[arg-type]

@@ -230,7 +230,7 @@ def test_layer_rotate_goes_through_the_kernels() -> None:
     s = layout.Int2Settings(sink=4, recent=8)
     k, v = _kv(g, n, h, d, "qkv", torch.float16, h_q=hq)
     got, want = [core.PagedInt2Layer(t, s, 2, hq, h, d, 16, torch.float16, DEV,
-                                     kernels=kern).rotate(k, v)  # type: ignore[arg-type]
+                                     kernels=kern).rotate(k, v)[:2]  # type: ignore[arg-type]
                  for kern in (TritonKernels(), TorchTiers())]
     assert torch.equal(want[0], torch_rotate(k, rk, torch.float16)) and torch.equal(want[1], torch_rotate(v, rv, torch.float16))
     _check(got, ops.rotate_kv(k, v, rk, rv, dtype=torch.float32), (k, v), (rk, rv), torch.float16)
@@ -277,3 +277,59 @@ def test_rotate_kv_replays_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     for a, b in zip(out, want, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------- the decode's queries in the same launch
+@pytest.mark.unit
+@pytest.mark.parametrize(("n", "bq", "hq", "form"), [(1, 1, 8, "shared"), (5, 3, 6, "head"), (20, 17, 2, "shared"),
+                                                     (0, 2, 4, "head")],
+                         ids=["n1-b1-group4", "n5-b3-group3-perhead", "n20-b17-group1", "n0-b2-queries-only"])
+def test_rotate_kv_query_jobs_equal_the_decode_rotation(n: int, bq: int, hq: int, form: str) -> None:
+    """``rotate_kv(query=GatherQuery(...))`` (``OSCAR_VLLM_DIRECT_TIERS``): K and V come out bitwise as without the
+    query, and ``query.out`` holds bit for bit what the decode plan's rotation kernel writes (the same tile
+    function), for GQA groups of 4, 3 (padded to 16 rows) and 1, batches of queries below, equal to and above one
+    token tile, shared and per-head rotations."""
+    from oscar_kernels.launch_checks import triton_modules
+
+    h, d = 2, 64
+    g = torch.Generator().manual_seed(n + 7 * bq)
+    rk, rv = _rotation(g, form, h, d), _rotation(g, "shared", h, d)
+    k, v = _kv(g, n, h, d, "contiguous", torch.float16)
+    q = (torch.randn(bq, hq, d, generator=g) * 3).to(torch.float16).to(DEV)
+    scale = ops.query_scale(None, d)
+    out = torch.full_like(q, float("nan"))
+    got = ops.rotate_kv(k, v, rk, rv, query=ops.GatherQuery(q, rk, out, scale))
+    plain = ops.rotate_kv(k, v, rk, rv)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    want = torch.full_like(q, float("nan"))
+    grp = hq // h
+    triton_modules()[1]._rotate_q_kernel[(bq * h, d // 32)](
+        q, q.stride(0), q.stride(1), rk, d * d if form == "head" else 0, want, want.stride(0), want.stride(1), scale,
+        H_KV=h, GROUP=grp, GP=max(16, 1 << (grp - 1).bit_length()), D=d, BLOCK_E=32, PREC="tf32x3", PDL=False)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    full = rk if form == "head" else rk.expand(h, d, d)
+    exact = torch.einsum("bgd,gde->bge", q.double().cpu(), full.repeat_interleave(grp, 0).double().cpu()) * scale
+    assert torch.allclose(out.cpu().double(), exact, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.unit
+def test_rotate_kv_query_refusals_name_the_argument() -> None:
+    h, d = 2, 64
+    g = torch.Generator().manual_seed(2)
+    rk = _rotation(g, "shared", h, d)
+    k, v = _kv(g, 3, h, d, "contiguous", torch.float16)
+    q = torch.zeros(2, 4, d, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match="query.out"):
+        ops.rotate_kv(k, v, rk, rk, query=ops.GatherQuery(q, rk, q.float(), 1.0))
+    with pytest.raises(ValueError, match="query.rotation"):
+        ops.rotate_kv(k, v, rk, rk, query=ops.GatherQuery(q, rk[:, :32], q.clone(), 1.0))
+    with pytest.raises(ValueError, match="block_e"):
+        ops.rotate_kv(k, v, rk, rk, block_e=16, query=ops.GatherQuery(q, rk, q.clone(), 1.0))
+    kb, vb = _kv(g, core.ROTATE_TRITON_MAX_ROWS + 1, h, d, "contiguous", torch.float16)
+    with pytest.raises(ValueError, match="torch"):  # the layer's kernels: a cuBLAS-sized batch takes no query
+        TritonKernels(direct_tiers=True).rotate_kv(kb, vb, rk, rk, torch.float16,
+                                                   query=ops.GatherQuery(q, rk, q.clone(), 1.0))
+    kern = TritonKernels(direct_tiers=True, torch_rotate=True)
+    assert not kern.rotates_query(1) and TritonKernels(direct_tiers=True).rotates_query(core.ROTATE_TRITON_MAX_ROWS) \
+        and not TritonKernels(direct_tiers=True).rotates_query(core.ROTATE_TRITON_MAX_ROWS + 1) \
+        and not TritonKernels().rotates_query(1)

@@ -620,7 +620,8 @@ ROPE_SCALING = 1.07  # YaRN x2's attention factor: the term and the means scale 
 @pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
                                      pytest.param("triton", marks=pytest.mark.slow),
                                      pytest.param("triton-fused-write", marks=pytest.mark.slow),
-                                     pytest.param("triton-fused-gather", marks=pytest.mark.slow)])
+                                     pytest.param("triton-fused-gather", marks=pytest.mark.slow),
+                                     pytest.param("triton-direct-tiers", marks=pytest.mark.slow)])
 def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: str, fmt: str) -> None:
     """Two requests, chunked prefill, a mixed batch (a decode + a final chunk + padding tokens), decodes (with the
     torch twin: across a demotion): the INT2 pages hold the reference cache's codes bitwise and every output is
@@ -634,7 +635,8 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     pages hold the reference cache's high plane, low plane and metadata bytes bitwise. ``triton-fused-write``: the
     Triton path with each step's K, V and tier writes in one launch (the engine's default; ``triton``: three,
     ``OSCAR_VLLM_FUSED_WRITE=0``); ``triton-fused-gather``: that, and the decode's query rotation in the tier
-    gather's launch (``OSCAR_VLLM_FUSED_GATHER=1``)."""
+    gather's launch (``OSCAR_VLLM_FUSED_GATHER=1``); ``triton-direct-tiers``: no gather, the decode reading the tiers
+    in place and its query rotation in the K/V rotation's launch (``OSCAR_VLLM_DIRECT_TIERS=1``)."""
     g = torch.Generator().manual_seed(3)
     pre = 3.0 * torch.randn(HKV, D, generator=g) if key_mean == "rope" else None
     t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),
@@ -659,7 +661,8 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     layer = PagedInt2Layer(layout.layer_tensors(meth, 1, HKV, D)[0], s, 4, HQ, HKV, D,
                            P, ACT, _cpu_simulation(kernels),
                            kernels=kern or TritonKernels(CFG, fused_write=kernels != "triton",  # type: ignore[arg-type]
-                                                         fused_gather=kernels == "triton-fused-gather"),
+                                                         fused_gather=kernels == "triton-fused-gather",
+                                                         direct_tiers=kernels == "triton-direct-tiers"),
                            rope=rope,
                            key_bits=s.key_bits(0))
     kv = torch.zeros(16, P, HKV, spec.slot_bytes(D, s.meta_bytes, s.key_bits(0)), dtype=torch.uint8)

@@ -87,7 +87,7 @@ def test_write_step_equals_the_three_launches(case: tuple) -> None:
     ops.tier_write(a["k"], a["v"], *a["tiers"], *a["idx"])
     ops.write_step(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slots"], tuple(b["tiers"]), *b["idx"],
                    k_mean=b["k_mean"], v_mean=b["v_mean"], k_clip=k_clip, v_clip=0.9, exclusive_words=exclusive,
-                   k_low=b["k_low"])
+                   k_low=b["k_low"], pdl=decode)  # (the PDL trigger of OSCAR_VLLM_DIRECT_TIERS: CUDA only)
     pairs = [("k_cache." + f, getattr(a["k_cache"], f), getattr(b["k_cache"], f)) for f in ("packed", "scale", "zero")]
     pairs += [("v_cache." + f, getattr(a["v_cache"], f), getattr(b["v_cache"], f)) for f in ("packed", "scale", "zero")]
     pairs += [(f"tier {i}", x, y) for i, (x, y) in enumerate(zip(a["tiers"], b["tiers"], strict=True))]
@@ -137,20 +137,24 @@ def test_fusion_switches(monkeypatch: pytest.MonkeyPatch, which: str, raw: str |
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("fused", "gather", "key_mean", "torch_ops", "launches"),
-                         [("0", "0", "constant", 0, 8), ("1", "0", "constant", 0, 6), ("0", "0", "rope", 1, 8),
-                          ("1", "0", "rope", 1, 6), ("1", "1", "constant", 0, 5)])
+@pytest.mark.parametrize(("fused", "gather", "direct", "key_mean", "torch_ops", "launches"),
+                         [("0", "0", "0", "constant", 0, 8), ("1", "0", "0", "constant", 0, 6),
+                          ("0", "0", "0", "rope", 1, 8), ("1", "0", "0", "rope", 1, 6),
+                          ("1", "1", "0", "constant", 0, 5), ("1", "0", "1", "constant", 0, 4),
+                          ("1", "1", "1", "rope", 1, 4), ("0", "0", "1", "constant", 0, 6)])
 def test_decode_step_launch_count(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fused: str,
-                                  gather: str, key_mean: str, torch_ops: int, launches: int) -> None:
+                                  gather: str, direct: str, key_mean: str, torch_ops: int, launches: int) -> None:
     """scripts/cpu_vllm_decode_ops.py on a batch-1 decode step: eight launches per layer (K/V rotation, K, V and tier
     writes, tier gather, q rotation, stage 1, merge) with ``OSCAR_VLLM_FUSED_WRITE=0``, six by default (the three
-    writes in one), five with ``OSCAR_VLLM_FUSED_GATHER=1`` too (the q rotation in the tier gather's launch); the
-    rope format adds one torch op per layer for its key means (a GEMM with the layer's ``rope_matrix``; the step's
-    table rows are gathered once, by its first layer)."""
+    writes in one), five with ``OSCAR_VLLM_FUSED_GATHER=1`` too (the q rotation in the tier gather's launch), four
+    with ``OSCAR_VLLM_DIRECT_TIERS=1`` (no gather; the q rotation in the K/V rotation's launch; it takes precedence
+    over the fused gather); the rope format adds one torch op per layer for its key means (a GEMM with the layer's
+    ``rope_matrix``; the step's table rows are gathered once, by its first layer)."""
     from helpers.scripts import load_script
 
     monkeypatch.setenv("OSCAR_VLLM_FUSED_WRITE", fused)
     monkeypatch.setenv("OSCAR_VLLM_FUSED_GATHER", gather)
+    monkeypatch.setenv("OSCAR_VLLM_DIRECT_TIERS", direct)
     monkeypatch.setattr("sys.argv", ["cpu_vllm_decode_ops.py", "--batch", "1", "--history", "256",
                                      "--key-mean", key_mean])
     load_script("cpu_vllm_decode_ops").main()

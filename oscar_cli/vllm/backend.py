@@ -341,7 +341,8 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
         if self.core is None:
             idx = layout.layer_index(layer.layer_name)
             kernels = TritonKernels(pdl=debug.pdl_override(), torch_rotate=debug.torch_rotate_forced(),
-                                    fused_write=debug.fused_write(), fused_gather=debug.fused_gather())
+                                    fused_write=debug.fused_write(), fused_gather=debug.fused_gather(),
+                                    direct_tiers=debug.direct_tiers())
             self.key_bits = self.rt.settings.key_bits(idx)
             self.core = PagedInt2Layer(self.rt.layers[idx], self.rt.settings, self.rt.num_rows, self.num_heads,
                                        self.num_kv_heads, self.head_size, self.rt.block_size, query.dtype,

@@ -272,35 +272,50 @@ class TritonKernels:
     every K/V rotation in torch (cuBLAS), not only those above :data:`ROTATE_TRITON_MAX_ROWS` tokens;
     ``fused_write``: a step's K pages, V pages and tiers in one launch (:meth:`write_step`; the engine's default,
     ``OSCAR_VLLM_FUSED_WRITE=0`` turns it off); ``fused_gather``: the decode's query rotation in the tier gather's
-    launch (:meth:`tier_gather` with a query, :meth:`decode` with ``q_rot``; ``OSCAR_VLLM_FUSED_GATHER=1``)."""
+    launch (:meth:`tier_gather` with a query, :meth:`decode` with ``q_rot``; ``OSCAR_VLLM_FUSED_GATHER=1``);
+    ``direct_tiers``: no gather at all: the decode's stage 1 reads the tiers in place (``ops.TierIndex``) and the
+    query rotation runs in the K/V rotation's launch (:meth:`rotate_kv` with a query, when the batch is rotated by
+    the kernel; ``OSCAR_VLLM_DIRECT_TIERS=1``)."""
 
     def __init__(self, decode_config: object | None = None, pdl: bool | None = None,
-                 torch_rotate: bool = False, fused_write: bool = True, fused_gather: bool = False) -> None:
+                 torch_rotate: bool = False, fused_write: bool = True, fused_gather: bool = False,
+                 direct_tiers: bool = False) -> None:
         self.config = decode_config
         self.pdl = pdl
         self.torch_rotate = torch_rotate
         self.fused_write = fused_write
         self.fused_gather = fused_gather
+        self.direct_tiers = direct_tiers
+
+    def rotates_query(self, num_tokens: int) -> bool:
+        """Whether :meth:`rotate_kv` of a ``num_tokens`` batch takes the decode's query rotation (``direct_tiers``
+        and the batch rotated by ``ops.rotate_kv``, not cuBLAS)."""
+        return self.direct_tiers and not rotates_in_torch(num_tokens, self.torch_rotate)
 
     def write_step(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
                    slots: torch.Tensor, k_mean: torch.Tensor, k_clip: float, v_mean: torch.Tensor, v_clip: float,
                    tiers: Tiers, tier_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                    exclusive_words: bool, k_low: torch.Tensor | None) -> None:
         """The K write, the V write and the tier write in one launch (``ops.write_step``: the bytes of
-        :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`)."""
+        :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`). With ``direct_tiers`` the
+        decode's stage 1 comes next: the launch lets it start early (PDL), as the decode's own first launch does."""
         from oscar_kernels import ops
 
+        pdl = self.direct_tiers and (self.pdl if self.pdl is not None else bool(getattr(self.config, "pdl", True)))
         ops.write_step(kr, vr, k_pages, v_pages, slots, tiers, *tier_index, k_mean=k_mean, v_mean=v_mean,
                        k_clip=0.0 if k_low is not None else k_clip, v_clip=v_clip, exclusive_words=exclusive_words,
-                       k_low=k_low)
+                       k_low=k_low, pdl=pdl)
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                  dtype: torch.dtype, query: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query``: an ``ops.GatherQuery`` rotated in the same launch (only when :meth:`rotates_query`)."""
         if rotates_in_torch(int(k.shape[0]), self.torch_rotate):
+            if query is not None:
+                raise ValueError(f"rotate_kv: a query with a batch of {int(k.shape[0])} tokens rotated by torch")
             return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
         from oscar_kernels import ops
 
-        return ops.rotate_kv(k, v, r_k, r_v, dtype=dtype)
+        return ops.rotate_kv(k, v, r_k, r_v, dtype=dtype, query=query)  # type: ignore[arg-type]
 
     def quantize_write(self, x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, mean: torch.Tensor,
                        clip: float, layout: str, exclusive_words: bool = False) -> None:
@@ -347,10 +362,11 @@ class TritonKernels:
                hist_len: torch.Tensor, sink: tuple[torch.Tensor, torch.Tensor], sink_len: torch.Tensor,
                recent: tuple[torch.Tensor, torch.Tensor], recent_len: torch.Tensor, t: LayerTensors, scale: float,
                out: torch.Tensor | None, rope: object | None = None, low: torch.Tensor | None = None,
-               q_rot: torch.Tensor | None = None) -> torch.Tensor:
+               q_rot: torch.Tensor | None = None, tier_index: object | None = None) -> torch.Tensor:
         """``rope``: an ``ops.RopeMean`` (keys centred by position: stage 1 adds their logit term); ``low``: INT4
         keys' low plane, paged like the key codes (``ops.LowPlane(low)``); ``q_rot``: the queries already rotated
-        and scaled (:meth:`tier_gather`'s query): two launches instead of three."""
+        and scaled (:meth:`tier_gather`'s or :meth:`rotate_kv`'s query): two launches instead of three;
+        ``tier_index``: an ``ops.TierIndex``, the tiers (``sink``, ``recent``) read in place."""
         from oscar_kernels import ops
 
         cfg = self.config or ops.default_config(int(q.shape[0]), rope_mean=rope is not None)
@@ -359,7 +375,8 @@ class TritonKernels:
         return ops.DecodePlan(q, k_pages, v_pages, table, hist_len, sink[0], sink[1], sink_len, recent[0], recent[1],
                               recent_len, rotation_k=t.k_rotation, rotation_v=t.v_rotation, mean_v=t.v_mean,
                               sm_scale=scale, config=cfg, out=out, rope_mean=rope,  # type: ignore[arg-type]
-                              low_plane=None if low is None else ops.LowPlane(low), q_rot=q_rot).run()
+                              low_plane=None if low is None else ops.LowPlane(low), q_rot=q_rot,
+                              tier_index=tier_index).run()  # type: ignore[arg-type]
 
 
 _GATHERED: dict[tuple[object, ...], Tiers] = {}
@@ -435,10 +452,23 @@ class PagedInt2Layer:
             self.rope_matrix = m.permute(1, 0, 2).reshape(head_dim, num_kv_heads * head_dim).to(self.sink_k.device)
 
     # ------------------------------------------------------------------ transforms
-    def rotate(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(self, key: torch.Tensor, value: torch.Tensor, q: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``key @ R_K``, ``value @ R_V`` (``[N, H_kv, D]``, any row strides) in float32, cast to the activation dtype
-        (what the reference cache stores): ``kernels.rotate_kv``."""
-        return self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act)
+        (what the reference cache stores): ``kernels.rotate_kv``. ``q``: the step's decode queries ``[B, H_q, D]``;
+        when the kernels take them in the same launch (``direct_tiers``), the third result is their rotation
+        for :meth:`decode` (else None: the decode rotates them itself)."""
+        rotates_query = getattr(self.kernels, "rotates_query", None)
+        if q is None or not q.shape[0] or rotates_query is None or not rotates_query(int(key.shape[0])):
+            kr, vr = self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act)
+            return kr, vr, None
+        from oscar_kernels.ops import GatherQuery, query_scale
+
+        q_rot = torch.empty_like(q)
+        query = GatherQuery(q, self.t.k_rotation, q_rot, query_scale(self.scale, self.d))
+        kr, vr = self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act,
+                                        query=query)  # type: ignore[call-arg]
+        return kr, vr, q_rot
 
     def key_means(self, pos: torch.Tensor, st: Step | None = None) -> torch.Tensor:
         """``a·RoPE_p(k_mean_pre)·R_K`` float32 ``[n, H_kv, D]`` for int64 positions ``pos [n]`` (keys centred by
@@ -501,10 +531,27 @@ class PagedInt2Layer:
     # ------------------------------------------------------------------ decode
 
     def decode(self, q: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows, st: Step,
-               out: torch.Tensor | None = None, k_low: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, k_low: torch.Tensor | None = None,
+               q_rot: torch.Tensor | None = None) -> torch.Tensor:
         """``q [B, H_q, D]`` (post-RoPE, unrotated) of the step's ``B = st.num_decodes`` first requests -> attention
-        output ``[B, H_q, D]`` in the model's space."""
+        output ``[B, H_q, D]`` in the model's space. ``q_rot``: ``q`` rotated and scaled already (:meth:`rotate`'s
+        third result). With ``kernels.direct_tiers`` the decode reads the tiers in place (no gather launch)."""
         b = int(q.shape[0])
+        table = st.block_table[:b, self.s.sink // self.block_size:]
+        rope = None
+        if self.rope is not None:
+            from oscar_kernels.ops import RopeMean
+
+            assert self.t.k_mean_pre is not None
+            rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
+        if getattr(self.kernels, "direct_tiers", False):
+            from oscar_kernels.ops import TierIndex
+
+            index = TierIndex(st.rows[:b], st.ring_index[:b], self.t.k_mean, self.t.v_mean)
+            return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (self.sink_k, self.sink_v),
+                                       st.sink_len[:b], (self.ring_k, self.ring_v), st.recent_len[:b], self.t,
+                                       self.scale, out, rope, low=self._low(k_low), q_rot=q_rot,
+                                       tier_index=index)  # type: ignore[call-arg]
         g = self.gathered
         bufs = (g[0][:b], g[1][:b], g[2][:b], g[3][:b]) if b <= self.scratch else None
         q_rot = None
@@ -516,13 +563,6 @@ class PagedInt2Layer:
             extra["query"] = GatherQuery(q, self.t.k_rotation, q_rot, query_scale(self.scale, self.d))
         sink_k, sink_v, rec_k, rec_v = self.kernels.tier_gather(self.tiers, st.rows[:b], st.ring_index[:b],
                                                                 self.t.k_mean, self.t.v_mean, bufs, **extra)
-        table = st.block_table[:b, self.s.sink // self.block_size:]
-        rope = None
-        if self.rope is not None:
-            from oscar_kernels.ops import RopeMean
-
-            assert self.t.k_mean_pre is not None
-            rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
         return self.kernels.decode(q, k_pages, v_pages, table, st.hist_len[:b], (sink_k, sink_v), st.sink_len[:b],
                                    (rec_k, rec_v), st.recent_len[:b], self.t, self.scale, out, rope,
                                    low=self._low(k_low), **({"q_rot": q_rot} if q_rot is not None else {}))
@@ -581,10 +621,10 @@ class PagedInt2Layer:
         (first ``st.num_decodes`` tokens, INT2 kernel) and each prefill chunk; fills ``out [N, H_q, D]``.
         ``k_low``: the keys' low plane of a layer with INT4 keys (:func:`oscar_cli.vllm.layout.carve_low_plane`)."""
         n, nd = st.num_tokens, st.num_decodes
-        kr, vr = self.rotate(key[:n], value[:n])
+        kr, vr, q_rot = self.rotate(key[:n], value[:n], q[:nd])
         self.write(kr, vr, k_pages, v_pages, st, k_low)
         if nd:
-            self.decode(q[:nd], k_pages, v_pages, st, out=out[:nd], k_low=k_low)
+            self.decode(q[:nd], k_pages, v_pages, st, out=out[:nd], k_low=k_low, q_rot=q_rot)
         for (_, qs, qe, _), o in zip(st.prefills, self.prefill(q, kr, vr, k_pages, v_pages, st, attend, k_low),
                                      strict=True):
             out[qs:qe] = o

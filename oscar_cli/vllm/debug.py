@@ -14,6 +14,10 @@
   or unset: one launch, the measured default: docs/VLLM.md).
 - ``OSCAR_VLLM_FUSED_GATHER=1``: the decode's query rotation runs in the tier gather's launch, so the decode plan
   makes two launches instead of three (the same bits; ``0`` or unset: its own launch, until it is measured on a GPU).
+- ``OSCAR_VLLM_DIRECT_TIERS=1``: no tier gather: the decode's stage 1 reads the sink and ring rows where the layer
+  keeps them (``ops.TierIndex``, the same centring and order, so the same bits) and the query rotation runs in the
+  K/V rotation's launch: four launches per layer and decode step instead of six (takes precedence over
+  ``OSCAR_VLLM_FUSED_GATHER``; ``0`` or unset: the gather, until it is measured on a GPU).
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
@@ -56,6 +60,7 @@ def pdl_override() -> bool | None:
 TORCH_ROTATE_ENV = "OSCAR_VLLM_TORCH_ROTATE"
 FUSED_WRITE_ENV = "OSCAR_VLLM_FUSED_WRITE"
 FUSED_GATHER_ENV = "OSCAR_VLLM_FUSED_GATHER"
+DIRECT_TIERS_ENV = "OSCAR_VLLM_DIRECT_TIERS"
 
 
 def torch_rotate_forced() -> bool:
@@ -68,6 +73,10 @@ def fused_write() -> bool:
 
 def fused_gather() -> bool:
     return switch(FUSED_GATHER_ENV) is True
+
+
+def direct_tiers() -> bool:
+    return switch(DIRECT_TIERS_ENV) is True
 
 
 def steps_enabled() -> bool:
