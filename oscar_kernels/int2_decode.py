@@ -408,20 +408,29 @@ def _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_
 @triton.jit
 def _prefetch_tier_rows(b, h, part, sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                         rk2_ptr, rv2_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr,
-                        D: tl.constexpr, BLOCK_NB: tl.constexpr, TIER_PARTS: tl.constexpr):
+                        D: tl.constexpr, BLOCK_NB: tl.constexpr, TIER_PARTS: tl.constexpr,
+                        rows_ptr, ridx_ptr, stride_ib, DIRECT: tl.constexpr):
     """Start the DRAM -> L2 transfer of the BF16 rows (K and V) of tier range ``part`` (see :func:`_bf16_tiers`)
-    before stage 1 waits for the q rotation (``PREFETCH``)."""
+    before stage 1 waits for the q rotation (``PREFETCH``). ``DIRECT``: the rows where the backend keeps them, through
+    ``rows[b]`` and ``ring_index[b]`` (the step's metadata, written before the layer's launches: safe to read before
+    the wait; a ring row the previous launch is writing is only fetched early, L2 being where its writes land)."""
     n_sink = tl.load(sink_len_ptr + b)
     n_all = n_sink + tl.load(recent_len_ptr + b)
     start, end = _part_range(n_all, part, TIER_PARTS, BLOCK_NB)
     lines = tl.arange(0, (D * 2 + 127) // 128) * 64  # one pointer per 128-byte line of a row (2-byte elements)
+    if DIRECT:
+        row = tl.load(rows_ptr + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
     for t0 in range(start, end, BLOCK_NB):
         t = tl.minimum(t0 + tl.arange(0, BLOCK_NB), end - 1)
         in_sink = t < n_sink
         srow = tl.where(in_sink, t, 0)
         rrow = tl.where(in_sink, 0, t - n_sink)
-        soff = b * stride_sb + h * stride_sh + srow * stride_st
-        roff = b * stride_rb + h * stride_rh + rrow * stride_rt
+        if DIRECT:
+            rrow = tl.load(ridx_ptr + b.to(tl.int64) * stride_ib + rrow)
+        soff = row * stride_sb + h * stride_sh + srow * stride_st
+        roff = row * stride_rb + h * stride_rh + rrow * stride_rt
         off = tl.where(in_sink, soff, roff)[:, None] + lines[None, :]
         kp = tl.where(in_sink[:, None], sk_ptr + off, rk2_ptr + off)
         vp = tl.where(in_sink[:, None], sv_ptr + off, rv2_ptr + off)
@@ -860,10 +869,10 @@ def _decode_stage1_kernel(
             _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
                                  hist_len_ptr, D, BLOCK_N, PAGED, PAGE, VROW)
-        elif not DIRECT_TIERS:  # (in place, the rows are not where this would look, and this step writes them)
+        else:
             _prefetch_tier_rows(b, h, sp - num_splits, sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                                 rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr, D, BLOCK_NB,
-                                TIER_PARTS)
+                                TIER_PARTS, tier_rows_ptr, ring_idx_ptr, stride_ib, DIRECT_TIERS)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if sp < num_splits:
