@@ -207,9 +207,17 @@ vjoin)  # vLLM wheels -> /tmp/vsite
 vllm)  # vllm NAME LIMIT_S ARGS... : one gpu_vllm_bench.py run (engine) with a time limit
     [ $# -ge 4 ] || usage
     name=$2; lim=$3; shift 3
-    PYTHONPATH=/tmp/vsite:/tmp/site timeout "$lim" python3 scripts/gpu_vllm_bench.py "$@" --out /tmp/res/vllm.json \
+    # each engine's records also in their own file (a repeated engine overwrites its keys in the merged one)
+    PYTHONPATH=/tmp/vsite:/tmp/site timeout "$lim" python3 scripts/gpu_vllm_bench.py "$@" --out /tmp/res/vllm-$name.json \
         > /tmp/res/vllm-$name.log 2>&1
-    echo "$name rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^(oscar|\{|  )|Error|error" /tmp/res/vllm-$name.log | grep -v Warning | tail -25
+    rc=$?; python3 - "$name" <<'PY'
+import json, pathlib, sys
+one, merged = pathlib.Path(f"/tmp/res/vllm-{sys.argv[1]}.json"), pathlib.Path("/tmp/res/vllm.json")
+if one.exists():
+    m = json.loads(merged.read_text()) if merged.exists() else {}
+    merged.write_text(json.dumps(m | json.loads(one.read_text()), indent=1))
+PY
+    echo "$name rc=$rc $(( $(date +%s) - t0 )) s"; grep -E "^(oscar|\{|  )|Error|error" /tmp/res/vllm-$name.log | grep -v Warning | tail -25
     ;;
 ablate)  # #21 / #18 item 2: levers on the real head_dim-128 model, same prompts and seeds (docs/RESULTS.md)
     qablate abl ablation-qwen2.5-coder-1.5b-h200 ablation-qwen "${2:-420}" \
