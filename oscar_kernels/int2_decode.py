@@ -728,16 +728,23 @@ def _online_bf16_segment(qt, k_base, v_base, stride_t, n, m_i, l_i, acc, D: tl.c
         tok = n0 + tl.arange(0, BLOCK_NB)
         valid = tok < n
         k = tl.load(k_base + tok[:, None] * stride_t + cols[None, :], mask=valid[:, None], other=0.0).to(ACT)
-        s = tl.dot(k, qt)
-        s = tl.where(valid[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
+        p, alpha, m_i, l_i = _online_scores(k, qt, valid, m_i, l_i)
         vt = tl.load(v_base + tok[None, :] * stride_t + cols[:, None], mask=valid[None, :], other=0.0).to(ACT)
         acc = tl.dot(vt, p.to(ACT), acc * alpha[None, :])
-        m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _online_scores(k, qt, valid, m_i, l_i):
+    """The scores half of one BF16-tier tile's online-softmax update: ``p`` ``[BLOCK_NB, GP]`` (rows past ``valid``
+    0), the rescale ``alpha`` of the running sums, the new running max and sum; the caller loads the V tile after
+    this (the order the measured kernels have: the V tile is not live during the first dot)."""
+    s = tl.dot(k, qt)
+    s = tl.where(valid[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
 
 
 @triton.jit
@@ -758,16 +765,10 @@ def _online_tier_rows(qt, k_base, v_base, stride_t, slot_ptr, n, km, vm, m_i, l_
         roff = row * stride_t
         k = tl.load(k_base + roff[:, None] + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         k = tl.where(valid[:, None], k - km[None, :], 0.0).to(ACT)
-        s = tl.dot(k, qt)
-        s = tl.where(valid[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
+        p, alpha, m_i, l_i = _online_scores(k, qt, valid, m_i, l_i)
         vt = tl.load(v_base + roff[None, :] + cols[:, None], mask=valid[None, :], other=0.0).to(tl.float32)
         vt = tl.where(valid[None, :], vt - vm[:, None], 0.0).to(ACT)
         acc = tl.dot(vt, p.to(ACT), acc * alpha[None, :])
-        m_i = m_new
     return m_i, l_i, acc
 
 
