@@ -188,7 +188,8 @@ def test_triton_kernels_rotate_up_to_the_threshold_then_torch(monkeypatch: pytes
     ``torch_rotate``, the twin's) above it or everywhere with ``torch_rotate=True`` (``OSCAR_VLLM_TORCH_ROTATE=1``)."""
     calls: list[int] = []
 
-    def fake(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor, *, dtype: torch.dtype):
+    def fake(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor, *, dtype: torch.dtype,
+             query: object = None):
         calls.append(int(k.shape[0]))
         return torch.zeros(k.shape, dtype=dtype), torch.zeros(v.shape, dtype=dtype)
 

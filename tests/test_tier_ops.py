@@ -277,7 +277,9 @@ class _Record:
 
 
 class _TritonTiers(_Record, TritonKernels):
-    pass
+    def __init__(self) -> None:
+        TritonKernels.__init__(self, fused_write=False)  # the tier write its own launch (the page writes are stubbed)
+        _Record.__init__(self)
 
 
 class _TorchTiers(_Record, TorchTiers):

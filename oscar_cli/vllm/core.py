@@ -290,7 +290,7 @@ class TritonKernels:
     def rotates_query(self, num_tokens: int) -> bool:
         """Whether :meth:`rotate_kv` of a ``num_tokens`` batch takes the decode's query rotation (``direct_tiers``
         and the batch rotated by ``ops.rotate_kv``, not cuBLAS)."""
-        return getattr(self, "direct_tiers", False) and not rotates_in_torch(num_tokens, self.torch_rotate)
+        return self.direct_tiers and not rotates_in_torch(num_tokens, self.torch_rotate)
 
     def write_step(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
                    slots: torch.Tensor, k_mean: torch.Tensor, k_clip: float, v_mean: torch.Tensor, v_clip: float,
@@ -301,7 +301,7 @@ class TritonKernels:
         decode's stage 1 comes next: the launch lets it start early (PDL), as the decode's own first launch does."""
         from oscar_kernels import ops
 
-        pdl = getattr(self, "direct_tiers", False) and (self.pdl if self.pdl is not None else bool(getattr(self.config, "pdl", True)))
+        pdl = self.direct_tiers and (self.pdl if self.pdl is not None else bool(getattr(self.config, "pdl", True)))
         ops.write_step(kr, vr, k_pages, v_pages, slots, tiers, *tier_index, k_mean=k_mean, v_mean=v_mean,
                        k_clip=0.0 if k_low is not None else k_clip, v_clip=v_clip, exclusive_words=exclusive_words,
                        k_low=k_low, pdl=pdl)
@@ -315,8 +315,6 @@ class TritonKernels:
             return torch_rotate(k, r_k, dtype), torch_rotate(v, r_v, dtype)
         from oscar_kernels import ops
 
-        if query is None:
-            return ops.rotate_kv(k, v, r_k, r_v, dtype=dtype)
         return ops.rotate_kv(k, v, r_k, r_v, dtype=dtype, query=query)  # type: ignore[arg-type]
 
     def quantize_write(self, x: torch.Tensor, cache: QuantizedRows, slots: torch.Tensor, mean: torch.Tensor,
