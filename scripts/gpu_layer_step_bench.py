@@ -9,7 +9,9 @@ No vLLM: the backend's own layer object and kernels, at the engine's shapes (Qwe
 D 128, pages of 16 tokens, bf16, sink 64 and recent 256 tokens, batch-1 decode by default) over an INT2 history of
 ``--ctx`` tokens (random codes, valid metadata: speed does not depend on the values). A graph holds ``--layers``
 forwards (36: one step's worth of layers, all the same layer), replayed ``--repeats`` times per variant, the
-variants interleaved; the figure is the median µs per forward. A step of the engine pays this per layer plus what
+variants interleaved; the figure is the median µs per forward. The forwards of a graph go through ``--distinct``
+layers (36: each its own pages, tiers and rotation state, as in the engine, so a layer's rows are not still in L2
+from the forward before; 1 re-runs the same layer). A step of the engine pays this per layer plus what
 the layer does not do (weights, norms, sampling): the differences between variants are what the engine's TPOT
 moves by, times the number of layers.
 
@@ -44,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="decode requests in the step (default: %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     p.add_argument("--layers", type=int, default=36, help="forwards per CUDA graph (default: %(default)s)")
+    p.add_argument("--distinct", type=int, default=36,
+                   help="distinct layers the graph's forwards cycle through (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=7, help="graph replays per variant (default: %(default)s)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, wall clock")
@@ -55,7 +59,7 @@ def tokens(text: str) -> int:
     return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
 
 
-def build(variant: str, ctx: int, batch: int, dev: str, smoke: bool) -> Callable[[], object]:
+def build(variant: str, ctx: int, batch: int, dev: str, smoke: bool, seed: int = 0) -> Callable[[], object]:
     """A decode-only step of ``batch`` requests, each ``ctx`` tokens long, through one layer with ``variant``'s
     kernels; returns the forward (call it to run the step again: the same token rewritten, the same decode)."""
     import torch
@@ -65,7 +69,7 @@ def build(variant: str, ctx: int, batch: int, dev: str, smoke: bool) -> Callable
     from oscar_kernels import ops
 
     d, hkv, hq, page, sink, recent = (64, 2, 4, 16, 4, 16) if smoke else (128, 8, 32, 16, 64, 256)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     rk = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float()
     rv = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0].float()
     tensors = layout.LayerTensors(k_rotation=rk, v_rotation=rv, k_mean=0.1 * torch.randn(hkv, d, generator=gen),
@@ -80,7 +84,8 @@ def build(variant: str, ctx: int, batch: int, dev: str, smoke: bool) -> Callable
     layer = PagedInt2Layer(tensors, s, rows, hq, hkv, d, page, act, dev, kernels=kernels)
     nb = -(-ctx // page) + 1
     slot_bytes = d // 2 + 8  # K and V codes, bf16 scale and zero of each
-    kv = torch.randint(0, 256, (batch * nb + 1, page, hkv, slot_bytes), dtype=torch.uint8, generator=gen).to(dev)
+    kv = torch.randint(0, 256, (batch * nb + 1, page, hkv, slot_bytes), dtype=torch.uint8, device=dev,
+                       generator=torch.Generator(device=dev).manual_seed(seed))
     kp, vp = layout.carve_pages(kv, d)
     for pages in (kp, vp):  # valid metadata (random bytes would make NaN and infinity scales)
         pages.scale.fill_(0.02)
@@ -104,23 +109,26 @@ def build(variant: str, ctx: int, batch: int, dev: str, smoke: bool) -> Callable
     return step
 
 
-def time_graphs(steps: dict[str, Callable[[], object]], layers: int, repeats: int) -> dict[str, list[float]]:
-    """µs per forward for each replay of each variant's graph of ``layers`` forwards, the variants interleaved."""
+def time_graphs(steps: dict[str, list[Callable[[], object]]], layers: int, repeats: int) -> dict[str, list[float]]:
+    """µs per forward for each replay of each variant's graph of ``layers`` forwards (cycling through the variant's
+    distinct layers), the variants interleaved."""
     import torch
 
     graphs = {}
-    for name, fn in steps.items():
-        fn()  # compile outside the capture
+    for name, fns in steps.items():
+        for fn in fns:
+            fn()  # compile outside the capture
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn()
+            for fn in fns:
+                fn()
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for _ in range(layers):
-                fn()
+            for i in range(layers):
+                fns[i % len(fns)]()
         g.replay()
         torch.cuda.synchronize()
         graphs[name] = g
@@ -136,13 +144,14 @@ def time_graphs(steps: dict[str, Callable[[], object]], layers: int, repeats: in
     return times
 
 
-def time_wall(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def time_wall(steps: dict[str, list[Callable[[], object]]], repeats: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        for name, fn in steps.items():
+        for name, fns in steps.items():
             t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e6)
+            for fn in fns:
+                fn()
+            times[name].append((time.perf_counter() - t0) * 1e6 / len(fns))
     return times
 
 
@@ -163,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ctxs = [64] if args.smoke else [tokens(c) for c in args.ctx.split(",")]
     rows: list[dict[str, Any]] = []
     for ctx in ctxs:
-        steps = {v: build(v, ctx, args.batch, dev, args.smoke) for v in variants}
+        n = 2 if args.smoke else max(1, min(args.distinct, args.layers))
+        steps = {v: [build(v, ctx, args.batch, dev, args.smoke, seed=i) for i in range(n)] for v in variants}
         times = time_wall(steps, 2) if args.smoke else time_graphs(steps, args.layers, args.repeats)
         for v in variants:
             us = statistics.median(times[v])
