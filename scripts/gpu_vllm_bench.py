@@ -156,7 +156,8 @@ class DecodePlan:
     usable_blocks: int
 
 
-def plan_decode(kv_blocks: int, block_size: int, ctx: int, chunk: int, window: int) -> DecodePlan:
+def plan_decode(kv_blocks: int, block_size: int, ctx: int, chunk: int, window: int,
+                max_requests: int = 0) -> DecodePlan:
     """The largest batch of ``ctx``-token prompts whose whole sequences fit the pool, with ``out_tokens`` such that
     every request is still decoding ``window`` steps after the last prompt's prefill.
 
@@ -165,6 +166,7 @@ def plan_decode(kv_blocks: int, block_size: int, ctx: int, chunk: int, window: i
     steps f_last + 1 .. f_last + window decode all n requests and nothing else. A request holds at most
     ``ceil((ctx + out_tokens) / block_size)`` blocks; vLLM's pool keeps one of ``kv_blocks`` as its null block
     (vllm/v1/core/block_pool.py:191). out_tokens grows with n, so the fit is monotone in n (bisection).
+    ``max_requests`` (> 0) caps n below what fits: a run whose prefill at full capacity would not finish in time.
     """
     if window < 1:
         raise ValueError(f"the decode window must be >= 1 step, got {window}")
@@ -183,6 +185,8 @@ def plan_decode(kv_blocks: int, block_size: int, ctx: int, chunk: int, window: i
         raise ValueError(f"one {ctx}-token request with {one.out_tokens} output tokens needs "
                          f"{one.blocks_per_request} blocks of {block_size} tokens; the pool has {max(usable, 0)}")
     lo, hi = 1, min(chunk, usable // one.blocks_per_request)  # lo fits; nothing above hi can
+    if max_requests > 0:
+        hi = max(1, min(hi, max_requests))
     best = one
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -677,6 +681,14 @@ def decode(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list
         where = f"--stage decode at {ctx} tokens"
         try:
             plan = plan_decode(facts["kv_blocks"], facts["block_size"], ctx, args.chunk, args.decode_window)
+            if 0 < args.decode_max_requests < plan.n:  # the full plan's n is recorded next to the capped run's
+                full = plan.n
+                plan = plan_decode(facts["kv_blocks"], facts["block_size"], ctx, args.chunk, args.decode_window,
+                                   args.decode_max_requests)
+                print(f"[decode {ctx}] --decode-max-requests {args.decode_max_requests}: {plan.n} of the {full} "
+                      "requests the pool holds", flush=True)
+            else:
+                full = plan.n
         except ValueError as e:
             raise SystemExit(f"{where}: {e}") from None
         if plan.n > args.max_num_seqs:
@@ -709,7 +721,8 @@ def decode(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list
             rec["profile_dir"] = str(args.profile_dir)
         rec |= {"out_tokens": plan.out_tokens, "window": plan.window, "planned_first_token_steps":
                 list(plan.first_token_steps), "blocks_per_request": plan.blocks_per_request,
-                "decode_graph_batch": graph_batch(llm, plan.n, args.max_num_seqs), "estimated_prefill_s": est}
+                "decode_graph_batch": graph_batch(llm, plan.n, args.max_num_seqs), "estimated_prefill_s": est,
+                "requests_that_fit": full}
         fb = rec["full_batch"]
         print(f"[decode {ctx}] batch {plan.n}, {plan.out_tokens} out: prefill phase {rec['prefill_s']:.1f} s; "
               + window_line("full batch", fb) + "; " + window_line("decode phase", rec["decode_phase"]), flush=True)
@@ -786,6 +799,9 @@ def main() -> None:
                          "--profile-dir; 8 steps after the last prefill; those steps are left out of the windows)")
     ap.add_argument("--decode-window", type=int, default=128,
                     help="--stage decode: full-batch pure-decode steps after the last prefill")
+    ap.add_argument("--decode-max-requests", type=int, default=0,
+                    help="--stage decode: at most this many requests (0: as many as the pool holds; the record "
+                    "keeps both counts): for a length whose prefill at capacity would outlast the call")
     ap.add_argument("--decode-max-prefill-s", type=float, default=0.0,
                     help="--stage decode: skip a ctx whose estimated prefill (n x the TTFT the tpot stage measured "
                     "earlier in this call) exceeds this many seconds (0: never skip)")

@@ -57,6 +57,16 @@ def test_plan_decode_refuses_a_pool_smaller_than_one_request(bench: Any) -> None
     assert p.n == 4 and p.out_tokens == 3
 
 
+@pytest.mark.parametrize("cap, n", [(1, 1), (3, 3), (5, 5), (6, 6), (7, 6), (0, 6)])
+def test_plan_decode_caps_the_requests_below_what_fits(bench: Any, cap: int, n: int) -> None:
+    # the exact fit for 6 above; a cap plans the same way for fewer requests (their own output length)
+    p = bench.plan_decode(25, 16, 32, 16, 4, cap)
+    q = bench.plan_decode(10**4, 16, 32, 16, 4, n)
+    assert p.n == n and (p.out_tokens, p.first_token_steps, p.blocks_per_request) == \
+        (q.out_tokens, q.first_token_steps, q.blocks_per_request)
+    assert p.first_token_steps[0] + p.out_tokens - 1 == p.first_token_steps[1] + p.window
+
+
 def test_plan_decode_at_the_measured_qwen3_8b_capacities(bench: Any) -> None:
     oscar = bench.plan_decode(bench.KV_TOKENS_MEASURED["oscar"] // 16, 16, 32768, 8192, 128)
     bf16 = bench.plan_decode(bench.KV_TOKENS_MEASURED["bf16"] // 16, 16, 32768, 8192, 128)
@@ -227,8 +237,8 @@ def test_decode_stage_plans_runs_guards_and_records(bench: Any, monkeypatch: pyt
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
         compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16]))))
     out = tmp_path / "v.json"
-    args = Namespace(chunk=16, decode_window=4, max_num_seqs=8, decode_max_prefill_s=0.0, vocab=100, out=out,
-                     decode_profile_steps=0)
+    args = Namespace(chunk=16, decode_window=4, max_num_seqs=8, decode_max_prefill_s=0.0, decode_max_requests=0,
+                     vocab=100, out=out, decode_profile_steps=0)
     facts = {"kv_blocks": 25, "block_size": 16, "kv_tokens": 400, "max_model_len": 64}
     bench.decode(args, llm, facts, [32], "m/b", 10, {})
     rec = json.loads(out.read_text())["m/b/decode/32"]
@@ -241,7 +251,14 @@ def test_decode_stage_plans_runs_guards_and_records(bench: Any, monkeypatch: pyt
     assert fb["tok_per_s"] == pytest.approx(600.0) and fb["kv_bytes_per_step"] == 6 * 32 * 10
     assert dp["steps"] > fb["steps"] and dp["mean_batch"] < 6  # then the batch drains
     assert bench.decode_steps(rec["step_log"]).tokens[:4] == [1, 1, 1, 2]  # r1's first token in step 5
-    assert rec["prefill_s"] == pytest.approx(15 * 0.05)
+    assert rec["prefill_s"] == pytest.approx(15 * 0.05) and rec["requests_that_fit"] == 6
+
+    # a cap on the requests: 4 of the 6 that fit, planned for 4 (first tokens in steps 2..9), both counts recorded
+    args.decode_max_requests = 4
+    bench.decode(args, llm, facts, [32], "m/b", 10, {})
+    rec = json.loads(out.read_text())["m/b/decode/32"]
+    assert (rec["batch"], rec["requests_that_fit"], rec["planned_first_token_steps"]) == (4, 6, [2, 9])
+    args.decode_max_requests = 0
 
     # the time guard: 6 requests x a 1.0 s TTFT > 5 s -> skipped, nothing recorded
     out.unlink()
@@ -307,8 +324,8 @@ def test_decode_stage_profiles_and_excludes(bench: Any, monkeypatch: pytest.Monk
         compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16]))),
         start_profile=lambda: calls.append("start"), stop_profile=lambda: calls.append("stop"))
     out = tmp_path / "v.json"
-    args = Namespace(chunk=16, decode_window=12, max_num_seqs=8, decode_max_prefill_s=0.0, vocab=100, out=out,
-                     decode_profile_steps=3, profile_dir=tmp_path / "prof")
+    args = Namespace(chunk=16, decode_window=12, max_num_seqs=8, decode_max_prefill_s=0.0, decode_max_requests=0,
+                     vocab=100, out=out, decode_profile_steps=3, profile_dir=tmp_path / "prof")
     facts = {"kv_blocks": 40, "block_size": 16, "kv_tokens": 640, "max_model_len": 64}
     bench.decode(args, llm, facts, [32], "m/b", 10, {})
     rec = json.loads(out.read_text())["m/b/decode/32"]
