@@ -32,7 +32,10 @@
 #       --profile-tokens 34: the trace holds the prefill and 33 decode steps;
 #       vllm dec-oscar 560 --stage capacity,tpot,decode --backend oscar --ctx 32k --max-num-seqs auto
 #       --kv-tokens-hint 5150656 --decode-max-prefill-s 330: decode throughput at capacity, docs/VLLM.md; add
-#       --profile-dir /tmp/prof --decode-profile-steps 6 and then `trace NAME 6` for 6 full-batch steps' kernels)
+#       --profile-dir /tmp/prof --decode-profile-steps 6 and then `trace NAME 6` for 6 full-batch steps' kernels;
+#       at 128K the 39 requests the pool holds take ~12 s of prefill each, more than a call: vllm dec128 590 --stage
+#       capacity,decode --backend oscar --ctx 128k --max-num-seqs auto --kv-tokens-hint 5150656
+#       --decode-max-requests 30, and the same for bf16 with --kv-tokens-hint 742512 (5 requests, no cap needed))
 #   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 33)
 #   bash scripts/gpu_session.sh ablate [S]    (after setup: scripts/ablate.py on GGUF, prose base, eval-kl at 4K and
 #                                              32,704 tokens, one lever per row, no row starts after S (420) seconds)
