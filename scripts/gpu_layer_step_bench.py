@@ -144,6 +144,21 @@ def time_graphs(steps: dict[str, list[Callable[[], object]]], layers: int, repea
     return times
 
 
+def same_outputs(steps: dict[str, list[Callable[[], object]]]) -> dict[str, bool]:
+    """Each variant's outputs, layer by layer, bitwise equal to the first variant's (the launch variants are the same
+    arithmetic in other launches: their outputs must not differ in a bit)."""
+    import torch
+
+    def outs(fns: list[Callable[[], object]]) -> list[torch.Tensor]:
+        return [torch.as_tensor(fn()).detach().clone() for fn in fns]
+
+    names = list(steps)
+    ref = outs(steps[names[0]])
+    return {v: all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ref, outs(steps[v]),
+                                                                                          strict=True))
+            for v in names}
+
+
 def time_wall(steps: dict[str, list[Callable[[], object]]], repeats: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
@@ -175,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         n = 2 if args.smoke else max(1, min(args.distinct, args.layers))
         steps = {v: [build(v, ctx, args.batch, dev, args.smoke, seed=i) for i in range(n)] for v in variants}
         times = time_wall(steps, 2) if args.smoke else time_graphs(steps, args.layers, args.repeats)
+        same = same_outputs(steps)
         for v in variants:
             us = statistics.median(times[v])
             rows.append({"variant": v, "ctx": ctx, "batch": args.batch, "us_per_layer": us,
-                         "us_repeats": times[v], "ms_per_step_at_layers": us * args.layers / 1000.0})
+                         "us_repeats": times[v], "ms_per_step_at_layers": us * args.layers / 1000.0,
+                         "same_output_as_first": same[v]})
             print(f"{v:24s} batch {args.batch} ctx {ctx:7d}: {us:8.2f} µs per layer "
-                  f"({us * args.layers / 1000.0:.3f} ms at {args.layers} layers)", flush=True)
+                  f"({us * args.layers / 1000.0:.3f} ms at {args.layers} layers)"
+                  + ("" if same[v] else f"; OUTPUT DIFFERS from {variants[0]}'s"), flush=True)
     result = {"env": {"torch": torch.__version__, "triton": triton.__version__, "interpret": args.smoke,
                       "device": torch.cuda.get_device_name() if not args.smoke else "cpu"},
               "args": vars(args), "results": rows}
