@@ -114,21 +114,11 @@ def time_graphs(steps: dict[str, list[Callable[[], object]]], layers: int, repea
     distinct layers), the variants interleaved."""
     import torch
 
+    from oscar_cli.bench.timing import capture_graph
+
     graphs = {}
     for name, fns in steps.items():
-        for fn in fns:
-            fn()  # compile outside the capture
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for fn in fns:
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(layers):
-                fns[i % len(fns)]()
+        g = capture_graph([fns[i % len(fns)] for i in range(layers)])
         g.replay()
         torch.cuda.synchronize()
         graphs[name] = g

@@ -681,14 +681,12 @@ def decode(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list
         where = f"--stage decode at {ctx} tokens"
         try:
             plan = plan_decode(facts["kv_blocks"], facts["block_size"], ctx, args.chunk, args.decode_window)
-            if 0 < args.decode_max_requests < plan.n:  # the full plan's n is recorded next to the capped run's
-                full = plan.n
+            full = plan.n  # recorded next to the capped run's
+            if 0 < args.decode_max_requests < full:
                 plan = plan_decode(facts["kv_blocks"], facts["block_size"], ctx, args.chunk, args.decode_window,
                                    args.decode_max_requests)
                 print(f"[decode {ctx}] --decode-max-requests {args.decode_max_requests}: {plan.n} of the {full} "
                       "requests the pool holds", flush=True)
-            else:
-                full = plan.n
         except ValueError as e:
             raise SystemExit(f"{where}: {e}") from None
         if plan.n > args.max_num_seqs:

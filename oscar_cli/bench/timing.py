@@ -22,20 +22,26 @@ def median_us(fn: Callable[[], Any], rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3
 
 
+def capture_graph(fns: Sequence[Callable[..., Any]]) -> torch.cuda.CUDAGraph:
+    """``fns`` captured back to back in one CUDA graph, after one warm run of them on a side stream (compiles and
+    allocator / cuBLAS workspaces outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return graph
+
+
 def graph_us(fns: Sequence[Callable[..., Any]], rep_ms: int = 100) -> float | None:
     """Median µs per call of ``fns`` captured back to back in one CUDA graph (None if capture fails)."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in fns:
-                f()
-        return median_us(graph.replay, rep_ms) / len(fns)
+        return median_us(capture_graph(fns).replay, rep_ms) / len(fns)
     except RuntimeError as exc:
         log.info("graph capture failed: %s", exc)
         torch.cuda.synchronize()
