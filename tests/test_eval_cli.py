@@ -71,6 +71,47 @@ def test_run_writes_outputs_and_resumes(tmp_path: Path, monkeypatch: pytest.Monk
     assert len((out / "samples.jsonl").read_text().splitlines()) == 8
 
 
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("seed", [7, 1234])
+def test_another_seed_runs_its_own_prompts_beside_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    first = _run(tmp_path, monkeypatch)
+    assert first["config"]["seed"] == 42
+    other = _run(tmp_path, monkeypatch, "--seed", str(seed))
+    assert other["evaluated"] == 8 and other["resumed"] == 0 and other["config"]["seed"] == seed
+    recs = _records(tmp_path / "out")
+    by_seed = {s: {(r["method"], r["task"], r["index"]): r["answers"] for r in recs if r["seed"] == s}
+               for s in (42, seed)}
+    assert len(recs) == 16 and len(by_seed[42]) == len(by_seed[seed]) == 8
+    assert by_seed[42] != by_seed[seed]  # other needles: another set of prompts
+    again = _run(tmp_path, monkeypatch)  # each seed's samples resume only for that seed
+    assert again["evaluated"] == 0 and again["resumed"] == 8 and again["scores"] == first["scores"]
+
+
+def test_another_haystack_reruns_the_essay_tasks_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _run(tmp_path, monkeypatch)  # niah_single_1 (noise haystack) and niah_multivalue (essay)
+    essay = {r["haystack"] for r in _records(tmp_path / "out") if r["task"] == "niah_multivalue"}
+    assert {r["haystack"] for r in _records(tmp_path / "out") if r["task"] == "niah_single_1"} == {""}
+    assert len(essay) == 1 and essay.pop().startswith("sha256:") and first["config"]["haystack"].startswith("sha256:")
+    (tmp_path / "prose" / "more.txt").write_text("Another text entirely, " * 400, encoding="utf-8")  # _run keeps it
+    second = _run(tmp_path, monkeypatch)
+    assert second["config"]["haystack"] != first["config"]["haystack"]
+    assert second["resumed"] == 4 and second["evaluated"] == 4  # niah_single_1 resumes, niah_multivalue reruns
+
+
+def test_records_from_before_the_seed_field_resume_as_seed_42(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(tmp_path, monkeypatch)
+    path = tmp_path / "out" / "samples.jsonl"
+    legacy = [{k: v for k, v in r.items() if k not in ("seed", "haystack")} for r in _records(tmp_path / "out")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in legacy))
+    assert _run(tmp_path, monkeypatch)["resumed"] == 8
+    assert _run(tmp_path, monkeypatch, "--seed", "5")["resumed"] == 0
+
+
 def test_length_beyond_context_runs_under_yarn_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = tiny_loaded(max_positions=1024)
     monkeypatch.setattr(models_mod, "load_model", as_loader(loaded))

@@ -61,7 +61,7 @@ def test_vllm_ruler_records_pair_with_samples_files(tmp_path: Path, capsys: pyte
     base = _write(tmp_path / "s.jsonl", "bf16", {("a", 32768, 0): 100.0, ("a", 32768, 1): 0.0, ("a", 32768, 2): 50.0})
     v = _vllm_json(tmp_path / "v.json", "tq3", {("a", 32768): [100.0, 100.0]})
     _vllm_json(tmp_path / "o.json", "oscar", {("a", 32768): [0.0]})
-    assert rp.load(f"{v}:tq3") == {("a", 32768, 0): 100.0, ("a", 32768, 1): 100.0}
+    assert rp.load(f"{v}:tq3") == {("a", 32768, 0, 42): 100.0, ("a", 32768, 1, 42): 100.0}
     assert rp.load(f"{v}:oscar") == {}  # another backend's records only
     assert rp.main([f"{base}:bf16", f"{v}:tq3"]) == 0
     # common: indices 0 and 1; differences 0 and +100: mean 50, s.e. sqrt(5000 / 1 / 2) = 50
@@ -73,3 +73,23 @@ def test_vllm_ruler_records_without_indices_are_refused(tmp_path: Path) -> None:
     v = _vllm_json(tmp_path / "v.json", "tq3", {("a", 4096): [100.0]}, indices=False)
     with pytest.raises(SystemExit, match="no per-sample indices"):
         rp.load(f"{v}:tq3")
+
+
+def test_rows_pair_only_within_a_seed_and_a_haystack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rp = load_script("ruler_paired")
+    rows = [
+        {"method": "bf16", "task": "a", "length": 1024, "index": 0, "score": 100.0},  # no seed field: 42
+        {"method": "bf16", "task": "a", "length": 1024, "index": 1, "score": 0.0, "seed": 42, "haystack": "sha256:x"},
+        {"method": "bf16", "task": "a", "length": 1024, "index": 2, "score": 0.0, "seed": 42, "haystack": "sha256:x"},
+        {"method": "oscar", "task": "a", "length": 1024, "index": 0, "score": 0.0, "seed": 42, "haystack": "sha256:x"},
+        {"method": "oscar", "task": "a", "length": 1024, "index": 1, "score": 100.0, "seed": 7},  # another seed
+        {"method": "oscar", "task": "a", "length": 1024, "index": 2, "score": 100.0, "seed": 42, "haystack": "sha256:y"},
+    ]
+    f = tmp_path / "s.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert set(rp.load(f"{f}:oscar")) == {("a", 1024, 0, 42), ("a", 1024, 1, 7), ("a", 1024, 2, 42)}
+    assert rp.main([f"{f}:bf16", f"{f}:oscar"]) == 0
+    out = capsys.readouterr().out
+    # index 0 pairs (a record without a digest pairs with any haystack); 1 is another seed; 2 two haystacks
+    assert "1 samples common to all 2 rows (1 left out: their rows were built on different haystacks)" in out
+    assert "| 1024 | 1 | 100.00 | 0.00 (-100.00 ± 0.00) |" in out

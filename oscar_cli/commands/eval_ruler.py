@@ -30,10 +30,12 @@ EXAMPLES = """
   oscar eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 3 --methods bf16,oscar \\
       --artifact artifacts/demo/smollm2-135m --out runs/demo-ruler   # the README demo (CPU, 1-2 minutes)
   oscar eval-ruler smollm2-135m --artifact ART --haystack-dir ~/prose --ctx 1k,2k,4k,8k --samples 50
+  oscar eval-ruler smollm2-135m --artifact ART --ctx 1k,2k --seed 7   # another set of prompts (default seed 42)
   oscar eval-ruler qwen2.5-coder-1.5b --artifact ART --ctx 4k,32k,128k    # 128K runs under YaRN x4 (a note says so)
   oscar eval-ruler --ctx 128k                       # the default model under YaRN x16; no artifact: oscar is left out
   oscar --json eval-ruler smollm2-135m --tasks niah_single_1 --ctx 1k --samples 2 --methods bf16
-  # rerunning the same command resumes: finished samples in OUT/samples.jsonl are skipped
+  # rerunning the same command resumes: finished samples in OUT/samples.jsonl are skipped (those of the same
+  # method and artifact, RoPE, seed and haystack)
 
 Writes samples.jsonl, summary.json and heatmap.png to --out, by default [bold]ruler-results/<model>[/bold]
 (e.g. ruler-results/smollm2-135m).
@@ -129,6 +131,11 @@ def eval_ruler(
             help="Folder of .txt prose for the essay haystacks (default: two public-domain books shipped with oscar).",
         ),
     ] = None,
+    seed: Annotated[
+        int,
+        typer.Option("--seed", help="Seed of the prompts (needles, answers, depths, haystack offsets): another seed is "
+                     "another set of prompts, kept apart from this one's in --out."),
+    ] = 42,
     out: Annotated[str, typer.Option("--out", help="Output folder (samples.jsonl, summary.json, heatmap.png); default: "
                               "ruler-results/<model>, e.g. ruler-results/smollm2-135m.", show_default=False)] = "",
     rope_scaling: RopeScalingOpt = None,
@@ -171,6 +178,7 @@ def eval_ruler(
         model=model,
         artifact=artifact,
         haystack_dir=haystack_dir,
+        seed=seed,
         out=out,
         rope_scaling=rope_scaling,
         rope_factor=rope_factor,

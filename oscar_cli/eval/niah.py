@@ -165,6 +165,14 @@ def shipped_haystack() -> list[str]:
     return [f.read_text(encoding="utf-8") for f in books]
 
 
+def essay_digest(words: list[str]) -> str:
+    """The identity of an essay haystack: ``sha256:`` and 16 hex digits of its words joined by single spaces
+    (what the prompts are built from, so file names and line breaks do not enter)."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(" ".join(words).encode("utf-8")).hexdigest()[:16]
+
+
 def load_essay_words(haystack_dir: str | Path | None) -> list[str]:
     """Whitespace-split words of every ``*.txt`` under ``haystack_dir`` (sorted by name), or of the shipped
     public-domain books when ``haystack_dir`` is None."""

@@ -36,6 +36,7 @@ from oscar_cli.eval.niah import (
     NiahSample,
     PromptBuilder,
     check_length,
+    essay_digest,
     fit_haystack,
     haystack_files,
     load_essay_words,
@@ -47,6 +48,7 @@ from oscar_cli.eval.scoring import match_all, postprocess
 logger = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
+DEFAULT_SEED = 42  # eval-ruler's --seed default: every committed samples file was built with it
 SUMMARY_FILE = "summary.json"
 HEATMAP_FILE = "heatmap.png"
 
@@ -71,7 +73,8 @@ class RulerConfig:
     dtype: str | None = None
     chunk_size: int = 4096
     max_new_tokens: int = 128
-    seed: int = 42
+    seed: int = DEFAULT_SEED  # with the haystack, fixes every prompt; part of the resume key
+    haystack: str = ""  # filled in: essay_digest of the essay haystack ("" when no chosen task has one)
     time_budget: float | None = None  # seconds; no new batch starts after it (the run stays resumable)
     bf16_windows: tuple[int, int] | None = None  # (S0, W) override for the per-token INT2 methods
     backend: str = "auto"  # auto | reference | triton (quant.runtime.attach: triton on CUDA where the kernels serve it)
@@ -122,6 +125,17 @@ def resume_key(rec: dict[str, Any]) -> tuple[str, str, str, str, int, int]:
         int(rec["length"]),
         int(rec["index"]),
     )
+
+
+def same_prompts(rec: dict[str, Any], cfg: RulerConfig) -> bool:
+    """Whether a record's prompt is the one this run builds for its (task, length, index): the same ``seed`` and,
+    for an essay task, the same haystack (:attr:`RulerConfig.haystack`). So another ``--seed`` or
+    ``--haystack-dir`` in the same ``--out`` runs its own prompts instead of resuming another set's answers.
+    Records written before these fields were kept match seed 42 (the only seed then) and any haystack."""
+    if int(rec.get("seed", DEFAULT_SEED)) != cfg.seed:
+        return False
+    have = rec.get("haystack")
+    return not have or TASKS[rec["task"]].haystack != "essay" or have == cfg.haystack
 
 
 def same_artifact(rec: dict[str, Any], digests: dict[str, str]) -> bool:
@@ -378,6 +392,8 @@ def run_method_samples(
                         "method_source": method.source,
                         "artifact_serving": method.digest,
                         "rope": rope,
+                        "seed": cfg.seed,
+                        "haystack": cfg.haystack if TASKS[sample.task].haystack == "essay" else "",
                         "task": sample.task,
                         "length": sample.length,
                         "index": sample.index,
@@ -417,7 +433,7 @@ def aggregate(
     bpe_meas: dict[tuple[str, int], list[float]] = defaultdict(list)
     ptoks: dict[int, list[int]] = defaultdict(list)
     for r in records:
-        if resume_key(r) in wanted and same_artifact(r, digests):
+        if resume_key(r) in wanted and same_artifact(r, digests) and same_prompts(r, cfg):
             cell[(r["method"], r["task"], int(r["length"]))].append(float(r["score"]))
             bpe_meas[(r["method"], int(r["length"]))].append(float(r.get("bpe_measured_batch", float("nan"))))
             ptoks[int(r["length"])].append(int(r["prompt_tokens"]))
@@ -498,6 +514,8 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         cfg.methods, note = default_methods(cfg.artifact)
         notes += [note] if note else []
     check_config(cfg)
+    if any(TASKS[t].haystack == "essay" for t in cfg.tasks):
+        cfg.haystack = essay_digest(load_essay_words(cfg.haystack_dir))
     t0 = time.perf_counter()
     if loaded is None:
         from oscar_cli.model import load_model
@@ -523,7 +541,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SAMPLES_FILE
-    done = {resume_key(r) for r in read_records(path) if same_artifact(r, digests)}
+    done = {resume_key(r) for r in read_records(path) if same_artifact(r, digests) and same_prompts(r, cfg)}
     rope = rope_tag(cfg)
     wanted = [
         (length, m, t, i) for length in cfg.lengths for m in cfg.methods for t in cfg.tasks for i in range(cfg.samples)
