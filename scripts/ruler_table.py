@@ -36,10 +36,12 @@ def _ctx(n: int) -> str:
 
 
 def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per eval-ruler resume key (the first)."""
+    """One record per eval-ruler resume key (the first): method, source, RoPE, task, length, index, and the prompt
+    set's seed (42 where unrecorded) and essay haystack digest; another seed's samples count as more samples."""
     seen, out = set(), []
     for r in records:
-        k = (r["method"], r.get("method_source", ""), r.get("rope", ""), r["task"], int(r["length"]), int(r["index"]))
+        k = (r["method"], r.get("method_source", ""), r.get("rope", ""), r["task"], int(r["length"]), int(r["index"]),
+             int(r.get("seed", 42)), r.get("haystack") or "")
         if k not in seen:
             seen.add(k)
             out.append(r)

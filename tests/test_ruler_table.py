@@ -56,6 +56,15 @@ def test_means_partial_cells_seconds_and_yarn_labels(tmp_path: Path) -> None:
     assert heat.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_another_seeds_samples_count_and_a_repeat_does_not() -> None:
+    rt = _rt()
+    recs = _full("bf16", 4096, 100.0)  # seed unrecorded: 42
+    recs += [{**r, "seed": 7, "score": 0.0} for r in _full("bf16", 4096, 100.0)]  # seed 7: other prompts
+    recs += [{**r, "seed": 7, "score": 100.0} for r in _full("bf16", 4096, 100.0)]  # seed 7 again: ignored
+    t = rt.tables(recs, samples=2)
+    assert t["n"]["bf16"][4096] == 32 and t["mean"]["bf16"][4096] == pytest.approx(50.0)
+
+
 def test_refuses_mixed_sources_and_ropes() -> None:
     rt = _rt()
     with pytest.raises(SystemExit, match="oscar has records from 2 sources"):
