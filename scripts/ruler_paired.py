@@ -80,8 +80,8 @@ def main(argv: list[str]) -> int:
         if not s:
             raise SystemExit(f"ruler_paired: no {spec.rpartition(':')[2]!r} records in {spec.rpartition(':')[0]}")
     common = sorted(set.intersection(*(set(s) for s in sets)))
-    mixed = [k for k in common if len(haystacks.get(k, ())) > 1]
-    common = [k for k in common if k not in set(mixed)]
+    mixed = {k for k in common if len(haystacks.get(k, ())) > 1}
+    common = [k for k in common if k not in mixed]
     print(f"{len(common)} samples common to all {len(sets)} rows"
           + (f" ({len(mixed)} left out: their rows were built on different haystacks)" if mixed else ""))
     print("| length | n | " + " | ".join(argv) + " |")

@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from oscar_cli.eval.ruler import read_records
+from oscar_cli.eval.ruler import prompt_set, read_records
 
 ORDER = ("bf16", "oscar", "kivi-2", "naive-int2", "quarot-int2")
 
@@ -41,7 +41,7 @@ def _dedupe(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     seen, out = set(), []
     for r in records:
         k = (r["method"], r.get("method_source", ""), r.get("rope", ""), r["task"], int(r["length"]), int(r["index"]),
-             int(r.get("seed", 42)), r.get("haystack") or "")
+             *prompt_set(r))
         if k not in seen:
             seen.add(k)
             out.append(r)

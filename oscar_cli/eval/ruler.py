@@ -127,15 +127,19 @@ def resume_key(rec: dict[str, Any]) -> tuple[str, str, str, str, int, int]:
     )
 
 
+def prompt_set(rec: dict[str, Any]) -> tuple[int, str]:
+    """The ``(seed, essay haystack digest)`` a record's prompt was built from; a record written before these fields
+    were kept gives 42 (the only seed then) and ``""`` (unknown haystack, as for a task without an essay)."""
+    return int(rec.get("seed", DEFAULT_SEED)), rec.get("haystack") or ""
+
+
 def same_prompts(rec: dict[str, Any], cfg: RulerConfig) -> bool:
     """Whether a record's prompt is the one this run builds for its (task, length, index): the same ``seed`` and,
     for an essay task, the same haystack (:attr:`RulerConfig.haystack`). So another ``--seed`` or
     ``--haystack-dir`` in the same ``--out`` runs its own prompts instead of resuming another set's answers.
-    Records written before these fields were kept match seed 42 (the only seed then) and any haystack."""
-    if int(rec.get("seed", DEFAULT_SEED)) != cfg.seed:
-        return False
-    have = rec.get("haystack")
-    return not have or TASKS[rec["task"]].haystack != "essay" or have == cfg.haystack
+    A record without a haystack digest (:func:`prompt_set`) matches any haystack."""
+    seed, haystack = prompt_set(rec)
+    return seed == cfg.seed and (not haystack or TASKS[rec["task"]].haystack != "essay" or haystack == cfg.haystack)
 
 
 def same_artifact(rec: dict[str, Any], digests: dict[str, str]) -> bool:
@@ -182,6 +186,7 @@ class LazySamples:
         indices: the sample indices to build per ``(task, length)`` (default: ``range(cfg.samples)``); a sample is
             the same whichever others are built with it (its own RNG; the haystack is fitted on sample 0).
         progress_cb: called after each build with ``"TASK @ LENGTH"`` and the seconds it took.
+        essay: the essay haystack's words when the caller has read them (default: read on first need).
     """
 
     def __init__(
@@ -190,10 +195,11 @@ class LazySamples:
         tokenizer: Any,
         indices: dict[tuple[str, int], list[int]] | None = None,
         progress_cb: Callable[[str, float], None] | None = None,
+        essay: list[str] | None = None,
     ) -> None:
         self.cfg, self.indices, self.progress_cb = cfg, indices, progress_cb
         self.builder = PromptBuilder(tokenizer)
-        self._essay: list[str] | None = None
+        self._essay = essay
         self._built: dict[tuple[str, int], dict[int, Item]] = {}
 
     def _essay_words(self) -> list[str]:
@@ -514,8 +520,9 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
         cfg.methods, note = default_methods(cfg.artifact)
         notes += [note] if note else []
     check_config(cfg)
-    if any(TASKS[t].haystack == "essay" for t in cfg.tasks):
-        cfg.haystack = essay_digest(load_essay_words(cfg.haystack_dir))
+    essay = load_essay_words(cfg.haystack_dir) if any(TASKS[t].haystack == "essay" for t in cfg.tasks) else None
+    if essay is not None:
+        cfg.haystack = essay_digest(essay)
     t0 = time.perf_counter()
     if loaded is None:
         from oscar_cli.model import load_model
@@ -570,7 +577,7 @@ def run_ruler(cfg: RulerConfig, loaded: Any | None = None) -> RulerResult:
             if not progress_enabled():
                 _announce(f"building prompts: {what} ({fmt_seconds(seconds)})")
 
-        samples = LazySamples(cfg, loaded.tokenizer, {k: sorted(v) for k, v in need.items()}, built)
+        samples = LazySamples(cfg, loaded.tokenizer, {k: sorted(v) for k, v in need.items()}, built, essay)
         samples.check()
         bar = p if progress_enabled() else None
         report = RunProgress("eval-ruler", len(pending_lengths), sum(pending_lengths), bar)
