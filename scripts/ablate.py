@@ -15,6 +15,11 @@ Examples:
   # GPU: a model's own recipe, default variants, stop starting rows after ~7 minutes (rerun to continue)
   python scripts/ablate.py qwen2.5-coder-1.5b --data prose/ --text held_out.txt --ctx 4k,16k \\
       --backend reference --budget 420 --out ablation-qwen
+  # held-out prompts and prose: two RULER seeds in another haystack (#21: tune for generality)
+  python scripts/ablate.py smollm2-135m --data ../shared/data/corpus/austen_pride_and_prejudice.txt \\
+      --text ../shared/data/corpus/austen_persuasion.txt --ctx 1k --windows 2 --kl-tokens 32 \\
+      --variant keys-bf16:quant.keep.fraction/quant.keep.side=1.0/keys --references bf16 --ruler-ctx 1k \\
+      --ruler-tasks niah_single_3 --ruler-samples 12 --ruler-seed 7,8 --ruler-haystack-dir HAY --out abl --device cpu
   # two named variants, RULER too
   python scripts/ablate.py MODEL --data calib/ --text held_out.txt --ctx 4k,16k \\
       --variant heads:rotation.grouping=head --variant sink/recent=32/288 \\
@@ -49,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--references", default="kivi-2", help="methods without an artifact to add as rows ('' = none)")
     p.add_argument("--ruler-ctx", default="", help="RULER lengths (empty: no RULER)")
     p.add_argument("--ruler-tasks", default="niah_single_1,niah_multikey_1", help="RULER tasks")
-    p.add_argument("--ruler-samples", type=int, default=10, help="RULER samples per task and length")
+    p.add_argument("--ruler-samples", type=int, default=10, help="RULER samples per task, length and seed")
+    p.add_argument("--ruler-seed", default="42",
+                   help="RULER prompt seeds, e.g. 7,8 (eval-ruler --seed; each adds --ruler-samples per task)")
+    p.add_argument("--ruler-haystack-dir", help="RULER essay haystack: a folder of .txt prose (eval-ruler --haystack-dir)")
     p.add_argument("--out", default="ablation", help="folder: ablation.json, artifacts/, ruler/")
     p.add_argument("--budget", type=float, help="seconds: no new row starts when it would likely end after this")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: CUDA when available)")
@@ -58,6 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=4096, help="prefill chunk")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 is faster on a busy machine)")
     return p
+
+
+def _seeds(text: str) -> list[int]:
+    """``7,8`` -> [7, 8]: distinct non-negative integers (a ValueError, caught as a one-line error, otherwise)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--ruler-seed: expected non-negative integers separated by commas, got {text!r}")
+    seeds = [int(p) for p in parts]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--ruler-seed: a seed is repeated in {text!r}")
+    return seeds
 
 
 def _log(text: str) -> None:
@@ -115,7 +134,8 @@ def main(argv: list[str] | None = None, loaded: Any = None) -> int:
             references=[r for r in args.references.split(",") if r.strip()],
             ruler_ctx=parse_ctx_list(args.ruler_ctx) if args.ruler_ctx.strip() else [],
             ruler_tasks=parse_tasks(args.ruler_tasks) if args.ruler_ctx.strip() else [],
-            ruler_samples=args.ruler_samples, budget_s=args.budget,
+            ruler_samples=args.ruler_samples, ruler_seeds=_seeds(args.ruler_seed),
+            ruler_haystack_dir=args.ruler_haystack_dir, budget_s=args.budget,
         )
         state = run_ablation(loaded, base, variants, cfg, _log)
     except OscarError as exc:

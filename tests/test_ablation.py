@@ -14,7 +14,7 @@ from helpers.tiny import tiny_loaded
 
 from oscar_cli.errors import EvalError, RecipeError
 from oscar_cli.eval.ablation import check_held_out, markdown_table
-from oscar_cli.eval.variants import default_variants, parse_variant, recipe_diff
+from oscar_cli.eval.variants import default_variants, parse_variant, recipe_diff, safe_name
 from oscar_cli.recipe import load_recipe
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -124,3 +124,43 @@ def test_a_variant_whose_data_holds_the_evaluation_text_is_refused(tmp_path: Pat
     args = [a for a in _args(tmp_path) if a not in VARIANTS and a != "--variant"]
     assert ablate.main(args + ["--variant", f"data.source={text}"], loaded=tiny_loaded()) == 1
     assert not (tmp_path / "abl" / "ablation.json").exists()  # refused before any work
+
+
+def test_ruler_rows_run_every_seed_in_the_chosen_haystack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ablate, loaded = _ablate(), tiny_loaded()
+    hay = prose(tmp_path / "hay")
+    args = [a for a in _args(tmp_path) if a not in VARIANTS and a != "--variant"] + [
+        "--variant", "sink/recent=0/40", "--references", "bf16", "--ruler-ctx", "1k", "--ruler-tasks",
+        "niah_single_2", "--ruler-samples", "1", "--ruler-seed", "7,8", "--ruler-haystack-dir", str(hay)]
+    assert ablate.main(args, loaded=loaded) == 0, capsys.readouterr().err
+    state = json.loads((tmp_path / "abl" / "ablation.json").read_text())
+    ev = state["eval"]
+    assert ev["ruler_seeds"] == [7, 8] and "ruler_seed" not in ev and ev["ruler_haystack"].startswith("sha256:")
+    for name in ("base", "sink/recent=0/40", "bf16"):
+        recs = [json.loads(x) for x in (tmp_path / "abl" / "ruler" / safe_name(name) / "samples.jsonl").read_text().splitlines()]
+        assert sorted(r["seed"] for r in recs) == [7, 8]  # one sample per seed
+        assert {r["haystack"] for r in recs} == {ev["ruler_haystack"]}
+        row = state["rows"].get(name) or state["references"][name]
+        assert row["ruler"]["1024"] == pytest.approx(sum(r["score"] for r in recs) / len(recs), abs=0.01)
+    capsys.readouterr()
+    # the same --out with one of the seeds compares other prompts: refused, nothing rerun
+    assert ablate.main([a if a != "7,8" else "7" for a in args], loaded=loaded) == 1
+    assert "different eval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("seeds", "needle"), [("7,x", "non-negative integers"), ("", "non-negative integers"),
+                                               ("-1", "non-negative integers"), ("7,7", "repeated")])
+def test_bad_ruler_seeds_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], seeds: str,
+                                             needle: str) -> None:
+    assert _ablate().main(_args(tmp_path, "--ruler-seed", seeds), loaded=tiny_loaded()) == 1
+    err = capsys.readouterr().err
+    assert "--ruler-seed" in err and needle in err
+    assert not (tmp_path / "abl" / "ablation.json").exists()
+
+
+@pytest.mark.parametrize("seeds", [[42], [7]])
+def test_one_seed_keeps_the_eval_key_of_earlier_state_files(seeds: list[int]) -> None:
+    from oscar_cli.eval.ablation import AblationConfig
+
+    key = AblationConfig(text="t", ctx=[1024], out="o", ruler_seeds=seeds).eval_key("abc")
+    assert key["ruler_seed"] == seeds[0] and "ruler_seeds" not in key and "ruler_haystack" not in key

@@ -5,7 +5,7 @@ For a loaded model, a base recipe and variants that each change one lever (:mod:
 calibrate_model`, same data and seed), then evaluates each artifact on the same held-out text with the
 eval-kl protocol (:mod:`oscar_cli.eval.kl`: the same windows, teacher-forced decode steps against bf16, which
 is computed once per length) and, optionally, on the same RULER NIAH prompts (:func:`~oscar_cli.eval.ruler.
-run_ruler`, fixed tasks, samples and seed). Reference methods that need no artifact (``kivi-2``) get a row
+run_ruler`, fixed tasks, samples, seeds and haystack). Reference methods that need no artifact (``kivi-2``) get a row
 on the same prompts.
 
 Everything lands in ``OUT/ablation.json`` after each step (atomic): the rows, their recipes, bits per
@@ -51,14 +51,23 @@ class AblationConfig:
     ruler_ctx: list[int] = field(default_factory=list)  # empty: no RULER
     ruler_tasks: list[str] = field(default_factory=list)
     ruler_samples: int = 0
-    ruler_seed: int = 42
+    ruler_seeds: list[int] = field(default_factory=lambda: [42])  # one prompt set per seed, same samples each
+    ruler_haystack_dir: str | None = None  # None: the shipped haystack
     budget_s: float | None = None  # no new row starts when the estimate says it would end after this
 
-    def eval_key(self, text_sha: str) -> dict[str, Any]:
-        """What must match for stored rows to be comparable with new ones."""
-        keep = ("ctx", "kl_tokens", "windows", "chunk_size", "backend", "ruler_ctx", "ruler_tasks", "ruler_samples",
-                "ruler_seed")
-        return {"text_sha256": text_sha, **{k: v for k, v in asdict(self).items() if k in keep}}
+    def eval_key(self, text_sha: str, haystack: str = "") -> dict[str, Any]:
+        """What must match for stored rows to be comparable with new ones (``haystack``: the essay haystack's
+        digest when ``ruler_haystack_dir`` is set). One seed is stored as ``ruler_seed``, the key's form before
+        several seeds and another haystack were possible, so earlier state files still resume."""
+        keep = ("ctx", "kl_tokens", "windows", "chunk_size", "backend", "ruler_ctx", "ruler_tasks", "ruler_samples")
+        key: dict[str, Any] = {"text_sha256": text_sha, **{k: v for k, v in asdict(self).items() if k in keep}}
+        if len(self.ruler_seeds) == 1:
+            key["ruler_seed"] = self.ruler_seeds[0]
+        else:
+            key["ruler_seeds"] = list(self.ruler_seeds)
+        if haystack:
+            key["ruler_haystack"] = haystack
+        return key
 
 
 def check_held_out(text: str, source: str) -> None:
@@ -141,12 +150,15 @@ class _Evaluator:
         from oscar_cli.eval.ruler import RulerConfig, run_ruler
 
         cfg = self.cfg
-        rc = RulerConfig(lengths=cfg.ruler_ctx, tasks=cfg.ruler_tasks, methods=[method_name],
-                         samples=cfg.ruler_samples, artifact=artifact, out=str(where), auto_rope=False,
-                         chunk_size=cfg.chunk_size, seed=cfg.ruler_seed, backend=cfg.backend,
-                         model=self.loaded.identity.reference)
-        result = run_ruler(rc, self.loaded)
-        return {str(L): round(v, 2) for L, v in result.mean[method_name].items()}
+        per_seed = []
+        for seed in cfg.ruler_seeds:  # the same --out: records carry their seed, so each set resumes its own
+            rc = RulerConfig(lengths=cfg.ruler_ctx, tasks=cfg.ruler_tasks, methods=[method_name],
+                             samples=cfg.ruler_samples, artifact=artifact, out=str(where), auto_rope=False,
+                             chunk_size=cfg.chunk_size, seed=seed, haystack_dir=cfg.ruler_haystack_dir,
+                             backend=cfg.backend, model=self.loaded.identity.reference)
+            per_seed.append(run_ruler(rc, self.loaded).mean[method_name])
+        # every seed scores the same tasks x samples, so the mean over all prompts is the mean of the seeds' means
+        return {str(L): round(sum(m[L] for m in per_seed) / len(per_seed), 2) for L in per_seed[0]}
 
 
 def _calibrate(loaded: Any, variant: Variant, path: Path, log: Log) -> dict[str, Any]:
@@ -197,7 +209,8 @@ def run_ablation(loaded: Any, base: Recipe, variants: list[Variant], cfg: Ablati
     header = {"format": FORMAT, "model": {"reference": loaded.identity.reference,
                                           "resolved": loaded.identity.resolved,
                                           "dtype": str(loaded.dtype).removeprefix("torch.")},
-              "base_recipe": base.to_dict(), "eval": cfg.eval_key(hashlib.sha256(text.encode()).hexdigest())}
+              "base_recipe": base.to_dict(),
+              "eval": cfg.eval_key(hashlib.sha256(text.encode()).hexdigest(), _haystack(cfg))}
     state = _State(out / STATE_FILE, header)
     state.data["order"] = names  # the table lists this run's rows (a stored row not asked for stays in the file)
     state.data["reference_order"] = list(cfg.references)
@@ -244,6 +257,15 @@ def run_ablation(loaded: Any, base: Recipe, variants: list[Variant], cfg: Ablati
         costs.append(ref_row["eval_s"])
         log(f"reference {name}: eval {ref_row['eval_s']:.1f} s")
     return state.data
+
+
+def _haystack(cfg: AblationConfig) -> str:
+    """The digest of ``cfg.ruler_haystack_dir``'s essay haystack ("" when unset or without RULER)."""
+    if not cfg.ruler_ctx or cfg.ruler_haystack_dir is None:
+        return ""
+    from oscar_cli.eval.niah import essay_digest, load_essay_words
+
+    return essay_digest(load_essay_words(cfg.ruler_haystack_dir))
 
 
 def _run_row(loaded: Any, variant: Variant, base: Recipe, state: _State, evaluator: _Evaluator,
