@@ -53,8 +53,9 @@
 #                                              A/B: vllm perf-int2 230 --stage capacity,tpot --backend oscar --ctx
 #                                              4k,128k, against the same with --unfused-write (three launches,
 #                                              OSCAR_VLLM_FUSED_WRITE=0; results under oscar+unfused), and the same
-#                                              with --fused-gather (the q rotation in the tier gather's launch,
-#                                              OSCAR_VLLM_FUSED_GATHER=1; results under oscar+fgather))
+#                                              with --gather (the q rotation in its own launch, not the tier
+#                                              gather's, the default before 2026-12-07: OSCAR_VLLM_FUSED_GATHER=0;
+#                                              results under oscar+gather))
 #   bash scripts/gpu_session.sh dtests        (carry .stage/whl; no model: the decode reading the tiers in place and the
 #                                              q rotation in rotate_kv's launch, on CUDA; then, after vjoin, the
 #                                              engine A/B `vllm perf-direct 230 --stage capacity,tpot --backend oscar
@@ -264,7 +265,7 @@ dtests)  # #20: the decode reading the BF16 tiers in place (ops.TierIndex) and t
         or write_step" 2>&1 | tail -6
     ;;
 lstep)  # #20: one layer's decode step through the backend's layer (no vLLM), the launch variants around the decode
-    # (default gather, fused gather, direct tiers with and without the tier rows' prefetch), CUDA graphs
+    # (gather, fused gather (the default), direct tiers with and without the tier rows' prefetch), CUDA graphs
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
     PYTHONPATH=/tmp/site timeout 400 python3 scripts/gpu_layer_step_bench.py --ctx "${2:-4k,32k,128k}" \

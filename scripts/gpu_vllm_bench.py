@@ -819,9 +819,9 @@ def main() -> None:
     ap.add_argument("--unfused-write", action="store_true",
                     help="oscar: a step's K, V and tier writes as three launches, not one (OSCAR_VLLM_FUSED_WRITE=0); "
                          "results under BACKEND+unfused")
-    ap.add_argument("--fused-gather", action="store_true",
-                    help="oscar: the decode's q rotation in the tier gather's launch (OSCAR_VLLM_FUSED_GATHER=1); "
-                         "results under BACKEND+fgather")
+    ap.add_argument("--gather", action="store_true",
+                    help="oscar: the decode's q rotation in its own launch, not the tier gather's (the default "
+                         "before 2026-12-07; OSCAR_VLLM_FUSED_GATHER=0); results under BACKEND+gather")
     ap.add_argument("--direct-tiers", action="store_true",
                     help="oscar: no tier gather: stage 1 reads the tiers in place and the q rotation runs in the K/V "
                          "rotation's launch (OSCAR_VLLM_DIRECT_TIERS=1); results under BACKEND+direct")
@@ -848,10 +848,10 @@ def main() -> None:
         if args.backend != "oscar":
             raise SystemExit("--direct-tiers: oscar's switch (--backend oscar)")
         os.environ["OSCAR_VLLM_DIRECT_TIERS"] = "1"
-    if args.fused_gather:
+    if args.gather:
         if args.backend != "oscar":
-            raise SystemExit("--fused-gather: oscar's switch (--backend oscar)")
-        os.environ["OSCAR_VLLM_FUSED_GATHER"] = "1"
+            raise SystemExit("--gather: oscar's switch (--backend oscar)")
+        os.environ["OSCAR_VLLM_FUSED_GATHER"] = "0"
     if args.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     expose_plugin()
@@ -904,7 +904,7 @@ def main() -> None:
     facts = engine_facts(llm) | {"gpu_memory_utilization": args.gpu_mem, "max_num_seqs": args.max_num_seqs,
                                  "chunk": args.chunk, "max_model_len": max_len}
     base = f"{name}/{args.backend}{tag}" + ("+unfused" if args.unfused_write else "") + \
-        ("+fgather" if args.fused_gather else "") + ("+direct" if args.direct_tiers else "")
+        ("+gather" if args.gather else "") + ("+direct" if args.direct_tiers else "")
     head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
     bpt = kv_bytes_per_token(args.backend, int(model_cfg["num_hidden_layers"]),
                              int(model_cfg.get("num_key_value_heads", model_cfg["num_attention_heads"])), int(head_dim))

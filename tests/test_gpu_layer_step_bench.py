@@ -29,7 +29,7 @@ def test_distinct_layers_differ_and_a_changed_output_is_caught() -> None:
     import torch
 
     bench = load_script("gpu_layer_step_bench")
-    steps = [bench.build("default", 64, 1, "cpu", True, seed=i) for i in range(2)]
+    steps = [bench.build("gather", 64, 1, "cpu", True, seed=i) for i in range(2)]
     a, b = (torch.as_tensor(fn()).clone() for fn in steps)
     assert not torch.equal(a, b)  # each layer its own rotation, means and pages
     flipped = [lambda: a, lambda: b.clone().index_put_((torch.tensor([0]),), b[0] * 2)]
@@ -39,4 +39,4 @@ def test_distinct_layers_differ_and_a_changed_output_is_caught() -> None:
 
 def test_unknown_variant_is_refused() -> None:
     with pytest.raises(SystemExit, match="--variants"):
-        load_script("gpu_layer_step_bench").main(["--smoke", "--variants", "default,fastest"])
+        load_script("gpu_layer_step_bench").main(["--smoke", "--variants", "gather,fastest"])

@@ -130,6 +130,11 @@ def test_tier_gather_query_jobs_equal_the_decode_rotation(b: int, hq: int, per_h
     full = rot if per_head else rot.expand(h, d, d)
     exact = torch.einsum("bgd,gde->bge", q.double().cpu(), full.repeat_interleave(grp, 0).double().cpu()) * scale
     assert torch.allclose(out.cpu().double(), exact, rtol=2e-3, atol=2e-3)
+    twin_out = torch.full_like(q, float("nan"))  # the torch twin (tests' TorchKernels) takes the same query
+    twin = TWIN.tier_gather(tiers, rows, idx, mean, -mean, None, query=ops.GatherQuery(q, rot, twin_out, scale))
+    for i in range(4):
+        _assert_bitwise(twin[i], plain[i], f"twin out[{i}]")
+    assert torch.allclose(twin_out.cpu().double(), exact, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.unit

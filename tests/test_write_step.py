@@ -117,7 +117,7 @@ def test_write_step_refusals_name_the_argument() -> None:
 @pytest.mark.parametrize(("which", "raw", "want"), [
     ("fused_write", None, True), ("fused_write", "1", True), ("fused_write", "0", False), ("fused_write", " 0 ", False),
     ("fused_write", "", True), ("fused_write", "on", None),
-    ("fused_gather", None, False), ("fused_gather", "1", True), ("fused_gather", "0", False),
+    ("fused_gather", None, True), ("fused_gather", "1", True), ("fused_gather", "0", False),
     ("fused_gather", "yes", None)])
 def test_fusion_switches(monkeypatch: pytest.MonkeyPatch, which: str, raw: str | None, want: bool | None) -> None:
     """``OSCAR_VLLM_FUSED_WRITE``: on unless 0 (the measured default); ``OSCAR_VLLM_FUSED_GATHER``: off unless 1 (not
@@ -141,12 +141,13 @@ def test_fusion_switches(monkeypatch: pytest.MonkeyPatch, which: str, raw: str |
                          [("0", "0", "0", "constant", 0, 8), ("1", "0", "0", "constant", 0, 6),
                           ("0", "0", "0", "rope", 1, 8), ("1", "0", "0", "rope", 1, 6),
                           ("1", "1", "0", "constant", 0, 5), ("1", "0", "1", "constant", 0, 4),
-                          ("1", "1", "1", "rope", 1, 4), ("0", "0", "1", "constant", 0, 6)])
+                          ("1", "1", "1", "rope", 1, 4), ("0", "0", "1", "constant", 0, 6),
+                          ("", "", "", "constant", 0, 5), ("", "", "", "rope", 1, 5)])
 def test_decode_step_launch_count(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fused: str,
                                   gather: str, direct: str, key_mean: str, torch_ops: int, launches: int) -> None:
     """scripts/cpu_vllm_decode_ops.py on a batch-1 decode step: eight launches per layer (K/V rotation, K, V and tier
-    writes, tier gather, q rotation, stage 1, merge) with ``OSCAR_VLLM_FUSED_WRITE=0``, six by default (the three
-    writes in one), five with ``OSCAR_VLLM_FUSED_GATHER=1`` too (the q rotation in the tier gather's launch), four
+    writes, tier gather, q rotation, stage 1, merge) with ``OSCAR_VLLM_FUSED_WRITE=0``, six with the three writes in
+    one, five by default (unset: that, and the q rotation in the tier gather's launch), four
     with ``OSCAR_VLLM_DIRECT_TIERS=1`` (no gather; the q rotation in the K/V rotation's launch; it takes precedence
     over the fused gather); the rope format adds one torch op per layer for its key means (a GEMM with the layer's
     ``rope_matrix``; the step's table rows are gathered once, by its first layer)."""

@@ -245,8 +245,16 @@ class TorchTiers:
         ring_v[ring_row, :, ring_slot] = vr
 
     def tier_gather(self, tiers: Tiers, rows: torch.Tensor, ring_index: torch.Tensor, k_mean: torch.Tensor,
-                    v_mean: torch.Tensor, out: Tiers | None) -> Tiers:
+                    v_mean: torch.Tensor, out: Tiers | None, query: object | None = None) -> Tiers:
+        """``query``: an ``ops.GatherQuery``, its ``out`` written as ``(q @ R_K) · qk_scale`` (float32 product,
+        rounded once to ``q``'s dtype)."""
         sink_k, sink_v, ring_k, ring_v = tiers
+        if query is not None:
+            q, r = query.q.float(), query.rotation.float()  # type: ignore[attr-defined]
+            b, hq, d = q.shape
+            rq = q @ r if r.dim() == 2 else torch.einsum(
+                "bhgd,hde->bhge", q.view(b, r.shape[0], hq // r.shape[0], d), r).reshape(b, hq, d)
+            query.out.copy_((rq * query.qk_scale).to(query.out.dtype))  # type: ignore[attr-defined]
 
         def centred(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
             return (x.float() - mean[None, :, None, :]).to(sink_k.dtype).contiguous()
@@ -272,13 +280,14 @@ class TritonKernels:
     every K/V rotation in torch (cuBLAS), not only those above :data:`ROTATE_TRITON_MAX_ROWS` tokens;
     ``fused_write``: a step's K pages, V pages and tiers in one launch (:meth:`write_step`; the engine's default,
     ``OSCAR_VLLM_FUSED_WRITE=0`` turns it off); ``fused_gather``: the decode's query rotation in the tier gather's
-    launch (:meth:`tier_gather` with a query, :meth:`decode` with ``q_rot``; ``OSCAR_VLLM_FUSED_GATHER=1``);
+    launch (:meth:`tier_gather` with a query, :meth:`decode` with ``q_rot``; the engine's default,
+    ``OSCAR_VLLM_FUSED_GATHER=0`` turns it off);
     ``direct_tiers``: no gather at all: the decode's stage 1 reads the tiers in place (``ops.TierIndex``) and the
     query rotation runs in the K/V rotation's launch (:meth:`rotate_kv` with a query, when the batch is rotated by
     the kernel; ``OSCAR_VLLM_DIRECT_TIERS=1``)."""
 
     def __init__(self, decode_config: object | None = None, pdl: bool | None = None,
-                 torch_rotate: bool = False, fused_write: bool = True, fused_gather: bool = False,
+                 torch_rotate: bool = False, fused_write: bool = True, fused_gather: bool = True,
                  direct_tiers: bool = False) -> None:
         self.config = decode_config
         self.pdl = pdl

@@ -12,8 +12,9 @@
 - ``OSCAR_VLLM_FUSED_WRITE=0``: a step's key pages, value pages and BF16 tiers of a layer are written by three
   launches instead of one (``ops.write_step``, the same bytes; an A/B switch for the decode step's fixed cost; ``1``
   or unset: one launch, the measured default: docs/VLLM.md).
-- ``OSCAR_VLLM_FUSED_GATHER=1``: the decode's query rotation runs in the tier gather's launch, so the decode plan
-  makes two launches instead of three (the same bits; ``0`` or unset: its own launch, until it is measured on a GPU).
+- ``OSCAR_VLLM_FUSED_GATHER=0``: the decode's query rotation runs in its own launch instead of the tier gather's,
+  so the decode plan makes three launches instead of two (the same bits; an A/B switch; ``1`` or unset: in the
+  gather's launch, the measured default since 2026-12-07: docs/VLLM.md).
 - ``OSCAR_VLLM_DIRECT_TIERS=1``: no tier gather: the decode's stage 1 reads the sink and ring rows where the layer
   keeps them (``ops.TierIndex``, the same centring and order, so the same bits) and the query rotation runs in the
   K/V rotation's launch: four launches per layer and decode step instead of six (takes precedence over
@@ -72,7 +73,7 @@ def fused_write() -> bool:
 
 
 def fused_gather() -> bool:
-    return switch(FUSED_GATHER_ENV) is True
+    return switch(FUSED_GATHER_ENV) is not False
 
 
 def direct_tiers() -> bool:
