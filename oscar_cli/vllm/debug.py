@@ -17,8 +17,9 @@
   gather's launch, the measured default since 2026-12-07: docs/VLLM.md).
 - ``OSCAR_VLLM_DIRECT_TIERS=1``: no tier gather: the decode's stage 1 reads the sink and ring rows where the layer
   keeps them (``ops.TierIndex``, the same centring and order, so the same bits) and the query rotation runs in the
-  K/V rotation's launch: four launches per layer and decode step instead of six (takes precedence over
-  ``OSCAR_VLLM_FUSED_GATHER``; ``0`` or unset: the gather, until it is measured on a GPU).
+  K/V rotation's launch: four launches per layer and decode step instead of five (takes precedence over
+  ``OSCAR_VLLM_FUSED_GATHER``; ``0`` or unset: the gather; measured no faster than the fused gather on an H100:
+  docs/VLLM.md).
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
