@@ -44,10 +44,10 @@ def test_shipped_per_model_files_load_and_only_differ() -> None:
     served = load_recipe("qwen2.5-coder-1.5b", {"quant": {"int4_keys": 0, "meta_dtype": "bfloat16"}}).quant
     assert (served.key_mean, served.int4_keys, served.meta_dtype) == ("rope", 0, "bfloat16")
     assert load_recipe("qwen2.5-coder-1.5b", {"quant": {"key_mean": "constant"}}).quant.key_mean == "constant"
-    # SmolLM2's recipe adds INT4 keys on 3 layers and 8-bit metadata (docs/RESULTS.md); the defaults stay plain
+    # SmolLM2's recipe adds INT4 keys on 4 layers and 8-bit metadata (docs/RESULTS.md); the defaults stay plain
     # INT2 for an unknown model
     small = load_recipe("smollm2-135m").quant
-    assert (small.key_mean, small.int4_keys, small.meta_dtype) == ("rope", 3, "uint8")
+    assert (small.key_mean, small.int4_keys, small.meta_dtype) == ("rope", 4, "uint8")
     plain = load_recipe().quant
     assert (plain.key_mean, plain.int4_keys, plain.meta_dtype) == ("constant", 0, "bfloat16")
 
