@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ruler-samples", type=int, default=10, help="RULER samples per task, length and seed")
     p.add_argument("--ruler-seed", default="42",
                    help="RULER prompt seeds, e.g. 7,8 (eval-ruler --seed; each adds --ruler-samples per task)")
-    p.add_argument("--ruler-haystack-dir", help="RULER essay haystack: a folder of .txt prose (eval-ruler --haystack-dir)")
+    p.add_argument("--ruler-haystack-dir",
+                   help="RULER essay haystack: a folder of .txt prose (eval-ruler --haystack-dir)")
     p.add_argument("--out", default="ablation", help="folder: ablation.json, artifacts/, ruler/")
     p.add_argument("--budget", type=float, help="seconds: no new row starts when it would likely end after this")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: CUDA when available)")

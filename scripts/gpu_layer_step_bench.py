@@ -2,7 +2,7 @@
 """One attention layer's decode step in the vLLM backend (``PagedInt2Layer.forward`` on a decode-only batch: the
 K/V rotation, the writes, the tier gather, the decode), timed in CUDA graphs, for the variants of the launches
 around the decode: ``gather`` (the tier gather and the q rotation apart, six launches: ``OSCAR_VLLM_FUSED_GATHER=0``),
-``fused-gather`` (the q rotation in the gather's launch, five: the engine's default since 2026-12-07),
+``fused-gather`` (the q rotation in the gather's launch, five: the engine's default),
 ``direct`` (``OSCAR_VLLM_DIRECT_TIERS``: no gather, four) and ``direct-no-tier-prefetch`` (the same with
 ``DecodeConfig(tier_prefetch=False)``: the tier rows not prefetched into L2 before stage 1 waits).
 

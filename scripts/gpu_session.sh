@@ -54,7 +54,7 @@
 #                                              4k,128k, against the same with --unfused-write (three launches,
 #                                              OSCAR_VLLM_FUSED_WRITE=0; results under oscar+unfused), and the same
 #                                              with --gather (the q rotation in its own launch, not the tier
-#                                              gather's, the default before 2026-12-07: OSCAR_VLLM_FUSED_GATHER=0;
+#                                              gather's: OSCAR_VLLM_FUSED_GATHER=0;
 #                                              results under oscar+gather))
 #   bash scripts/gpu_session.sh dtests        (carry .stage/whl; no model: the decode reading the tiers in place and the
 #                                              q rotation in rotate_kv's launch, on CUDA; then, after vjoin, the

@@ -820,8 +820,8 @@ def main() -> None:
                     help="oscar: a step's K, V and tier writes as three launches, not one (OSCAR_VLLM_FUSED_WRITE=0); "
                          "results under BACKEND+unfused")
     ap.add_argument("--gather", action="store_true",
-                    help="oscar: the decode's q rotation in its own launch, not the tier gather's (the default "
-                         "before 2026-12-07; OSCAR_VLLM_FUSED_GATHER=0); results under BACKEND+gather")
+                    help="oscar: the decode's q rotation in its own launch, not the tier gather's "
+                         "(OSCAR_VLLM_FUSED_GATHER=0); results under BACKEND+gather")
     ap.add_argument("--direct-tiers", action="store_true",
                     help="oscar: no tier gather: stage 1 reads the tiers in place and the q rotation runs in the K/V "
                          "rotation's launch (OSCAR_VLLM_DIRECT_TIERS=1); results under BACKEND+direct")

@@ -137,7 +137,8 @@ def test_ruler_rows_run_every_seed_in_the_chosen_haystack(tmp_path: Path, capsys
     ev = state["eval"]
     assert ev["ruler_seeds"] == [7, 8] and "ruler_seed" not in ev and ev["ruler_haystack"].startswith("sha256:")
     for name in ("base", "sink/recent=0/40", "bf16"):
-        recs = [json.loads(x) for x in (tmp_path / "abl" / "ruler" / safe_name(name) / "samples.jsonl").read_text().splitlines()]
+        lines = (tmp_path / "abl" / "ruler" / safe_name(name) / "samples.jsonl").read_text().splitlines()
+        recs = [json.loads(x) for x in lines]
         assert sorted(r["seed"] for r in recs) == [7, 8]  # one sample per seed
         assert {r["haystack"] for r in recs} == {ev["ruler_haystack"]}
         row = state["rows"].get(name) or state["references"][name]

@@ -14,7 +14,7 @@
   or unset: one launch, the measured default: docs/VLLM.md).
 - ``OSCAR_VLLM_FUSED_GATHER=0``: the decode's query rotation runs in its own launch instead of the tier gather's,
   so the decode plan makes three launches instead of two (the same bits; an A/B switch; ``1`` or unset: in the
-  gather's launch, the measured default since 2026-12-07: docs/VLLM.md).
+  gather's launch, the measured default: docs/VLLM.md).
 - ``OSCAR_VLLM_DIRECT_TIERS=1``: no tier gather: the decode's stage 1 reads the sink and ring rows where the layer
   keeps them (``ops.TierIndex``, the same centring and order, so the same bits) and the query rotation runs in the
   K/V rotation's launch: four launches per layer and decode step instead of five (takes precedence over
