@@ -35,7 +35,9 @@
 #       --profile-dir /tmp/prof --decode-profile-steps 6 and then `trace NAME 6` for 6 full-batch steps' kernels;
 #       at 128K the 39 requests the pool holds take ~12 s of prefill each, more than a call: vllm dec128 590 --stage
 #       capacity,decode --backend oscar --ctx 128k --max-num-seqs auto --kv-tokens-hint 5150656
-#       --decode-max-requests 30, and the same for bf16 with --kv-tokens-hint 742512 (5 requests, no cap needed))
+#       --decode-max-requests 30, and the same for bf16 with --kv-tokens-hint 742512 (5 requests, no cap needed);
+#       on an H100 the pools are 2482352 / 367280 tokens: 19 and 2 requests at 128K, no cap, 320 s and 122 s for
+#       the calls; TurboQuant 3-bit with --backend tq3 --kv-tokens-hint 1274000 (its engine start ~170 s))
 #   bash scripts/gpu_session.sh trace NAME [STEPS]   (scripts/trace_summary.py /tmp/prof --steps STEPS, 33)
 #   bash scripts/gpu_session.sh ablate [S]    (after setup: scripts/ablate.py on GGUF, prose base, eval-kl at 4K and
 #                                              32,704 tokens, one lever per row, no row starts after S (420) seconds)
