@@ -105,6 +105,9 @@
 #                                              `oscar eval-ruler GGUF --artifact ART --ctx 4k,8k,16k,32k --methods
 #                                              oscar --samples 25 --tasks all --backend auto`, ART defaults to ARTR,
 #                                              resumable; returns res/NAME.tar)
+#   bash scripts/gpu_session.sh lsetup SEQ [N] (the Qwen recipe as shipped, calibrated on the same prose in N (4)
+#                                              sequences of SEQ tokens, the last held out: /tmp/q/art-sSEQ; then
+#                                              rruler 560 /tmp/q/art-sSEQ NAME 16k,32k pairs with the recipe's RULER)
 #   bash scripts/gpu_session.sh rkl [ART [TAG [LENGTHS]]]  (after rsetup: eval-kl of ART (ARTR) at the sweep's
 #                                              lengths and windows, or the quoted LENGTHS)
 #   bash scripts/gpu_session.sh qsweep [S [STEPS [ARGS...]]]  (after setup; carry .stage/qsweep when it exists:
@@ -410,6 +413,20 @@ rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and to
         || { tail -30 /tmp/res/calibrate-rope.log; exit 1; }
     tail -12 /tmp/res/calibrate-rope.log; cp "$ARTR/manifest.json" /tmp/res/artifact-rope-manifest.json
     ;;
+lsetup)  # #21: the Qwen recipe as shipped (rope mean, 8 INT4-key layers, 8-bit metadata) calibrated on the same prose
+    # in sequences of SEQ tokens (lsetup SEQ [N]: N sequences (4), the last held out) into /tmp/q/art-sSEQ
+    sq=${2:?lsetup SEQ [N]}; ns=${3:-4}; a=/tmp/q/art-s$sq
+    site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+    [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
+    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    PYTHONPATH=/tmp/site python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+    oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib --tokens $(( sq * ns )) \
+        --seq-len "$sq" --device cuda --out "$a" --overwrite > /tmp/res/calibrate-s$sq.json 2> /tmp/res/calibrate-s$sq.log \
+        || { tail -30 /tmp/res/calibrate-s$sq.log; exit 1; }
+    tail -8 /tmp/res/calibrate-s$sq.log; cp "$a/manifest.json" /tmp/res/artifact-s$sq-manifest.json
+    ;;
 rtests)  # #21: the rope mean's kernels on CUDA, then their cost in oscar bench
     site || exit 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
@@ -487,12 +504,13 @@ m8quick)  # #21: 8-bit metadata read a token quad (one 32-bit word) at a time (D
         -k "gpu_meta8" 2>&1 | tail -3
     ;;
 rruler)  # #21: RULER 4K-32K of the rope artifact on the serving (Triton) path, resumable across calls
-    # rruler [S [ART [NAME]]]: ART (ARTR) into /tmp/q/NAME (rruler), carried back as .stage/NAME, returned as NAME.tar
+    # rruler [S [ART [NAME [CTX]]]]: ART (ARTR) into /tmp/q/NAME (rruler), carried back as .stage/NAME, returned as
+    # NAME.tar; CTX the lengths (4k,8k,16k,32k)
     a=${3:-$ARTR}; nm=${4:-rruler}
     [ -f "$a/manifest.json" ] || { echo "rruler: no artifact at $a (run rsetup or i4setup)"; exit 1; }
     mkdir -p /tmp/q/$nm
     [ -f .stage/$nm/samples.jsonl ] && [ ! -f /tmp/q/$nm/samples.jsonl ] && cp .stage/$nm/samples.jsonl /tmp/q/$nm/
-    oscar --json eval-ruler "$GGUF" --artifact "$a" --ctx 4k,8k,16k,32k --methods oscar --samples 25 --tasks all \
+    oscar --json eval-ruler "$GGUF" --artifact "$a" --ctx "${5:-4k,8k,16k,32k}" --methods oscar --samples 25 --tasks all \
         --backend auto --out /tmp/q/$nm --time-budget "${2:-400}" > /tmp/res/$nm.json 2> /tmp/res/$nm.log
     echo "rc=$?"; tail -6 /tmp/res/$nm.log; wc -l /tmp/q/$nm/samples.jsonl
     mkdir -p "${OUT:-/tmp/out}/res" && tar -C /tmp/q/$nm -cf "${OUT:-/tmp/out}/res/$nm.tar" .
@@ -509,8 +527,8 @@ rkl)  # #21: eval-kl of the rope artifact, the sweep's protocol (8 windows x 64 
     done
     python3 -c "import json,sys; [print(f, json.dumps(json.load(open(f)))[:600]) for f in sys.argv[1:]]" /tmp/res/rkl$tg-*.json
     ;;
-trace)  # summarise a torch profiler trace dir
-    PYTHONPATH=/tmp/site python3 scripts/trace_summary.py /tmp/prof --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60
+trace)  # summarise a torch profiler trace dir: trace NAME [STEPS [DIR]] (33, /tmp/prof)
+    PYTHONPATH=/tmp/site python3 scripts/trace_summary.py "${4:-/tmp/prof}" --steps "${3:-33}" --out /tmp/res/trace-${2:-x}.json | tail -60
     ;;
 *) usage ;;
 esac
