@@ -29,7 +29,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from oscar_cli.vllm import debug, layout  # noqa: E402
-from oscar_cli.vllm.core import PagedInt2Layer, build_step, rotates_in_torch, torch_rotate  # noqa: E402
+from oscar_cli.vllm.core import (  # noqa: E402
+    PagedInt2Layer,
+    build_step,
+    direct_tiers_for,
+    rotates_in_torch,
+    torch_rotate,
+)
 
 # ops that only make views or metadata (no device kernel)
 VIEWS = {"aten::slice", "aten::view", "aten::select", "aten::permute", "aten::expand", "aten::as_strided",
@@ -49,8 +55,11 @@ class KernelStub:
         self.fused_gather = debug.fused_gather()
         self.direct_tiers = debug.direct_tiers()
 
-    def rotates_query(self, num_tokens: int) -> bool:  # as TritonKernels.rotates_query
-        return self.direct_tiers and not rotates_in_torch(num_tokens, self.torch_rotate)
+    def direct_for(self, num_decodes: int) -> bool:  # as TritonKernels.direct_for
+        return direct_tiers_for(self.direct_tiers, num_decodes)
+
+    def rotates_query(self, num_tokens: int, num_decodes: int) -> bool:  # as TritonKernels.rotates_query
+        return self.direct_for(num_decodes) and not rotates_in_torch(num_tokens, self.torch_rotate)
 
     def rotate_kv(self, k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Tensor,
                   dtype: torch.dtype, query: Any = None) -> tuple[torch.Tensor, torch.Tensor]:

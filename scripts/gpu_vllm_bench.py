@@ -823,8 +823,12 @@ def main() -> None:
                     help="oscar: the decode's q rotation in its own launch, not the tier gather's "
                          "(OSCAR_VLLM_FUSED_GATHER=0); results under BACKEND+gather")
     ap.add_argument("--direct-tiers", action="store_true",
-                    help="oscar: no tier gather: stage 1 reads the tiers in place and the q rotation runs in the K/V "
-                         "rotation's launch (OSCAR_VLLM_DIRECT_TIERS=1); results under BACKEND+direct")
+                    help="oscar: no tier gather in any decode step: stage 1 reads the tiers in place and the q rotation "
+                         "runs in the K/V rotation's launch (OSCAR_VLLM_DIRECT_TIERS=1; by default only steps of 16+ "
+                         "decodes do); results under BACKEND+direct")
+    ap.add_argument("--tier-gather", action="store_true",
+                    help="oscar: the tier gather in every decode step, large batches too (OSCAR_VLLM_DIRECT_TIERS=0); "
+                         "results under BACKEND+tiergather")
     ap.add_argument("--runner", choices=["auto", "v1", "v2"], default="auto",
                     help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER; auto: vLLM's choice)")
     ap.add_argument("--profile-dir", type=Path, help="--stage profile: where the engine writes its torch trace")
@@ -848,6 +852,10 @@ def main() -> None:
         if args.backend != "oscar":
             raise SystemExit("--direct-tiers: oscar's switch (--backend oscar)")
         os.environ["OSCAR_VLLM_DIRECT_TIERS"] = "1"
+    if args.tier_gather:
+        if args.backend != "oscar" or args.direct_tiers:
+            raise SystemExit("--tier-gather: oscar's switch (--backend oscar), not with --direct-tiers")
+        os.environ["OSCAR_VLLM_DIRECT_TIERS"] = "0"
     if args.gather:
         if args.backend != "oscar":
             raise SystemExit("--gather: oscar's switch (--backend oscar)")
@@ -904,7 +912,8 @@ def main() -> None:
     facts = engine_facts(llm) | {"gpu_memory_utilization": args.gpu_mem, "max_num_seqs": args.max_num_seqs,
                                  "chunk": args.chunk, "max_model_len": max_len}
     base = f"{name}/{args.backend}{tag}" + ("+unfused" if args.unfused_write else "") + \
-        ("+gather" if args.gather else "") + ("+direct" if args.direct_tiers else "")
+        ("+gather" if args.gather else "") + ("+direct" if args.direct_tiers else "") + \
+        ("+tiergather" if args.tier_gather else "")
     head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
     bpt = kv_bytes_per_token(args.backend, int(model_cfg["num_hidden_layers"]),
                              int(model_cfg.get("num_key_value_heads", model_cfg["num_attention_heads"])), int(head_dim))

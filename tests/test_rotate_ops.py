@@ -331,6 +331,10 @@ def test_rotate_kv_query_refusals_name_the_argument() -> None:
         TritonKernels(direct_tiers=True).rotate_kv(kb, vb, rk, rk, torch.float16,
                                                    query=ops.GatherQuery(q, rk, q.clone(), 1.0))
     kern = TritonKernels(direct_tiers=True, torch_rotate=True)
-    assert not kern.rotates_query(1) and TritonKernels(direct_tiers=True).rotates_query(core.ROTATE_TRITON_MAX_ROWS) \
-        and not TritonKernels(direct_tiers=True).rotates_query(core.ROTATE_TRITON_MAX_ROWS + 1) \
-        and not TritonKernels().rotates_query(1)
+    assert not kern.rotates_query(1, 1) and TritonKernels(direct_tiers=True).rotates_query(
+        core.ROTATE_TRITON_MAX_ROWS, 1) and not TritonKernels(direct_tiers=True).rotates_query(
+        core.ROTATE_TRITON_MAX_ROWS + 1, 1) and not TritonKernels().rotates_query(1, 1)
+    by_batch = TritonKernels(direct_tiers=None)  # the engine's default: by the step's decodes
+    n = core.DIRECT_TIERS_FROM_BATCH
+    assert by_batch.rotates_query(n, n) and not by_batch.rotates_query(n, n - 1) and by_batch.direct_for(n) \
+        and not by_batch.direct_for(n - 1) and not TritonKernels(direct_tiers=False).direct_for(1 << 20)

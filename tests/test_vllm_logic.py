@@ -615,6 +615,33 @@ def _step(layer: PagedInt2Layer, kv: torch.Tensor, rows: layout.SequenceRows, st
 ROPE_SCALING = 1.07  # YaRN x2's attention factor: the term and the means scale with it
 
 
+@pytest.mark.slow
+def test_simulated_vllm_run_switches_tier_reads_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's default (``OSCAR_VLLM_DIRECT_TIERS`` unset: ``direct_tiers=None``) with the switch lowered to 2
+    decode requests: the run's one-decode step gathers the tiers (the fused gather, q rotated in its launch), its
+    two-decode steps read them in place (q rotated in the K/V rotation's launch), and the pages and outputs are
+    the reference cache's as in every other path (the rope format with INT4 keys, the most arguments)."""
+    from oscar_cli.vllm import core
+
+    monkeypatch.setattr(core, "DIRECT_TIERS_FROM_BATCH", 2)
+    seen: list[tuple[int, bool]] = []
+    gather, decode = core.TritonKernels.tier_gather, core.TritonKernels.decode
+
+    def spy_gather(self: object, *args: object, **kw: object) -> object:
+        seen.append((int(args[1].shape[0]), False))  # type: ignore[attr-defined]
+        return gather(self, *args, **kw)  # type: ignore[arg-type]
+
+    def spy_decode(self: object, q: torch.Tensor, *args: object, **kw: object) -> object:
+        if kw.get("tier_index") is not None:
+            seen.append((int(q.shape[0]), True))
+        return decode(self, q, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(core.TritonKernels, "tier_gather", spy_gather)
+    monkeypatch.setattr(core.TritonKernels, "decode", spy_decode)
+    test_simulated_vllm_run_matches_the_reference_cache("triton-by-batch", "rope", "int4-keys-meta8")
+    assert seen == [(1, False), (2, True)]
+
+
 @pytest.mark.parametrize("fmt", ["meta16", "int4-keys-meta8"])
 @pytest.mark.parametrize("key_mean", ["constant", "rope"])
 @pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
@@ -661,8 +688,10 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     layer = PagedInt2Layer(layout.layer_tensors(meth, 1, HKV, D)[0], s, 4, HQ, HKV, D,
                            P, ACT, _cpu_simulation(kernels),
                            kernels=kern or TritonKernels(CFG, fused_write=kernels != "triton",  # type: ignore[arg-type]
-                                                         fused_gather=kernels == "triton-fused-gather",
-                                                         direct_tiers=kernels == "triton-direct-tiers"),
+                                                         fused_gather=kernels in ("triton-fused-gather",
+                                                                                  "triton-by-batch"),
+                                                         direct_tiers=None if kernels == "triton-by-batch" else
+                                                         kernels == "triton-direct-tiers"),
                            rope=rope,
                            key_bits=s.key_bits(0))
     kv = torch.zeros(16, P, HKV, spec.slot_bytes(D, s.meta_bytes, s.key_bits(0)), dtype=torch.uint8)

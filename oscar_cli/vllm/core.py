@@ -162,6 +162,21 @@ Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k,
 # (decode steps up to batch 64) and cuBLAS the rest.
 ROTATE_TRITON_MAX_ROWS = 64
 
+# A decode step of at least this many requests reads the BF16 tiers in place (no tier gather) unless
+# ``OSCAR_VLLM_DIRECT_TIERS`` says otherwise. Measured on an H100 (docs/VLLM.md): at 73 requests x 32K the gather
+# is 73 us of every layer's step (2.6 ms of 30.6) and reading in place made the step 1.8 ms shorter; at one request
+# the fused gather is 1.4-4 us per layer faster than reading in place. A line through the two puts the crossing
+# near 5 requests; 16 stays clear of it on the gather's side (batches between 1 and 73 were not timed).
+DIRECT_TIERS_FROM_BATCH = 16
+
+
+def direct_tiers_for(setting: bool | None, num_decodes: int) -> bool:
+    """Whether a decode step of ``num_decodes`` requests reads the tiers in place: ``setting`` True or False forces
+    it (``OSCAR_VLLM_DIRECT_TIERS=1`` / ``0``); None (unset) chooses by batch: from
+    :data:`DIRECT_TIERS_FROM_BATCH` requests on. A CUDA graph is captured per batch size, so each graph holds one
+    path."""
+    return setting if setting is not None else num_decodes >= DIRECT_TIERS_FROM_BATCH
+
 
 def rotates_in_torch(num_tokens: int, forced: bool) -> bool:
     """Whether a batch of ``num_tokens`` is rotated by torch (cuBLAS) rather than ``ops.rotate_kv``: above
@@ -284,11 +299,12 @@ class TritonKernels:
     ``OSCAR_VLLM_FUSED_GATHER=0`` turns it off);
     ``direct_tiers``: no gather at all: the decode's stage 1 reads the tiers in place (``ops.TierIndex``) and the
     query rotation runs in the K/V rotation's launch (:meth:`rotate_kv` with a query, when the batch is rotated by
-    the kernel; ``OSCAR_VLLM_DIRECT_TIERS=1``)."""
+    the kernel): True always (``OSCAR_VLLM_DIRECT_TIERS=1``), False never (``=0``), None (the engine's default)
+    for decode steps of :data:`DIRECT_TIERS_FROM_BATCH` requests or more (:meth:`direct_for`)."""
 
     def __init__(self, decode_config: object | None = None, pdl: bool | None = None,
                  torch_rotate: bool = False, fused_write: bool = True, fused_gather: bool = True,
-                 direct_tiers: bool = False) -> None:
+                 direct_tiers: bool | None = False) -> None:
         self.config = decode_config
         self.pdl = pdl
         self.torch_rotate = torch_rotate
@@ -296,21 +312,27 @@ class TritonKernels:
         self.fused_gather = fused_gather
         self.direct_tiers = direct_tiers
 
-    def rotates_query(self, num_tokens: int) -> bool:
-        """Whether :meth:`rotate_kv` of a ``num_tokens`` batch takes the decode's query rotation (``direct_tiers``
-        and the batch rotated by ``ops.rotate_kv``, not cuBLAS)."""
-        return self.direct_tiers and not rotates_in_torch(num_tokens, self.torch_rotate)
+    def direct_for(self, num_decodes: int) -> bool:
+        """Whether a step with ``num_decodes`` decode requests reads the tiers in place (:func:`direct_tiers_for`)."""
+        return direct_tiers_for(self.direct_tiers, num_decodes)
+
+    def rotates_query(self, num_tokens: int, num_decodes: int) -> bool:
+        """Whether :meth:`rotate_kv` of a ``num_tokens`` batch with ``num_decodes`` decodes takes the decode's query
+        rotation (:meth:`direct_for` the decodes, and the batch rotated by ``ops.rotate_kv``, not cuBLAS)."""
+        return self.direct_for(num_decodes) and not rotates_in_torch(num_tokens, self.torch_rotate)
 
     def write_step(self, kr: torch.Tensor, vr: torch.Tensor, k_pages: QuantizedRows, v_pages: QuantizedRows,
                    slots: torch.Tensor, k_mean: torch.Tensor, k_clip: float, v_mean: torch.Tensor, v_clip: float,
                    tiers: Tiers, tier_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                   exclusive_words: bool, k_low: torch.Tensor | None) -> None:
+                   exclusive_words: bool, k_low: torch.Tensor | None, num_decodes: int = 1) -> None:
         """The K write, the V write and the tier write in one launch (``ops.write_step``: the bytes of
-        :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`). With ``direct_tiers`` the
-        decode's stage 1 comes next: the launch lets it start early (PDL), as the decode's own first launch does."""
+        :meth:`quantize_write` / :meth:`quantize_write_int4` and :meth:`tier_write`). When the step's
+        ``num_decodes`` decodes read the tiers in place (:meth:`direct_for`) the decode's stage 1 comes next: the
+        launch lets it start early (PDL), as the decode's own first launch does."""
         from oscar_kernels import ops
 
-        pdl = self.direct_tiers and (self.pdl if self.pdl is not None else bool(getattr(self.config, "pdl", True)))
+        pdl = self.direct_for(num_decodes) and (self.pdl if self.pdl is not None
+                                                else bool(getattr(self.config, "pdl", True)))
         ops.write_step(kr, vr, k_pages, v_pages, slots, tiers, *tier_index, k_mean=k_mean, v_mean=v_mean,
                        k_clip=0.0 if k_low is not None else k_clip, v_clip=v_clip, exclusive_words=exclusive_words,
                        k_low=k_low, pdl=pdl)
@@ -468,7 +490,8 @@ class PagedInt2Layer:
         when the kernels take them in the same launch (``direct_tiers``), the third result is their rotation
         for :meth:`decode` (else None: the decode rotates them itself)."""
         rotates_query = getattr(self.kernels, "rotates_query", None)
-        if q is None or not q.shape[0] or rotates_query is None or not rotates_query(int(key.shape[0])):
+        if q is None or not q.shape[0] or rotates_query is None or not rotates_query(int(key.shape[0]),
+                                                                                      int(q.shape[0])):
             kr, vr = self.kernels.rotate_kv(key, value, self.t.k_rotation, self.t.v_rotation, self.act)
             return kr, vr, None
         from oscar_kernels.ops import GatherQuery, query_scale
@@ -525,7 +548,7 @@ class PagedInt2Layer:
             self.kernels.write_step(kr, vr, k_pages, v_pages, slots, k_mean, self.t.k_clip, self.t.v_mean,
                                     self.t.v_clip, self.tiers, (st.sink_row[:n], st.sink_pos[:n], st.ring_row[:n],
                                                                 st.ring_slot[:n]),
-                                    decode_only(st), self._low(k_low))
+                                    decode_only(st), self._low(k_low), num_decodes=st.num_decodes)
             return
         if self._low(k_low) is not None:
             assert k_low is not None
@@ -544,7 +567,7 @@ class PagedInt2Layer:
                q_rot: torch.Tensor | None = None) -> torch.Tensor:
         """``q [B, H_q, D]`` (post-RoPE, unrotated) of the step's ``B = st.num_decodes`` first requests -> attention
         output ``[B, H_q, D]`` in the model's space. ``q_rot``: ``q`` rotated and scaled already (:meth:`rotate`'s
-        third result). With ``kernels.direct_tiers`` the decode reads the tiers in place (no gather launch)."""
+        third result). When ``kernels.direct_for(B)`` the decode reads the tiers in place (no gather launch)."""
         b = int(q.shape[0])
         table = st.block_table[:b, self.s.sink // self.block_size:]
         rope = None
@@ -553,7 +576,8 @@ class PagedInt2Layer:
 
             assert self.t.k_mean_pre is not None
             rope = RopeMean(self.t.k_mean_pre, self.position_table, self.first_position[:b], self.rope.scaling)
-        if getattr(self.kernels, "direct_tiers", False):
+        direct_for = getattr(self.kernels, "direct_for", None)
+        if direct_for is not None and direct_for(b):
             from oscar_kernels.ops import TierIndex
 
             index = TierIndex(st.rows[:b], st.ring_index[:b], self.t.k_mean, self.t.v_mean)

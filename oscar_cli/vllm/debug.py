@@ -15,11 +15,12 @@
 - ``OSCAR_VLLM_FUSED_GATHER=0``: the decode's query rotation runs in its own launch instead of the tier gather's,
   so the decode plan makes three launches instead of two (the same bits; an A/B switch; ``1`` or unset: in the
   gather's launch, the measured default: docs/VLLM.md).
-- ``OSCAR_VLLM_DIRECT_TIERS=1``: no tier gather: the decode's stage 1 reads the sink and ring rows where the layer
-  keeps them (``ops.TierIndex``, the same centring and order, so the same bits) and the query rotation runs in the
-  K/V rotation's launch: four launches per layer and decode step instead of five (takes precedence over
-  ``OSCAR_VLLM_FUSED_GATHER``; ``0`` or unset: the gather; measured no faster than the fused gather on an H100:
-  docs/VLLM.md).
+- ``OSCAR_VLLM_DIRECT_TIERS=1``: no tier gather in any decode step: stage 1 reads the sink and ring rows where the
+  layer keeps them (``ops.TierIndex``, the same centring and order, so the same bits) and the query rotation runs
+  in the K/V rotation's launch: four launches per layer and decode step instead of five (takes precedence over
+  ``OSCAR_VLLM_FUSED_GATHER``). ``0``: the gather in every step. Unset: by the step's batch, in place from
+  ``core.DIRECT_TIERS_FROM_BATCH`` decode requests on (at one request the fused gather measured faster on an
+  H100, at 73 reading in place: docs/VLLM.md).
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
@@ -77,8 +78,10 @@ def fused_gather() -> bool:
     return switch(FUSED_GATHER_ENV) is not False
 
 
-def direct_tiers() -> bool:
-    return switch(DIRECT_TIERS_ENV) is True
+def direct_tiers() -> bool | None:
+    """True: every decode step reads the tiers in place; False: none does; None (unset): by the step's batch
+    (``core.direct_tiers_for``)."""
+    return switch(DIRECT_TIERS_ENV)
 
 
 def steps_enabled() -> bool:
