@@ -166,7 +166,7 @@ ROTATE_TRITON_MAX_ROWS = 64
 # ``OSCAR_VLLM_DIRECT_TIERS`` says otherwise. Measured on an H100 (docs/VLLM.md): at 73 requests x 32K the gather
 # is 73 us of every layer's step (2.6 ms of 30.6) and reading in place made the step 1.8 ms shorter; at one request
 # the fused gather is 1.4-4 us per layer faster than reading in place. A line through the two puts the crossing
-# near 5 requests; 16 stays clear of it on the gather's side (batches between 1 and 73 were not timed).
+# between 2 and 6 requests; 16 leaves a margin for its error (batches between 1 and 73 were not timed).
 DIRECT_TIERS_FROM_BATCH = 16
 
 
