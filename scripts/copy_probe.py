@@ -30,7 +30,11 @@ from typing import Any
 
 import torch
 
-SCORED = 1024  # the last queries of each sequence (the calibration's COPY_QUERIES)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from oscar_cli.calibration.copy_score import COPY_QUERIES  # noqa: E402
+
+SCORED = COPY_QUERIES  # the last queries of each sequence, as the calibration scores them
 
 
 def identifier(rng: random.Random) -> str:
@@ -74,39 +78,26 @@ def probe_sequence(tokenizer: Any, prose: list[int], seq_len: int, n_ids: int, r
 def score_layers(model: Any, artifact: Any, sequences: list[list[int]]) -> list[dict[str, Any]]:
     """Per layer: the copy counts of the probe's last :data:`SCORED` queries under INT2 keys and under INT4 keys."""
     from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
-    from oscar_cli.calibration.clipping import META_DTYPES, fake_quantize
-    from oscar_cli.calibration.copy_score import CopyScore, copy_flips
-    from oscar_cli.quant.key_mean import RopeTable, position_means
-    from oscar_cli.quant.key_subspace import fake_subspace
-    from oscar_kernels.layout import UNIFORM_INNER
-    from oscar_kernels.reference import dequantize_int4_planes, quantize_int4_planes
+    from oscar_cli.calibration.copy_score import CopyScore, copy_flips, served_keys
+    from oscar_cli.calibration.run import held_out_key_mean
+    from oscar_cli.quant.key_mean import RopeTable
+    from oscar_cli.recipe import recipe_from_dict
 
-    q = artifact.manifest.quant
-    meta = META_DTYPES[q["meta_dtype"]]
-    group, inner = q.get("group_size"), float(q.get("levels", UNIFORM_INNER))
+    q = recipe_from_dict(artifact.recipe).quant  # the artifact's own format (group, metadata, levels, tiers)
     device = next(model.parameters()).device
     store = HoldoutStore(len(artifact.layers), SCORED)
     with torch.no_grad(), capture_attention(model, store):
         for seq in sequences:
             run_forward(model, torch.tensor(seq, device=device)[None])
-    table = RopeTable(model) if q.get("key_mean") == "rope" else None
+    table = RopeTable(model) if q.key_mean == "rope" else None
     rows = []
     for i, lt in enumerate(artifact.layers):
-        ratio = float(lt.k_clip)
-
-        def int2(y: torch.Tensor, ratio: float = ratio, sub: Any = lt.k_subspace) -> torch.Tensor:
-            return fake_subspace(y, sub, lambda x: fake_quantize(x, ratio, group, meta, inner), torch.bfloat16)
-
-        def int4(y: torch.Tensor) -> torch.Tensor:
-            return dequantize_int4_planes(*quantize_int4_planes(y, group, meta))
-
+        int2 = served_keys(float(lt.k_clip), q, lt.k_subspace)
+        int4 = served_keys(float(lt.k_clip), q, key_bits=4)
         two, four = CopyScore(), CopyScore()
         for qq, k, _ in store.layers[i]:
-            mean = lt.k_mean
-            if table is not None and lt.k_mean_pre is not None:
-                cos, sin = table(torch.arange(int(k.shape[2]), device=k.device)[None])
-                mean = position_means(lt.k_mean_pre, lt.k_rotation, cos, sin)
-            args = (qq[:, :, -SCORED:], k, lt.k_rotation, mean, store.scaling, int(q["sink"]), int(q["recent"]))
+            args = (qq[:, :, -SCORED:], k, lt.k_rotation, held_out_key_mean(lt, k, table), store.scaling, q.sink,
+                    q.recent)
             two = two.add(copy_flips(*args, int2))
             four = four.add(copy_flips(*args, int4))
         store.layers[i] = []

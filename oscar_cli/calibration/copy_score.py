@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from oscar_cli.calibration.clipping import head_rotations
+from oscar_cli.calibration.clipping import META_DTYPES, fake_quantize, head_rotations
+from oscar_cli.quant.key_subspace import fake_subspace
 
 SHARP = 0.3
 COPY_QUERIES = 1024
@@ -60,6 +61,20 @@ class CopyScore:
     def to_dict(self) -> dict[str, Any]:
         return {"rows": self.rows, "peaked": self.peaked, "flipped": self.flipped, "score": round(self.score, 6),
                 "lost_weight": round(self.lost_weight, 6)}
+
+
+def served_keys(k_ratio: float, quant: Any, subspace: torch.Tensor | None = None,
+                key_bits: int = 2) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`copy_flips`' ``quantize``: rotated, centred keys -> as the cache serves them under the recipe's
+    ``quant`` (group size, metadata dtype, levels). ``key_bits`` 2: INT2 with the clip ``k_ratio`` and the BF16 key
+    ``subspace`` (what the clip search's keys are); 4: INT4 keys (formula 9, no clip; they take no subspace)."""
+    meta = META_DTYPES[quant.meta_dtype]
+    if key_bits == 4:
+        from oscar_kernels.reference import dequantize_int4_planes, quantize_int4_planes
+
+        return lambda y: dequantize_int4_planes(*quantize_int4_planes(y, quant.group_size, meta))
+    return lambda y: fake_subspace(y, subspace, lambda x: fake_quantize(x, k_ratio, quant.group_size, meta,
+                                                                        quant.levels), torch.bfloat16)
 
 
 def copy_flips(

@@ -34,14 +34,12 @@ from oscar_cli.artifact import Manifest, build_manifest, check_output, model_slu
 from oscar_cli.artifact.card import bpe_table
 from oscar_cli.calibration.capture import HoldoutStore, capture_attention, run_forward
 from oscar_cli.calibration.clipping import (
-    META_DTYPES,
     ClipChoice,
     LayerClipProblem,
     evaluate_clip,
-    fake_quantize,
     search_clip,
 )
-from oscar_cli.calibration.copy_score import COPY_QUERIES, CopyScore, choose_key_layers, copy_flips
+from oscar_cli.calibration.copy_score import COPY_QUERIES, CopyScore, choose_key_layers, copy_flips, served_keys
 from oscar_cli.calibration.covariance import LayerStatistics, reservoir_plan
 from oscar_cli.calibration.data import CalibrationData, check_source, prepare_data
 from oscar_cli.calibration.rotation import build_rotations, is_power_of_two, orthogonality_error
@@ -59,7 +57,7 @@ from oscar_cli.calibration.wo_metric import model_output_metrics, wo_target
 from oscar_cli.errors import CalibrationError
 from oscar_cli.model.geometry import ModelGeometry
 from oscar_cli.quant.key_mean import RopeTable, position_means, pre_rope_mean
-from oscar_cli.quant.key_subspace import fake_subspace, subspace_basis
+from oscar_cli.quant.key_subspace import subspace_basis
 from oscar_cli.recipe import Recipe, check_layout
 from oscar_cli.transform import LayerTransform
 
@@ -268,10 +266,7 @@ def _clip(
     c, q = recipe.clip, recipe.quant
 
     def key_mean(s: LayerTransform, k: torch.Tensor) -> torch.Tensor | None:
-        if table is None or s.k_mean_pre is None:
-            return s.k_mean
-        cos, sin = _positions(table, int(k.shape[2]), k.device)
-        return position_means(s.k_mean_pre, s.k_rotation, cos, sin)
+        return held_out_key_mean(s, k, table)
 
     choices, scored = [], []
     for i, s in enumerate(solved):
@@ -314,18 +309,22 @@ def _clip(
     return choices, scored
 
 
+def held_out_key_mean(s: LayerTransform, k: torch.Tensor, table: RopeTable | None) -> torch.Tensor | None:
+    """The rotated-space key mean the cache centres held-out keys ``k [B, H_kv, T, D]`` by: the layer's constant
+    mean, or with ``table`` (recipe ``quant.key_mean: rope``) ``RoPE_p(k_mean_pre)·R_K`` at positions 0..T-1."""
+    if table is None or s.k_mean_pre is None:
+        return s.k_mean
+    cos, sin = _positions(table, int(k.shape[2]), k.device)
+    return position_means(s.k_mean_pre, s.k_rotation, cos, sin)
+
+
 def _copy_score(
     s: LayerTransform, k_ratio: float, held_out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     scaling: float, recipe: Recipe, key_mean: Callable[[LayerTransform, torch.Tensor], torch.Tensor | None],
 ) -> CopyScore:
     """The layer's copy score (:mod:`copy_score`) on its held-out sequences, keys as the clip search serves them."""
     q = recipe.quant
-    meta = META_DTYPES[q.meta_dtype]
-
-    def quantize(y: torch.Tensor) -> torch.Tensor:
-        return fake_subspace(y, s.k_subspace, lambda x: fake_quantize(x, k_ratio, q.group_size, meta, q.levels),
-                             torch.bfloat16)
-
+    quantize = served_keys(k_ratio, q, s.k_subspace)
     total = CopyScore()
     for qq, k, _ in held_out:
         total = total.add(copy_flips(qq[:, :, -COPY_QUERIES:], k, s.k_rotation, key_mean(s, k), scaling, q.sink,
