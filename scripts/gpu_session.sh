@@ -160,6 +160,12 @@ site() {  # oscar (this tree) and the wheels the image lacks -> /tmp/site, once
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .stage/whl/*.whl || return 1
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || return 1
 }
+qwen_ready() {  # this tree's oscar (and the wheels) in /tmp/site, the joined Qwen GGUF, the prose under /tmp/q
+    site || return 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || return 1
+    [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || return 1; }
+    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+}
 benchrun() {  # benchrun NAME LIMIT_S ARGS...: `oscar --json bench ARGS` -> /tmp/res/bench-NAME.{json,log}; one line per
     # cell: NAME, batch, ctx, INT2 µs and the best BF16 µs (CUDA graphs)
     local nm=$1 lim=$2; shift 2
@@ -404,10 +410,7 @@ yruler)  # #18 d / #21: RULER of the rope artifact at 64K and 128K under YaRN x4
     ;;
 rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and tokens as setup; 2-bit keys and 16-bit
     # scale/zero everywhere (what the vLLM backend serves; the recipe's default adds INT4 keys and 8-bit metadata)
-    site || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-    [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
-    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+    qwen_ready || exit 1
     oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --int4-keys 0 --meta-bits 16 --data /tmp/q/calib --tokens 32k \
         --seq-len 8192 --device cuda --out "$ARTR" --overwrite > /tmp/res/calibrate-rope.json 2> /tmp/res/calibrate-rope.log \
         || { tail -30 /tmp/res/calibrate-rope.log; exit 1; }
@@ -416,10 +419,7 @@ rsetup)  # #21: the Qwen recipe with keys centred by position, same prose and to
 lsetup)  # #21: the Qwen recipe as shipped (rope mean, 8 INT4-key layers, 8-bit metadata) calibrated on the same prose
     # in sequences of SEQ tokens (lsetup SEQ [N]: N sequences (4), the last held out) into /tmp/q/art-sSEQ
     sq=${2:?lsetup SEQ [N]}; ns=${3:-4}; a=/tmp/q/art-s$sq
-    site || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-    [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
-    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+    qwen_ready || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     PYTHONPATH=/tmp/site python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
     oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --data /tmp/q/calib --tokens $(( sq * ns )) \
@@ -458,10 +458,7 @@ i4setup)  # #21: the Qwen recipe (rope mean) with keys of the N copy-score layer
     # into /tmp/q/art-rope-i4N; then the INT4 keys' CUDA test (decode kernel + the low plane's bias).
     # i4setup N 8: the same with 8-bit scale/zero (--meta-bits 8) into /tmp/q/art-rope-i4N-m8
     n=${2:-4}; mb=${3:-16}; a=/tmp/q/art-rope-i4$n; [ "$mb" = 16 ] || a=$a-m$mb
-    site || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-    [ -f "$GGUF" ] || { bash /tmp/stage/join.sh 2>&1 | tail -2 || exit 1; }
-    mkdir -p /tmp/q/calib && cp .stage/corpus/calib/* /tmp/q/calib/ && cp .stage/corpus/austen_persuasion.txt /tmp/q/
+    qwen_ready || exit 1
     tag=i4$n; [ "$mb" = 16 ] || tag=$tag-m$mb
     oscar --json calibrate "$GGUF" --recipe qwen2.5-coder-1.5b --key-mean rope --int4-keys "$n" --meta-bits "$mb" \
         --data /tmp/q/calib --tokens 32k --seq-len 8192 --device cuda --out "$a" --overwrite \
