@@ -58,9 +58,10 @@ class DecodeConfig:
     # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
     # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
     prefetch: bool = True
-    # with prefetch: the BF16 tier programs' rows too (False: only the INT2 splits' first tiles; an A/B switch for the
-    # tiers read in place, TierIndex, whose rows come from DRAM where gathered copies were still in L2)
-    tier_prefetch: bool = True
+    # with prefetch: the BF16 tier programs' rows too (False: only the INT2 splits' first tiles). None (the default):
+    # the gathered copies' rows, not the rows of tiers read in place (TierIndex): on an H100 the prefetch of rows
+    # read in place cost 0.5-3 us per layer at 6-32 requests (docs/VLLM.md, "the crossing by batch")
+    tier_prefetch: bool | None = None
     # the position-dependent key mean's in-tile term: its products' operands. "fp16": the coefficients rotated once
     # per tile and scaled by a power of two per program, the table's first block_n rows as fp16, one fp16 MMA per
     # residue and half (11-bit operands, float32 sums; sm_90 SASS, BLOCK_N 64: 1,090 instructions per tile against
@@ -441,7 +442,8 @@ class DecodePlan:
                  ACT=triton_dtype(q.dtype), PAGED=paged, PAGE=page if paged else 1, TIER_PARTS=TIER_PARTS, PDL=cfg.pdl,
                  VROW=vrow, HAS_BIAS=logit_bias is not None, HAS_ROPE=rope is not None, ROPE_PREC=cfg.rope_prec,
                  HAS_LO=0 if lo is None else 2 if lo.paged else 1, META8=(2 if words else 1) if ks.dtype == torch.uint8 else 0,
-                 DIRECT_TIERS=direct is not None, TIER_PREFETCH=cfg.tier_prefetch,
+                 DIRECT_TIERS=direct is not None,
+                 TIER_PREFETCH=direct is None if cfg.tier_prefetch is None else cfg.tier_prefetch,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
         self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (

@@ -3,8 +3,10 @@
 K/V rotation, the writes, the tier gather, the decode), timed in CUDA graphs, for the variants of the launches
 around the decode: ``gather`` (the tier gather and the q rotation apart, six launches: ``OSCAR_VLLM_FUSED_GATHER=0``),
 ``fused-gather`` (the q rotation in the gather's launch, five: the engine's default),
-``direct`` (``OSCAR_VLLM_DIRECT_TIERS``: no gather, four) and ``direct-no-tier-prefetch`` (the same with
-``DecodeConfig(tier_prefetch=False)``: the tier rows not prefetched into L2 before stage 1 waits).
+``direct`` (``OSCAR_VLLM_DIRECT_TIERS``: no gather, four; the tier rows not prefetched, the default in place) and
+``direct-tier-prefetch`` (the same with ``DecodeConfig(tier_prefetch=True)``: the tier rows prefetched into L2
+before stage 1 waits; results before the default changed name this one ``direct`` and the default
+``direct-no-tier-prefetch``).
 
 No vLLM: the backend's own layer object and kernels, at the engine's shapes (Qwen3-8B: 32 query / 8 KV heads,
 D 128, pages of 16 tokens, bf16, sink 64 and recent 256 tokens, batch-1 decode by default) over an INT2 history of
@@ -38,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("gather", "fused-gather", "direct", "direct-no-tier-prefetch")
+VARIANTS = ("gather", "fused-gather", "direct", "direct-tier-prefetch")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,8 +79,8 @@ def build(variant: str, ctx: int, batch: int, dev: str, smoke: bool, seed: int =
                                   v_mean=0.1 * torch.randn(hkv, d, generator=gen), k_clip=0.92, v_clip=0.9)
     s = layout.Int2Settings(sink=sink, recent=recent)
     cfg = ops.default_config(batch)
-    if variant == "direct-no-tier-prefetch":
-        cfg = replace(cfg, tier_prefetch=False)
+    if variant == "direct-tier-prefetch":
+        cfg = replace(cfg, tier_prefetch=True)
     kernels = TritonKernels(cfg, fused_gather=variant == "fused-gather", direct_tiers=variant.startswith("direct"))
     rows = max(batch, 4)
     act = torch.float16 if smoke else torch.bfloat16  # (the interpreter's bf16 dot is wrong: fp16 there)

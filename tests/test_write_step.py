@@ -143,20 +143,23 @@ def test_fusion_switches(monkeypatch: pytest.MonkeyPatch, which: str, raw: str |
                           ("1", "1", "0", "constant", 1, 0, 5), ("1", "0", "1", "constant", 1, 0, 4),
                           ("1", "1", "1", "rope", 1, 1, 4), ("0", "0", "1", "constant", 1, 0, 6),
                           ("", "", "", "constant", 1, 0, 5), ("", "", "", "rope", 1, 1, 5),
-                          ("", "", "", "constant", 15, 0, 5), ("", "", "", "constant", 16, 0, 4),
-                          ("", "", "", "rope", 16, 1, 4), ("", "", "0", "constant", 16, 0, 5)])
+                          ("", "", "", "constant", 7, 0, 5), ("", "", "", "constant", 8, 0, 4),
+                          ("", "", "", "rope", 8, 1, 4), ("", "", "0", "constant", 8, 0, 5)])
 def test_decode_step_launch_count(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fused: str,
                                   gather: str, direct: str, key_mean: str, batch: int, torch_ops: int,
                                   launches: int) -> None:
     """scripts/cpu_vllm_decode_ops.py on a decode step of ``batch`` requests: eight launches per layer (K/V rotation,
     K, V and tier writes, tier gather, q rotation, stage 1, merge) with ``OSCAR_VLLM_FUSED_WRITE=0``, six with the
-    three writes in one, five by default below 16 requests (unset: that, and the q rotation in the tier gather's
+    three writes in one, five by default below 8 requests (unset: that, and the q rotation in the tier gather's
     launch), four with ``OSCAR_VLLM_DIRECT_TIERS=1`` (no gather; the q rotation in the K/V rotation's launch; it
-    takes precedence over the fused gather) and by default from 16 requests on (``core.DIRECT_TIERS_FROM_BATCH``;
+    takes precedence over the fused gather) and by default from 8 requests on (``core.DIRECT_TIERS_FROM_BATCH``;
     ``OSCAR_VLLM_DIRECT_TIERS=0`` keeps the gather there); the rope format adds one torch op per layer for its key
     means (a GEMM with the layer's ``rope_matrix``; the step's table rows are gathered once, by its first layer)."""
     from helpers.scripts import load_script
 
+    from oscar_cli.vllm import core
+
+    assert core.DIRECT_TIERS_FROM_BATCH == 8, "the batches above straddle the switch: move them with it"
     monkeypatch.setenv("OSCAR_VLLM_FUSED_WRITE", fused)
     monkeypatch.setenv("OSCAR_VLLM_FUSED_GATHER", gather)
     monkeypatch.setenv("OSCAR_VLLM_DIRECT_TIERS", direct)

@@ -163,11 +163,13 @@ Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k,
 ROTATE_TRITON_MAX_ROWS = 64
 
 # A decode step of at least this many requests reads the BF16 tiers in place (no tier gather) unless
-# ``OSCAR_VLLM_DIRECT_TIERS`` says otherwise. Measured on an H100 (docs/VLLM.md): at 73 requests x 32K the gather
-# is 73 us of every layer's step (2.6 ms of 30.6) and reading in place made the step 1.8 ms shorter; at one request
-# the fused gather is 1.4-4 us per layer faster than reading in place. A line through the two puts the crossing
-# between 2 and 6 requests; 16 leaves a margin for its error (batches between 1 and 73 were not timed).
-DIRECT_TIERS_FROM_BATCH = 16
+# ``OSCAR_VLLM_DIRECT_TIERS`` says otherwise. Measured on an H100 (docs/VLLM.md, "Where the tiers are read: the
+# crossing by batch"; one layer's step, CUDA graphs, scripts/gpu_layer_step_bench.py): the fused gather is faster at
+# 4 x 32K (57.2 against 59.6 us per layer), 2 x 128K (80.8 / 81.4) and 8 x 4K (40.0 / 40.0 with the tier rows not
+# prefetched); in place is faster from 8 x 32K on (84.5 against 91.1 us; 12: 149.0 / 162.1; 16: 156.7 / 177.1),
+# at 4 x 128K (142.7 / 149.6) and 32 x 4K (92.9 / 121.8), and at 73 x 32K in the engine (29.17 against 30.95 ms
+# per step). 6 x 32K is a tie (73.8 / 74.4). The choice is per batch size (one CUDA graph each), so 8.
+DIRECT_TIERS_FROM_BATCH = 8
 
 
 def direct_tiers_for(setting: bool | None, num_decodes: int) -> bool:

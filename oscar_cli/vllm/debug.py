@@ -19,8 +19,8 @@
   layer keeps them (``ops.TierIndex``, the same centring and order, so the same bits) and the query rotation runs
   in the K/V rotation's launch: four launches per layer and decode step instead of five (takes precedence over
   ``OSCAR_VLLM_FUSED_GATHER``). ``0``: the gather in every step. Unset: by the step's batch, in place from
-  ``core.DIRECT_TIERS_FROM_BATCH`` decode requests on (at one request the fused gather measured faster on an
-  H100, at 73 reading in place: docs/VLLM.md).
+  ``core.DIRECT_TIERS_FROM_BATCH`` (8) decode requests on (on an H100 the fused gather measured faster up to 4-6
+  requests, reading in place from 8: docs/VLLM.md, "the crossing by batch").
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
