@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launches", type=int, default=50, help="launches per CUDA graph (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=7, help="graph replays timed (default: %(default)s)")
     p.add_argument("--pages", type=int, default=PAGES, help="cache pages (default: %(default)s)")
+    p.add_argument("--ops", help="comma-separated case kinds to run (quantize_write, step_writes, rotate_kv, "
+                   "torch_rotate; default: all, and the V-update check)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, N=1, 2 iterations, no graphs")
     return p.parse_args(argv)
 
@@ -178,14 +180,19 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
     out.append(({"name": "decode step writes: K + V + tiers, ops.write_step (one launch)", "op": "step_writes",
                  "n": n, "fused": True}, fused_writes))
 
-    def triton_rotate() -> None:
-        ops.rotate_kv(k, v, r, r, dtype=bf16)
+    def triton_rotate(block_t: int | None = None) -> Callable[[], None]:
+        def run() -> None:
+            ops.rotate_kv(k, v, r, r, dtype=bf16, block_t=block_t)
+        return run
 
     def torch_rotate() -> None:
         (k.float() @ r).to(bf16)
         (v.float() @ r).to(bf16)
 
-    out.append(({"name": "rotate K+V ops.rotate_kv", "op": "rotate_kv", "n": n}, triton_rotate))
+    out.append(({"name": "rotate K+V ops.rotate_kv", "op": "rotate_kv", "n": n, "block_t": None}, triton_rotate()))
+    for bt in (16, 32, 64):  # the launcher's tile choice against each fixed one
+        out.append(({"name": f"rotate K+V ops.rotate_kv block_t {bt}", "op": "rotate_kv", "n": n, "block_t": bt},
+                    triton_rotate(bt)))
     out.append(({"name": "rotate K+V torch (x.float() @ r).to(bf16)", "op": "torch_rotate", "n": n}, torch_rotate))
     return out
 
@@ -258,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_write_bench: no CUDA device (use --smoke on CPU)", file=sys.stderr)
         return 2
+    ops_known = {"quantize_write", "step_writes", "rotate_kv", "torch_rotate"}
+    if args.ops and not set(args.ops.split(",")) <= ops_known:
+        print(f"gpu_write_bench: --ops: unknown {sorted(set(args.ops.split(',')) - ops_known)}; known: "
+              f"{', '.join(sorted(ops_known))}", file=sys.stderr)
+        return 2
     ns = [1] if args.smoke else args.n
     pages = min(args.pages, 8) if args.smoke else args.pages
     h_kv, d = (1, 64) if args.smoke else (H_KV, D)  # the interpreter's tl.sort of 8 heads x 128 takes minutes
@@ -274,9 +286,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"name": "setup", "n": n, "us_per_launch": None, "us_repeats": [],
                          "error": f"{type(e).__name__}: {e}"[:2000]})
             continue
-        rows.append(check_updates(n, pages, dev, h_kv, d))
-        print(table(rows[-1:]).splitlines()[1], flush=True)
+        wanted = set(args.ops.split(",")) if args.ops else None
+        if wanted is None:
+            rows.append(check_updates(n, pages, dev, h_kv, d))
+            print(table(rows[-1:]).splitlines()[1], flush=True)
         for desc, fn in todo:
+            if wanted is not None and desc["op"] not in wanted:
+                continue
             rows.append(run_case(desc, fn, timer))
             print(table(rows[-1:]).splitlines()[1], flush=True)
     print()
@@ -284,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"env": environment(dev),
               "config": {"h_kv": h_kv, "d": d, "group": min(G, d), "page_size": PAGE, "pages": pages, "clip_ratio": CLIP,
                          "dtype": "bf16", "meta_dtype": "bf16", "mean": True, "launches_per_graph": args.launches,
-                         "repeats": args.repeats, "timing": "wall clock" if args.smoke else "CUDA graph replay",
+                         "repeats": args.repeats, "timing": "wall clock" if args.smoke else "CUDA graph replay", "ops": args.ops,
                          "smoke": args.smoke},
               "seconds": time.perf_counter() - t0, "results": rows}
     if args.out:

@@ -32,6 +32,7 @@ def test_smoke_runs_every_case(tmp_path: Path) -> None:
     assert {r["num_warps"] for r in rows if r["op"] == "quantize_write"} == {1, 4}
     assert {r["op"] for r in rows} == {"quantize_write", "rotate_kv", "torch_rotate", "step_writes"}
     assert sorted(r["fused"] for r in rows if r["op"] == "step_writes") == [False, True]
+    assert [r["block_t"] for r in rows if r["op"] == "rotate_kv"] == [None, 16, 32, 64]
     assert {r["block_t"] for r in rows if r["op"] == "quantize_write"} == {1, 16}  # N=1: auto picks 1
     v = {(r["clip_method"], r["slots"], r["tq_update"]) for r in rows if r["op"] == "quantize_write"
          and r["layout"] == "token_quads" and r["num_warps"] == 4 and r["block_t_auto"]}
@@ -39,6 +40,16 @@ def test_smoke_runs_every_case(tmp_path: Path) -> None:
         assert {(method, "random", "and_or"), (method, "random", "xor"), (method, "decode", "and_or"),
                 (method, "decode", "xor"), (method, "decode", "exclusive")} <= v
     assert {r["tq_update"] for r in rows if r["op"] == "quantize_write" and r["layout"] == "rows"} == {None}
+
+
+def test_ops_filter_runs_only_those_kinds(tmp_path: Path) -> None:
+    """``--ops rotate_kv,torch_rotate``: only the rotation rows, no V-update check; an unknown kind is refused."""
+    bench = load_script("gpu_write_bench")
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--ops", "rotate_kv,torch_rotate", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["op"] for r in rows} == {"rotate_kv", "torch_rotate"} and len(rows) == 5
+    assert bench.main(["--smoke", "--ops", "rotate"]) == 2
 
 
 def test_failing_case_is_recorded() -> None:
