@@ -846,6 +846,27 @@ def test_decode_reads_the_tiers_in_place_bitwise(case: tuple, means: str) -> Non
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_tier_prefetch_by_path(setting: bool | None) -> None:
+    """``DecodeConfig.tier_prefetch``: None (the default) prefetches the gathered copies' rows and not the rows of
+    tiers read in place (on an H100 that prefetch cost time from 6 requests on: docs/VLLM.md); True / False force
+    either path. The plan's stage-1 launch carries the choice (no kernel runs here)."""
+    name, (b, h_q, h_kv, d), hist, sink, recent, page, splits = DIRECT_CASES[0]
+    c = make_case(2, b, h_q, h_kv, d, hist, sink, recent, page, torch.float16, "cpu", meta=torch.float16)
+    store, index = _tier_storage(c, b + 3, max(recent) + 5, "per-head", 2)
+    gathered = ops.tier_gather(*store, index.rows, index.ring_index, index.k_mean, index.v_mean)
+    kw = dict(rotation_k=c["rotation_k"], rotation_v=c["rotation_v"], num_splits=splits,
+              config=replace(TINY, tier_prefetch=setting))
+    head = (c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["hist_len"])
+    in_place = ops.DecodePlan(*head, store[0], store[1], c["sink_len"], store[2], store[3], c["recent_len"],
+                              tier_index=index, **kw)  # type: ignore[arg-type]
+    copies = ops.DecodePlan(*head, gathered[0], gathered[1], c["sink_len"], gathered[2], gathered[3],
+                            c["recent_len"], **kw)  # type: ignore[arg-type]
+    assert in_place._stage1[2]["TIER_PREFETCH"] is (False if setting is None else setting)
+    assert copies._stage1[2]["TIER_PREFETCH"] is (True if setting is None else setting)
+
+
+@pytest.mark.unit
 def test_decode_tier_index_refusals_name_the_argument(monkeypatch: pytest.MonkeyPatch) -> None:
     name, (b, h_q, h_kv, d), hist, sink, recent, page, _ = DIRECT_CASES[0]
     dev = "cuda" if CUDA else "cpu"
