@@ -60,7 +60,11 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
         yk, yv = out
         check_rows("out[0]", yk, f"[{n}, {h_kv}, {d}]", (n, h_kv, d), (dtype,) if dtype else ROTATE_DTYPES, dev)
         check_rows("out[1]", yv, f"{yk.dtype} [{n}, {h_kv}, {d}] (as out[0])", (n, h_kv, d), (yk.dtype,), dev)
-    bt = block_t or (16 if n <= 64 else 64)
+    # 16 rows per program up to 64 tokens (decode steps; measured); above, 32: at 64 rows a program's float32 operands
+    # do not fit its registers (sm_90 SASS, Triton 3.9: 7 KB of stack per thread, 2,945 spill stores and 4,280 spill
+    # loads against 4,096 FMAs; 32 rows: 44 registers, no spills: scripts/sass_stats.py --rotate-kv). The backend
+    # rotates above 64 tokens with cuBLAS (core.ROTATE_TRITON_MAX_ROWS) until 32-row tiles are timed there.
+    bt = block_t or (16 if n <= 64 else 32)
     if bt < 16 or bt & (bt - 1) or block_e < 16 or block_e & (block_e - 1) or d % block_e:
         raise ValueError(f"block_t, block_e: expected powers of two >= 16 (block_e dividing {d}), got {bt}, {block_e}")
     if query is not None:

@@ -8,6 +8,10 @@ per code" figure of docs/KERNELS.md. Usage:
         [--rope tf32x3|tf32|ieee]   (the position-dependent key mean's in-tile term, at that precision)
         [--meta8 bytes|words]   (formula 10's 8-bit scale/zero decoded in the tile, META8; words: DecodeConfig.meta_words)
         [--low-plane]   (INT4 keys: the low plane's codes read in the tile, HAS_LO)
+    python scripts/sass_stats.py --rotate-kv BLOCK_T [--warps 4]
+        (instead: the vLLM backend's K/V rotation kernel, ``rotate_kv._rotate_kv_kernel``, at rows per program
+        BLOCK_T, bf16 rows, D 128, BLOCK_E 32: registers, stack, and its local-memory spills (STL / LDL) against its
+        float32 FMAs)
 """
 
 from __future__ import annotations
@@ -61,6 +65,34 @@ def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_rotate_kv(block_t: int, warps: int = 4) -> object:
+    """``rotate_kv._rotate_kv_kernel`` for sm_90 as ``ops.rotate_kv`` launches it on bf16 rows (D 128, BLOCK_E 32,
+    8 KV heads, no query jobs)."""
+    from oscar_kernels import rotate_kv
+
+    fn = rotate_kv._rotate_kv_kernel
+    const = dict(H_KV=8, D=128, BLOCK_T=block_t, BLOCK_E=32, Q_JOBS=False, GROUP=1, GP=16)
+    types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "yk_ptr": "*bf16", "yv_ptr": "*bf16", "q_ptr": "*bf16",
+             "rk_ptr": "*fp32", "rv_ptr": "*fp32", "rq_ptr": "*fp32", "qo_ptr": "*fp32", "qk_scale": "fp32"}
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and n not in ("n_rows", "t_tiles", "qk_scale")}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def rotate_kv_stats(block_t: int, warps: int = 4) -> dict[str, int]:
+    """Registers, stack bytes and instruction counts (all, FFMA, spill stores STL, spill loads LDL) of
+    :func:`compile_rotate_kv`'s SASS."""
+    cubin = compile_rotate_kv(block_t, warps).asm["cubin"]  # type: ignore[attr-defined]
+    sass = tool("nvdisasm", "-c", cubin=cubin)
+    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", tool("cuobjdump", "--dump-resource-usage", cubin=cubin))
+    ops_ = collections.Counter(m.group(2).split(".")[0] for m in map(INSN.match, sass.splitlines()) if m)
+    return {"block_t": block_t, "registers": int(usage.group(1)) if usage else -1,
+            "stack_bytes": int(usage.group(2)) if usage else -1, "instructions": sum(ops_.values()),
+            "ffma": ops_["FFMA"], "stl": ops_["STL"], "ldl": ops_["LDL"]}
+
+
 def tool(name: str, *args: str, cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -110,7 +142,15 @@ def main() -> None:
                    help="8-bit scale/zero decoded in the tile (META8), loaded as byte tiles or 32-bit words")
     p.add_argument("--low-plane", action="store_true", help="INT4 keys' low plane read in the tile (HAS_LO)")
     p.add_argument("--sass", type=Path)
+    p.add_argument("--rotate-kv", type=int, metavar="BLOCK_T", help="the K/V rotation kernel at BLOCK_T rows instead")
     a = p.parse_args()
+    if a.rotate_kv:
+        st = rotate_kv_stats(a.rotate_kv, a.warps)
+        print(f"triton {triton.__version__}, sm_90, rotate_kv BLOCK_T {st['block_t']}, {a.warps} warp(s): "
+              f"{st['registers']} registers, stack {st['stack_bytes']} B; {st['instructions']} instructions "
+              f"({st['instructions'] / st['block_t']:.1f} per row), {st['ffma']} FFMA, spills {st['stl']} STL + "
+              f"{st['ldl']} LDL")
+        return
     k = compile_stage1(a.warps, a.block_n, a.gp, a.stages, a.block_nb, a.maxnreg, a.dtype, a.hist_stages, a.hoist_q,
                        a.prefetch, a.page, a.rope, ("", "bytes", "words").index(a.meta8), a.low_plane)
     cubin = k.asm["cubin"]  # type: ignore[attr-defined]

@@ -129,7 +129,7 @@ def test_rotate_kv_matches_torch(case: tuple, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("block_t", [16, 64])
+@pytest.mark.parametrize("block_t", [16, 32, 64])
 def test_rotate_kv_into_given_outputs(block_t: int) -> None:
     """``out``: slices of larger buffers are filled and returned, nothing past them written; either token tile."""
     n, h, d = 17, 2, 64

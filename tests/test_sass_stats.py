@@ -1,0 +1,31 @@
+"""scripts/sass_stats.py --rotate-kv: the K/V rotation kernel compiled for sm_90 on a CPU machine (Triton's bundled
+ptxas, nvdisasm and cuobjdump), with its registers, stack and spill instructions read from the cubin. Run as a
+subprocess: the tests' Triton interprets kernels (``TRITON_INTERPRET=1``), which compiles nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rotate_kv_decode_tile_does_not_spill() -> None:
+    """The 16-row tile the launcher uses up to 64 tokens keeps its operands in registers: no stack, no local-memory
+    spills (the 64-row tile spilled 7 KB per thread with Triton 3.9: docs/VLLM.md)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_stats.py"), "--rotate-kv", "16", "--warps", "4"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = re.search(r"rotate_kv BLOCK_T 16, 4 warp\(s\): (\d+) registers, stack (\d+) B; (\d+) instructions .*?"
+                  r"(\d+) FFMA, spills (\d+) STL \+ (\d+) LDL", out.stdout)
+    assert m, out.stdout
+    regs, stack, insns, ffma, stl, ldl = map(int, m.groups())
+    assert 0 < regs <= 255 and stack == 0 and stl == 0 and ldl == 0 and 0 < ffma < insns
