@@ -7,9 +7,9 @@ decode's q rotation + stage 1 + merge) are counted by a stub; a step's total is 
 stub rotates as ``TritonKernels`` does on CUDA: one launch up to ``core.ROTATE_TRITON_MAX_ROWS`` tokens, the torch
 ops (2 matmuls, 4 casts) above it or with ``OSCAR_VLLM_TORCH_ROTATE=1``; the writes as one launch
 (``ops.write_step``: K, V and tiers), or as three with ``OSCAR_VLLM_FUSED_WRITE=0``; the decode's q rotation in
-the tier gather's launch (the default below 16 requests), or in its own with ``OSCAR_VLLM_FUSED_GATHER=0``; no
-gather, the q rotation in the K/V rotation's launch, from 16 requests on (``--batch 16``) or with
-``OSCAR_VLLM_DIRECT_TIERS=1``.
+the tier gather's launch (the default below ``core.DIRECT_TIERS_FROM_BATCH`` (8) requests), or in its own with
+``OSCAR_VLLM_FUSED_GATHER=0``; no gather, the q rotation in the K/V rotation's launch, from 8 requests on
+(``--batch 8``) or with ``OSCAR_VLLM_DIRECT_TIERS=1``.
 No GPU or vLLM needed:
 
     python3 scripts/cpu_vllm_decode_ops.py --batch 1 --history 4096

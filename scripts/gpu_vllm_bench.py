@@ -824,8 +824,8 @@ def main() -> None:
                          "(OSCAR_VLLM_FUSED_GATHER=0); results under BACKEND+gather")
     ap.add_argument("--direct-tiers", action="store_true",
                     help="oscar: no tier gather in any decode step: stage 1 reads the tiers in place and the q rotation "
-                         "runs in the K/V rotation's launch (OSCAR_VLLM_DIRECT_TIERS=1; by default only steps of 16+ "
-                         "decodes do); results under BACKEND+direct")
+                         "runs in the K/V rotation's launch (OSCAR_VLLM_DIRECT_TIERS=1; by default only steps of 8+ "
+                         "decodes do: core.DIRECT_TIERS_FROM_BATCH); results under BACKEND+direct")
     ap.add_argument("--tier-gather", action="store_true",
                     help="oscar: the tier gather in every decode step, large batches too (OSCAR_VLLM_DIRECT_TIERS=0); "
                          "results under BACKEND+tiergather")
