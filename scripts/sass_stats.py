@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import re
 import subprocess
 import tempfile
@@ -53,6 +54,9 @@ def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int
                  TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
                  HOIST_Q=hoist_q, PREFETCH=prefetch, HAS_ROPE=bool(rope), ROPE_PREC=rope or "tf32x3",
                  META8=meta8, HAS_LO=low_plane)
+    # every other constexpr at its default: one left out would compile as a runtime argument (both sides of its
+    # branches, e.g. DIRECT_TIERS', which do not type-check together)
+    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty} | const
     ptrs = (PTRS | {"lo_ptr": "*u8", "lo_first_ptr": "*i32"}
             | ({n: "*u8" for n in ("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr")} if meta8 else {}))
     sig = {n: "constexpr" if n in const else ptrs.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
@@ -86,10 +90,9 @@ def rotate_kv_stats(block_t: int, warps: int = 4) -> dict[str, int]:
     :func:`compile_rotate_kv`'s SASS."""
     cubin = compile_rotate_kv(block_t, warps).asm["cubin"]  # type: ignore[attr-defined]
     sass = tool("nvdisasm", "-c", cubin=cubin)
-    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", tool("cuobjdump", "--dump-resource-usage", cubin=cubin))
+    regs, stack = resources(cubin)
     ops_ = collections.Counter(m.group(2).split(".")[0] for m in map(INSN.match, sass.splitlines()) if m)
-    return {"block_t": block_t, "registers": int(usage.group(1)) if usage else -1,
-            "stack_bytes": int(usage.group(2)) if usage else -1, "instructions": sum(ops_.values()),
+    return {"block_t": block_t, "registers": regs, "stack_bytes": stack, "instructions": sum(ops_.values()),
             "ffma": ops_["FFMA"], "stl": ops_["STL"], "ldl": ops_["LDL"]}
 
 
@@ -98,6 +101,12 @@ def tool(name: str, *args: str, cubin: bytes) -> str:
         f.write(cubin)
         f.flush()
         return subprocess.run([str(BIN / name), *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread of the cubin's kernel, from ``cuobjdump``; -1 each if not found."""
+    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", tool("cuobjdump", "--dump-resource-usage", cubin=cubin))
+    return (int(usage.group(1)), int(usage.group(2))) if usage else (-1, -1)
 
 
 def loops(sass: str) -> list[tuple[int, collections.Counter]]:
@@ -157,9 +166,9 @@ def main() -> None:
     sass = tool("nvdisasm", "-c", cubin=cubin)
     if a.sass:
         a.sass.write_text(sass)
-    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", tool("cuobjdump", "--dump-resource-usage", cubin=cubin))
-    print(f"triton {triton.__version__}, sm_90: {usage.group(1) if usage else '?'} registers, "
-          f"stack {usage.group(2) if usage else '?'} B; {a.warps} warp(s), BLOCK_N {a.block_n}, GP {a.gp}")
+    regs, stack = resources(cubin)
+    print(f"triton {triton.__version__}, sm_90: {regs} registers, stack {stack} B; {a.warps} warp(s), "
+          f"BLOCK_N {a.block_n}, GP {a.gp}")
     codes = a.block_n * 128 * 2  # K and V codes one INT2 iteration consumes (D = 128)
     for n, hist in loops(sass):
         kind = "INT2" if hist.get("LOP3", 0) + hist.get("PRMT", 0) > 150 else "BF16"  # the unpack's and/permute
