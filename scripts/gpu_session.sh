@@ -50,7 +50,7 @@
 #   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write,
 #                                              INT4 keys through the decode kernel plus the low plane's bias)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
-#   bash scripts/gpu_session.sh rbench        (no model, nothing carried: the K/V rotation by row count, 16-512 rows,
+#   bash scripts/gpu_session.sh rbench [N...] (no model, nothing carried: the K/V rotation by row count, 16-512 rows,
 #                                              ops.rotate_kv per tile size against torch's float32 GEMM + casts)
 #   bash scripts/gpu_session.sh fwrite        (carry .stage/whl; no model: the fused decode-step write (the default)
 #                                              on CUDA, its tests and its bench rows; then, after vjoin, the engine
@@ -286,8 +286,10 @@ lstep)  # #20: one layer's decode step through the backend's layer (no vLLM), th
     ;;
 rbench)  # #20: the K/V rotation by row count, ops.rotate_kv (the launcher's tile and block_t 16 / 32 / 64) against torch
     # (cuBLAS float32 + casts), where core.ROTATE_TRITON_MAX_ROWS switches (64) and the 73-request step's 80 rows sit
+    # (rbench N...: other row counts, e.g. prefill chunks)
+    shift; ns=${*:-16 64 80 96 128 160 256 512}
     PYTHONPATH=$PWD timeout 300 python3 scripts/gpu_write_bench.py --ops rotate_kv,torch_rotate \
-        --n 16 64 80 96 128 160 256 512 --out /tmp/res/rotate-rows.json 2>&1 | grep -v Warning | tail -40
+        --n $ns --out /tmp/res/rotate-rows.json 2>&1 | grep -v Warning | tail -40
     ;;
 wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     site || exit 1

@@ -156,11 +156,12 @@ Tiers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # sink_k,
 
 # The Triton rotation (``ops.rotate_kv``) serves batches of up to this many tokens, cuBLAS (torch) larger ones. On an
 # H200 cuBLAS runs ``x.float() @ R`` for one decode token with a float32 GEMM tile that took 51.6 µs per call (plus
-# two casts), while a 4,096-token prefill takes ~130 µs: small batches are its bad case. Measured on the H200
-# (scripts/gpu_write_bench.py, K and V together, CUDA-graph replay): ops.rotate_kv 5.9 / 6.0 / 6.9 / 222 µs at
-# 1 / 8 / 64 / 512 tokens against torch's 114 / 27 / 18 / 24 µs, so the kernel takes batches up to 64 tokens
-# (decode steps up to batch 64) and cuBLAS the rest.
-ROTATE_TRITON_MAX_ROWS = 64
+# two casts). With the launcher's tiles (16 rows per program up to 64 tokens, 32 above: a 64-row tile spilled), on
+# an H100 (scripts/gpu_write_bench.py --ops rotate_kv,torch_rotate, K and V together, CUDA-graph replay; docs/VLLM.md,
+# "The K/V rotation by row count"): ops.rotate_kv 7.1 / 8.1 / 20.9 / 29.7 / 56.5 / 101.8 µs at 64 / 80 / 512 / 1,024 /
+# 2,048 / 4,096 tokens against torch's 18.1 / 18.0 / 24.6 / 34.2 / 58.5 / 102.3 µs. Not measured above 4,096 tokens
+# (prefill chunks that large rotate with cuBLAS).
+ROTATE_TRITON_MAX_ROWS = 4096
 
 # A decode step of at least this many requests reads the BF16 tiers in place (no tier gather) unless
 # ``OSCAR_VLLM_DIRECT_TIERS`` says otherwise. Measured on an H100 (docs/VLLM.md, "Where the tiers are read: the
