@@ -23,6 +23,7 @@ from oscar_kernels.launch_checks import (
     triton_modules,
 )
 from oscar_kernels.reference import TOKEN_QUAD_ROW, QuantizedRows, token_quad_row
+from oscar_kernels.tier_ops import query_rows
 
 _LOG2E = 1.4426950408889634
 LAST_LAUNCH: dict[str, Any] = {}  # kernel name -> compiled handle of the latest launch (registers, spills, asm)
@@ -419,10 +420,11 @@ class DecodePlan:
         self.out, self.num_splits, self.config = out, s, cfg
         self.meta_words = words  # 8-bit metadata read as 32-bit words (resolved from cfg.meta_words)
         self._kernels = triton_modules()[1]
-        self._rot: tuple[Any, ...] = ((b * h_kv, d // 32), (q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0),
-                                   q_rot.stride(1), scale),
-                     dict(H_KV=h_kv, GROUP=g, GP=max(16, gp), D=d, BLOCK_E=32, PREC="tf32x3",
-                          PDL=cfg.pdl, num_warps=4))
+        rot_gp, rot_qb = query_rows(g, max(16, gp))
+        self._rot: tuple[Any, ...] = ((math.ceil(b / rot_qb) * h_kv, d // 32), (
+            q, q.stride(0), q.stride(1), rk, rk_stride, q_rot, q_rot.stride(0), q_rot.stride(1), scale, b),
+            dict(H_KV=h_kv, GROUP=g, GP=rot_gp, D=d, BLOCK_E=32, PREC="tf32x3", PDL=cfg.pdl, QB=rot_qb,
+                 num_warps=4))
         ks, kz, vs, vz = k_cache.scale, k_cache.zero, v_cache.scale, v_cache.zero
         self._stage1: tuple[Any, ...] = ((b * h_kv, n_parts), (
             q_rot, q_rot.stride(0), q_rot.stride(1), kc, kc.stride(0), kc.stride(1),

@@ -13,7 +13,7 @@ page size; neither operand is transposed through shared memory. Scale and zero (
 
 **Grid and pipeline.** Three kernels, launched by ``DecodePlan.run``:
 
-1. ``_rotate_q_kernel`` ``(B·H_kv, D/32)``: ``q @ R_K`` (``tl.dot`` on float32, tf32x3 on GPUs) with the softmax
+1. ``_rotate_q_kernel`` ``(cdiv(B, QB)·H_kv, D/32)``: ``q @ R_K`` (``tl.dot`` on float32, tf32x3 on GPUs) with the softmax
    scale and ``log2(e)`` folded in.
 2. ``_decode_stage1_kernel`` ``(B·H_kv, S + TIER_PARTS)``: programs ``0..S-1`` of a (batch, KV head) each take one
    split of the INT2 history; programs ``S..S+TIER_PARTS-1`` cut the BF16/fp16 sink and recent rows (sink rows then
@@ -137,40 +137,49 @@ def _pow2_scale(xmax):
 
 @triton.jit
 def rotate_q_tile(q_ptr, stride_qb, stride_qh, r_ptr, stride_rh, out_ptr, stride_ob, stride_oh, qk_scale, b, h, e,
-                  GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    """``q_rot[b, g, e] = (q[b, g] @ R_K[:, e]) * qk_scale`` for the ``GROUP`` query heads ``g`` of KV head ``h`` and
-    the output columns ``e``: the body of ``_rotate_q_kernel`` and of the tier gather's query jobs
-    (:mod:`oscar_kernels.tier_copy`), so both give the same bits."""
+                  n_seq, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
+                  QB: tl.constexpr = 1):
+    """``q_rot[s, g, e] = (q[s, g] @ R_K[:, e]) * qk_scale`` for the ``GROUP`` query heads ``g`` of KV head ``h``,
+    the output columns ``e`` and the ``QB`` sequences ``s = b·QB ..`` below ``n_seq``: the body of
+    ``_rotate_q_kernel``, of the tier gather's query jobs (:mod:`oscar_kernels.tier_copy`) and of the K/V rotation's
+    (:mod:`oscar_kernels.rotate_kv`), so all give the same bits. The MMA's ``GP`` rows are sequence-major
+    (``QB · GROUP <= GP``): with ``QB > 1`` the rows that one sequence's heads leave as padding hold the next
+    sequences' heads (one ``R_K`` tile load and split per ``QB`` sequences; a row's sum does not depend on the other
+    rows, so ``QB`` does not change a bit)."""
     rows = tl.arange(0, GP)
     cols = tl.arange(0, D)
-    ok = (rows < GROUP)[:, None]
-    q32 = tl.load(q_ptr + b * stride_qb + (h * GROUP + rows)[:, None] * stride_qh + cols[None, :], mask=ok,
+    seq = b * QB + rows // GROUP
+    head = h * GROUP + rows % GROUP
+    ok = ((rows < QB * GROUP) & (seq < n_seq))[:, None]
+    seq64 = seq.to(tl.int64)
+    q32 = tl.load(q_ptr + seq64[:, None] * stride_qb + head[:, None] * stride_qh + cols[None, :], mask=ok,
                   other=0.0).to(tl.float32)
     r = tl.load(r_ptr + h * stride_rh + cols[:, None] * D + e[None, :])
     qr = tl.dot(q32, r, input_precision=PREC) * qk_scale
-    ptrs = out_ptr + b * stride_ob + (h * GROUP + rows)[:, None] * stride_oh + e[None, :]
+    ptrs = out_ptr + seq64[:, None] * stride_ob + head[:, None] * stride_oh + e[None, :]
     tl.store(ptrs, qr.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_seq"])  # B: no recompile per batch size's 1 / 16k / other class
 def _rotate_q_kernel(
     q_ptr, stride_qb, stride_qh,  # q [B, H_q, D] act dtype
     r_ptr, stride_rh,  # R_K [H_r, D, D] float32 (stride 0: shared)
     out_ptr, stride_ob, stride_oh,  # q_rot [B, H_q, D] act dtype
     qk_scale,  # softmax scale * log2(e)
+    n_seq,  # B
     H_KV: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr, QB: tl.constexpr = 1,
 ):
-    """``q_rot[:, e] = (q @ R_K[:, e]) * qk_scale`` for the ``g`` query heads of one KV head and output columns
-    ``[e0, e0 + BLOCK_E)`` (:func:`rotate_q_tile`). Grid: ``(B * H_kv, D / BLOCK_E)``. ``PDL``: let stage 1 (a
-    programmatic dependent launch) start right away; it waits for this grid with ``griddepcontrol.wait`` before
-    reading ``q_rot``."""
+    """``q_rot[:, e] = (q @ R_K[:, e]) * qk_scale`` for the ``g`` query heads of one KV head, ``QB`` sequences and
+    output columns ``[e0, e0 + BLOCK_E)`` (:func:`rotate_q_tile`). Grid: ``(cdiv(B, QB) * H_kv, D / BLOCK_E)``.
+    ``PDL``: let stage 1 (a programmatic dependent launch) start right away; it waits for this grid with
+    ``griddepcontrol.wait`` before reading ``q_rot``."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rotate_q_tile(q_ptr, stride_qb, stride_qh, r_ptr, stride_rh, out_ptr, stride_ob, stride_oh, qk_scale,
-                  pid // H_KV, pid % H_KV, e, GROUP=GROUP, GP=GP, D=D, PREC=PREC)
+                  pid // H_KV, pid % H_KV, e, n_seq, GROUP=GROUP, GP=GP, D=D, PREC=PREC, QB=QB)
 
 
 @triton.jit

@@ -64,7 +64,7 @@ from oscar_kernels.decode_ops import (
 from oscar_kernels.history_ops import dequantize_history
 from oscar_kernels.rope_ops import position_table, rope_mean_logits
 from oscar_kernels.rotate_ops import rotate_kv
-from oscar_kernels.tier_ops import GatherQuery, tier_gather, tier_write
+from oscar_kernels.tier_ops import GatherQuery, query_rows, tier_gather, tier_write
 from oscar_kernels.write_ops import LAYOUTS, new_paged_cache, quantize_rows, quantize_write
 from oscar_kernels.write_step_ops import write_step
 
@@ -87,6 +87,7 @@ __all__ = [
     "make_workspace",
     "new_paged_cache",
     "quantize_rows",
+    "query_rows",
     "query_scale",
     "quantize_write",
     "position_table",

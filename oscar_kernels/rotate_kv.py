@@ -44,7 +44,7 @@ def _rotate_tile(x_ptr, stride_xn, stride_xh, r_ptr, stride_rh, y_ptr, stride_yn
     tl.store(y_ptr + r64 * stride_yn + h * stride_yh + cols_e[None, :], _cast_rn(y, y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q"])  # the decodes' count: no recompile per its 1 / 16k / other class
 def _rotate_kv_kernel(
     k_ptr,  # [N, H_kv, D] keys (bf16 / fp16 / fp32)
     stride_kn,
@@ -66,6 +66,7 @@ def _rotate_kv_kernel(
     t_tiles,  # cdiv(N, BLOCK_T): programs from here on along axis 0 rotate queries (Q_JOBS)
     q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh, qk_scale,  # Q_JOBS: as
     # int2_decode._rotate_q_kernel's q, R_K, q_rot, qk_scale
+    n_q,  # Q_JOBS: the queries' B
     H_KV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -73,11 +74,13 @@ def _rotate_kv_kernel(
     Q_JOBS: tl.constexpr = False,
     GROUP: tl.constexpr = 1,
     GP: tl.constexpr = 16,
+    QB: tl.constexpr = 1,
 ):
-    """Grid: ``(cdiv(N, BLOCK_T) + B_q, 2 · H_kv, D / BLOCK_E)``; axis 1 is ``kv · H_kv + head`` (kv 0: K, 1: V).
-    ``Q_JOBS``: programs ``t_tiles + b`` of axis 0 with ``head < H_kv`` compute the decode's rotated query of
-    sequence ``b`` for that KV head's ``GROUP`` query heads and ``BLOCK_E`` columns (:func:`rotate_q_tile`, the body
-    of the decode plan's own first launch, so the same bits; ``B_q = 0`` without queries)."""
+    """Grid: ``(cdiv(N, BLOCK_T) + cdiv(B_q, QB), 2 · H_kv, D / BLOCK_E)``; axis 1 is ``kv · H_kv + head`` (kv 0: K,
+    1: V). ``Q_JOBS``: programs ``t_tiles + j`` of axis 0 with ``head < H_kv`` compute the decode's rotated queries
+    of sequences ``j·QB .. j·QB + QB - 1`` for that KV head's ``GROUP`` query heads and ``BLOCK_E`` columns
+    (:func:`rotate_q_tile`, the body of the decode plan's own first launch, so the same bits; ``B_q = 0`` without
+    queries)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_e = tl.program_id(2)
@@ -87,7 +90,8 @@ def _rotate_kv_kernel(
         if Q_JOBS:
             if pid_h < H_KV:
                 rotate_q_tile(q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh,
-                              qk_scale, pid_t - t_tiles, pid_h, cols_e, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3")
+                              qk_scale, pid_t - t_tiles, pid_h, cols_e, n_q, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3",
+                              QB=QB)
     elif pid_h < H_KV:
         _rotate_tile(k_ptr, stride_kn, stride_kh, rk_ptr, stride_rkh, yk_ptr, stride_ykn, stride_ykh, pid_h, rows,
                      n_rows, cols_e, D)

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from oscar_kernels.launch_checks import ACT, bad_tensor, check_rows, next_pow2, rotation_arg, triton_module
-from oscar_kernels.tier_ops import Q_BLOCK, GatherQuery, query_args
+from oscar_kernels.launch_checks import ACT, bad_tensor, check_rows, rotation_arg, triton_module
+from oscar_kernels.tier_ops import Q_BLOCK, GatherQuery, query_args, query_rows
 
 ROTATE_DTYPES = (*ACT, torch.float32)
 
@@ -36,7 +36,8 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
 
     ``query`` (a :class:`~oscar_kernels.tier_ops.GatherQuery`, ``q [B_q, H_q, D]``): the same launch also writes the
     decode's rotated queries into ``query.out``, bit for bit what the decode plan's first launch writes (pass it as
-    ``DecodePlan(q_rot=...)``, which then launches two kernels); ``B_q`` more programs along the token axis.
+    ``DecodePlan(q_rot=...)``, which then launches two kernels); ``cdiv(B_q, QB)`` more programs along the token
+    axis, each taking ``QB`` sequences (:func:`~oscar_kernels.tier_ops.query_rows`: 4 for groups of 4 heads).
     """
     if not isinstance(k, torch.Tensor):
         raise ValueError(f"k: expected a torch.Tensor [N, H_kv, D], got {type(k).__name__}")
@@ -62,8 +63,8 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
         check_rows("out[1]", yv, f"{yk.dtype} [{n}, {h_kv}, {d}] (as out[0])", (n, h_kv, d), (yk.dtype,), dev)
     # 16 rows per program up to 64 tokens (decode steps; measured); above, 32: at 64 rows a program's float32 operands
     # do not fit its registers (sm_90 SASS, Triton 3.9: 7 KB of stack per thread, 2,945 spill stores and 4,280 spill
-    # loads against 4,096 FMAs; 32 rows: 44 registers, no spills: scripts/sass_stats.py --rotate-kv). The backend
-    # rotates above 64 tokens with cuBLAS (core.ROTATE_TRITON_MAX_ROWS) until 32-row tiles are timed there.
+    # loads against 4,096 FMAs; 32 rows: 44 registers, no spills: scripts/sass_stats.py --rotate-kv). Timed on an H100:
+    # 32-row tiles beat torch's float32 GEMM + casts from 80 to 2,048 tokens and tie at 4,096 (core.ROTATE_TRITON_MAX_ROWS).
     bt = block_t or (16 if n <= 64 else 32)
     if bt < 16 or bt & (bt - 1) or block_e < 16 or block_e & (block_e - 1) or d % block_e:
         raise ValueError(f"block_t, block_e: expected powers of two >= 16 (block_e dividing {d}), got {bt}, {block_e}")
@@ -75,11 +76,13 @@ def rotate_kv(k: torch.Tensor, v: torch.Tensor, r_k: torch.Tensor, r_v: torch.Te
     else:
         bq, q_args, group = 0, (yk, 0, 0, yk, 0, yk, 0, 0, 1.0), 1
     t_tiles = math.ceil(n / bt)
-    if t_tiles + bq == 0:
+    gp, qb = query_rows(group)
+    q_tiles = math.ceil(bq / qb)
+    if t_tiles + q_tiles == 0:
         return yk, yv
-    triton_module("rotate_kv")._rotate_kv_kernel[(t_tiles + bq, 2 * h_kv, d // block_e)](
+    triton_module("rotate_kv")._rotate_kv_kernel[(t_tiles + q_tiles, 2 * h_kv, d // block_e)](
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), rk, rk_stride, rv, rv_stride,
-        yk, yk.stride(0), yk.stride(1), yv, yv.stride(0), yv.stride(1), n, t_tiles, *q_args,
-        H_KV=h_kv, D=d, BLOCK_T=bt, BLOCK_E=block_e, Q_JOBS=query is not None, GROUP=group,
-        GP=max(16, next_pow2(group)), num_warps=num_warps)
+        yk, yk.stride(0), yk.stride(1), yv, yv.stride(0), yv.stride(1), n, t_tiles, *q_args, bq,
+        H_KV=h_kv, D=d, BLOCK_T=bt, BLOCK_E=block_e, Q_JOBS=query is not None, GROUP=group, GP=gp, QB=qb,
+        num_warps=num_warps)
     return yk, yv

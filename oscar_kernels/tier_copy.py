@@ -147,7 +147,7 @@ def _tier_gather_kernel(
         if Q_JOBS > 0:
             e = (pid - tiles) * Q_BLOCK + tl.arange(0, Q_BLOCK)
             rotate_q_tile(q_ptr, stride_qb, stride_qh, rq_ptr, stride_rqh, qo_ptr, stride_qob, stride_qoh, qk_scale,
-                          b, h, e, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3")
+                          b, h, e, b + 1, GROUP=GROUP, GP=GP, D=D, PREC="tf32x3")  # one sequence, b
     else:
         cols = tl.arange(0, BLOCK_D)
         cm = cols < D

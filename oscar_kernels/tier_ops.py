@@ -18,6 +18,15 @@ TIER_DTYPES = (*ACT, torch.float32)
 Q_BLOCK = 32  # output columns per query-rotation program (the decode plan's rotation kernel's BLOCK_E)
 
 
+def query_rows(group: int, rows: int = 16) -> tuple[int, int]:
+    """(``GP``, ``QB``) of a query-rotation program for GQA groups of ``group`` heads: its MMA's rows (``group``
+    padded to a power of two, at least ``rows``) and the sequences it rotates, ``GP // group`` (the heads of one
+    sequence fill the rows the next sequences' heads would leave as padding: Qwen3-8B's groups of 4 take 4 sequences
+    a program; measured on an H100, docs/VLLM.md: 80 queries' rotation 21.3 µs with one sequence a program)."""
+    gp = max(rows, next_pow2(group))
+    return gp, gp // group
+
+
 class GatherQuery(NamedTuple):
     """The decode's query rotation as extra programs of :func:`tier_gather`: ``out = (q @ R_K) · qk_scale`` in
     ``q``'s dtype, bit for bit what the decode plan's first launch writes (pass ``out`` as ``DecodePlan(q_rot=)``).

@@ -287,7 +287,7 @@ lstep)  # #20: one layer's decode step through the backend's layer (no vLLM), th
 rbench)  # #20: the K/V rotation by row count, ops.rotate_kv (the launcher's tile and block_t 16 / 32 / 64) against torch
     # (cuBLAS float32 + casts), where core.ROTATE_TRITON_MAX_ROWS switches (64) and the 73-request step's 80 rows sit
     # (rbench N...: other row counts, e.g. prefill chunks)
-    shift; ns=${*:-16 64 80 96 128 160 256 512}
+    ns=${*:2}; ns=${ns:-16 64 80 96 128 160 256 512}
     PYTHONPATH=$PWD timeout 300 python3 scripts/gpu_write_bench.py --ops rotate_kv,torch_rotate \
         --n $ns --out /tmp/res/rotate-rows.json 2>&1 | grep -v Warning | tail -40
     ;;

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 H_KV, D, G, PAGE, PAGES, CLIP = 8, 128, 128, 16, 4096, 0.96
+GROUP = 4  # query heads per KV head (Qwen3-8B: 32 over 8)
 NS = (1, 8, 64, 512)
 
 
@@ -194,6 +195,15 @@ def cases(n: int, pages: int, dev: str, h_kv: int = H_KV, d: int = D) -> list[tu
         out.append(({"name": f"rotate K+V ops.rotate_kv block_t {bt}", "op": "rotate_kv", "n": n, "block_t": bt},
                     triton_rotate(bt)))
     out.append(({"name": "rotate K+V torch (x.float() @ r).to(bf16)", "op": "torch_rotate", "n": n}, torch_rotate))
+    # with the decode's query rotation in the same launch, as the backend runs a step whose decodes read the tiers in
+    # place (n decode queries of GROUP query heads per KV head: Qwen3-8B's 32 over 8)
+    q = torch.randn(n, GROUP * h_kv, d, device=dev).to(bf16)
+    gq = ops.GatherQuery(q, r, torch.empty_like(q), 1.0)
+
+    def triton_rotate_q() -> None:
+        ops.rotate_kv(k, v, r, r, dtype=bf16, query=gq)
+    out.append(({"name": "rotate K+V ops.rotate_kv + the query", "op": "rotate_kv", "n": n, "block_t": None,
+                 "query_heads": GROUP * h_kv}, triton_rotate_q))
     return out
 
 

@@ -32,7 +32,8 @@ def test_smoke_runs_every_case(tmp_path: Path) -> None:
     assert {r["num_warps"] for r in rows if r["op"] == "quantize_write"} == {1, 4}
     assert {r["op"] for r in rows} == {"quantize_write", "rotate_kv", "torch_rotate", "step_writes"}
     assert sorted(r["fused"] for r in rows if r["op"] == "step_writes") == [False, True]
-    assert [r["block_t"] for r in rows if r["op"] == "rotate_kv"] == [None, 16, 32, 64]
+    assert [(r["block_t"], "query_heads" in r) for r in rows if r["op"] == "rotate_kv"] == \
+        [(None, False), (16, False), (32, False), (64, False), (None, True)]  # the last with the decode's queries
     assert {r["block_t"] for r in rows if r["op"] == "quantize_write"} == {1, 16}  # N=1: auto picks 1
     v = {(r["clip_method"], r["slots"], r["tq_update"]) for r in rows if r["op"] == "quantize_write"
          and r["layout"] == "token_quads" and r["num_warps"] == 4 and r["block_t_auto"]}
@@ -48,7 +49,7 @@ def test_ops_filter_runs_only_those_kinds(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     assert bench.main(["--smoke", "--ops", "rotate_kv,torch_rotate", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert {r["op"] for r in rows} == {"rotate_kv", "torch_rotate"} and len(rows) == 5
+    assert {r["op"] for r in rows} == {"rotate_kv", "torch_rotate"} and len(rows) == 6
     assert bench.main(["--smoke", "--ops", "rotate"]) == 2
 
 

@@ -283,8 +283,9 @@ def test_rotate_kv_replays_in_a_cuda_graph() -> None:
 # ---------------------------------------------------------------------------- the decode's queries in the same launch
 @pytest.mark.unit
 @pytest.mark.parametrize(("n", "bq", "hq", "form"), [(1, 1, 8, "shared"), (5, 3, 6, "head"), (20, 17, 2, "shared"),
-                                                     (0, 2, 4, "head")],
-                         ids=["n1-b1-group4", "n5-b3-group3-perhead", "n20-b17-group1", "n0-b2-queries-only"])
+                                                     (0, 2, 4, "head"), (3, 9, 8, "head")],
+                         ids=["n1-b1-group4", "n5-b3-group3-perhead", "n20-b17-group1", "n0-b2-queries-only",
+                              "n3-b9-group4-three-programs"])
 def test_rotate_kv_query_jobs_equal_the_decode_rotation(n: int, bq: int, hq: int, form: str) -> None:
     """``rotate_kv(query=GatherQuery(...))`` (``OSCAR_VLLM_DIRECT_TIERS``): K and V come out bitwise as without the
     query, and ``query.out`` holds bit for bit what the decode plan's rotation kernel writes (the same tile
@@ -306,11 +307,39 @@ def test_rotate_kv_query_jobs_equal_the_decode_rotation(n: int, bq: int, hq: int
     grp = hq // h
     triton_modules()[1]._rotate_q_kernel[(bq * h, d // 32)](
         q, q.stride(0), q.stride(1), rk, d * d if form == "head" else 0, want, want.stride(0), want.stride(1), scale,
-        H_KV=h, GROUP=grp, GP=max(16, 1 << (grp - 1).bit_length()), D=d, BLOCK_E=32, PREC="tf32x3", PDL=False)
+        bq, H_KV=h, GROUP=grp, GP=max(16, 1 << (grp - 1).bit_length()), D=d, BLOCK_E=32, PREC="tf32x3", PDL=False)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
     full = rk if form == "head" else rk.expand(h, d, d)
     exact = torch.einsum("bgd,gde->bge", q.double().cpu(), full.repeat_interleave(grp, 0).double().cpu()) * scale
     assert torch.allclose(out.cpu().double(), exact, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("b", "hq", "qb"), [(9, 8, 4), (7, 6, 5), (17, 2, 16), (1, 2, 16)],
+                         ids=["b9-group4-qb4", "b7-group3-qb5", "b17-group1-qb16", "b1-group1-qb16"])
+def test_rotate_q_sequences_per_program_change_no_bit(b: int, hq: int, qb: int) -> None:
+    """``_rotate_q_kernel`` with ``QB`` sequences a program (the rows one sequence's heads leave as MMA padding hold
+    the next sequences', ``tier_ops.query_rows``) writes bit for bit what one sequence a program writes, the last
+    program's missing sequences masked (nothing written past ``B``)."""
+    from oscar_kernels.launch_checks import triton_modules
+
+    h, d = 2, 64
+    grp = hq // h
+    gp = max(16, 1 << (grp - 1).bit_length())
+    assert ops.query_rows(grp) == (gp, qb)
+    g = torch.Generator().manual_seed(b + hq)
+    rk = _rotation(g, "head", h, d)
+    q = (torch.randn(b + 1, hq, d, generator=g) * 3).to(torch.float16).to(DEV)  # row b: must stay untouched
+    scale = ops.query_scale(None, d)
+    outs = []
+    for per in (1, qb):
+        out = torch.full_like(q, float("nan"))
+        triton_modules()[1]._rotate_q_kernel[(-(-b // per) * h, d // 32)](
+            q, q.stride(0), q.stride(1), rk, d * d, out, out.stride(0), out.stride(1), scale, b, H_KV=h, GROUP=grp,
+            GP=gp, D=d, BLOCK_E=32, PREC="tf32x3", PDL=False, QB=per)
+        assert torch.isnan(out[b]).all() and not torch.isnan(out[:b]).any()
+        outs.append(out[:b])
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 @pytest.mark.unit

@@ -125,7 +125,7 @@ def test_tier_gather_query_jobs_equal_the_decode_rotation(b: int, hq: int, per_h
     grp = hq // h
     triton_modules()[1]._rotate_q_kernel[(b * h, d // 32)](
         q, q.stride(0), q.stride(1), rot.contiguous(), d * d if per_head else 0, want, want.stride(0), want.stride(1),
-        scale, H_KV=h, GROUP=grp, GP=max(16, 1 << (grp - 1).bit_length()), D=d, BLOCK_E=32, PREC="tf32x3", PDL=False)
+        scale, b, H_KV=h, GROUP=grp, GP=max(16, 1 << (grp - 1).bit_length()), D=d, BLOCK_E=32, PREC="tf32x3", PDL=False)
     _assert_bitwise(out, want, "query.out")
     full = rot if per_head else rot.expand(h, d, d)
     exact = torch.einsum("bgd,gde->bge", q.double().cpu(), full.repeat_interleave(grp, 0).double().cpu()) * scale

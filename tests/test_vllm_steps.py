@@ -8,6 +8,7 @@ opt-in step log."""
 from __future__ import annotations
 
 import faulthandler
+import inspect
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from oscar_cli.vllm import debug, layout
 from oscar_cli.vllm.core import PagedInt2Layer, TorchTiers, TritonKernels, build_step, masked_attend
 from oscar_kernels import ops
+from oscar_kernels.launch_checks import triton_modules
 
 # the smoke engine of scripts/gpu_vllm_bench.py: Qwen3-shaped, 8 query / 2 KV heads, head_dim 128, pages of 16,
 # max_model_len 2048 (128 block-table columns), S0 = 64, W = 256, 64 sequences
@@ -56,12 +58,19 @@ def _step(lens: list[tuple[int, int]], blocks: list[list[int]], rows: list[int],
                       slot_t, num_tokens, rows + [ROWS] * pad, state, SETTINGS)
 
 
+# positional arguments a kernel declares ``do_not_specialize`` (not part of the JIT key): the rotation's ``n_seq``
+UNSPECIALIZED = {"rotate": {9}}
+
+
 def _signature(plan: ops.DecodePlan) -> tuple:
-    """What Triton's JIT cache keys a launch on (tensor dtypes; ints by ``== 1`` and ``% 16 == 0``; constexprs)."""
+    """What Triton's JIT cache keys a launch on (tensor dtypes; ints by ``== 1`` and ``% 16 == 0`` unless declared
+    ``do_not_specialize``; constexprs)."""
     out = []
     for name, (_, args, kw) in (("rotate", plan._rot), ("stage1", plan._stage1), ("merge", plan._merge)):
-        spec = tuple(("int", a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool) else
-                     ("float",) if isinstance(a, float) else ("tensor", a.dtype) for a in args)
+        skip = UNSPECIALIZED.get(name, set())
+        spec = tuple(("int",) if i in skip else
+                     ("int", a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool) else
+                     ("float",) if isinstance(a, float) else ("tensor", a.dtype) for i, a in enumerate(args))
         out.append((name, spec, tuple(sorted((k, str(v)) for k, v in kw.items()))))
     return tuple(out)
 
@@ -90,6 +99,8 @@ def test_decode_launch_specialization_depends_on_the_batch_size_only(monkeypatch
         assert len(per_batch[b]) == 1, f"batch {b}: the decode kernels would compile again within one batch size"
     # across the captured sizes the config (batch >= 16) and the split count (ops.default_num_splits: 16 up to
     # batch 32, then 13, 11, 10, 8) differ: 5 compiled variants of stage 1 and the merge, all made at graph capture
+    rot = triton_modules()[1]._rotate_q_kernel  # the index UNSPECIALIZED names is its n_seq
+    assert [list(inspect.signature(rot.fn).parameters)[i] for i in UNSPECIALIZED["rotate"]] == ["n_seq"]
     distinct = {next(iter(s)) for s in per_batch.values()}
     assert len(distinct) == 5, len(distinct)
 
