@@ -56,6 +56,10 @@ class DecodeConfig:
     merge_cols: int = 0  # output dims per merge program (32 or D; 0: D from 128 query heads in the batch, else 32)
     pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
     merge_block_p: int = 64  # partials per merge iteration (a power of two)
+    # query heads per merge program (a power of two dividing the GQA group): each R_V chunk is loaded once for them
+    # instead of once per head. 1 (one head a program) until timed: at 80 x 32K on an H100 the merge took 29.2 us per
+    # layer where its partials' bytes need ~9 (docs/VLLM.md, "The K/V rotation by row count")
+    merge_heads: int = 1
     # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
     # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
     prefetch: bool = True
@@ -360,6 +364,10 @@ class DecodePlan:
         if kc.dim() != 4 or kc.shape[-1] != d // 4 or h_q % max(int(kc.shape[1]), 1):
             raise bad_tensor("k_cache.packed", kc, f"uint8 [pages, H_kv, P, {d // 4}] with H_kv dividing {h_q}")
         h_kv, page = int(kc.shape[1]), int(kc.shape[2])
+        mh = cfg.merge_heads
+        if mh < 1 or mh & (mh - 1) or (h_q // h_kv) % mh:
+            raise ConfigError(f"config: merge_heads must be a power of two dividing the {h_q // h_kv} query heads per KV"
+                              f" head, got {mh}")
         vrow, words = _check_cache(k_cache, v_cache, kc, h_kv, page, dev, paged, cfg.meta_words)
         vrow //= 4
         check_tensor("block_table", block_table, f"int32 [{b}, max_pages]", (b, None), (torch.int32,), dev)
@@ -448,13 +456,13 @@ class DecodePlan:
                  TIER_PREFETCH=direct is None if cfg.tier_prefetch is None else cfg.tier_prefetch,
                  HIST_STAGES=cfg.hist_stages, HOIST_Q=cfg.hoist_q, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}),
                  num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
-        self._merge: tuple[Any, ...] = ((b * h_q, d // e_prog), (
+        self._merge: tuple[Any, ...] = ((b * h_q // mh, d // e_prog), (
             o_part, lse_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
             mu if mu is not None else o_part, mu_stride, rv if rv is not None else o_part, rv_stride,
             out, out.stride(0), out.stride(1), n_parts),
             dict(H_Q=h_q, GROUP=g, D=d, SP=max(2, 1 << (n_parts - 1).bit_length()), BLOCK_E=32, BLOCK_P=cfg.merge_block_p,
-                 HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl, num_warps=4,
+                 HAS_MU=mu is not None, HAS_R=rv is not None, E_PROG=e_prog, PDL=cfg.pdl, HEADS=mh, num_warps=4,
                  **({"launch_pdl": True} if cfg.pdl else {})))
 
     def run(self) -> torch.Tensor:

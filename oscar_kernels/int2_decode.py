@@ -907,6 +907,52 @@ def _decode_stage1_kernel(
 
 
 @triton.jit
+def _merge_heads(op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, mu_ptr, stride_muh, rv_ptr,
+                 stride_rvh, out_ptr, stride_outb, stride_outh, n_parts, pid, e_base, H_Q: tl.constexpr,
+                 GROUP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                 HAS_MU: tl.constexpr, HAS_R: tl.constexpr, E_PROG: tl.constexpr, HEADS: tl.constexpr):
+    """:func:`_merge_rotate_kernel` for ``HEADS`` consecutive query heads of one KV head (``HEADS`` divides
+    ``GROUP``): the partials as ``[HEADS, BLOCK_P / HEADS, D]`` tiles and ``R_V`` in ``[BLOCK_E / HEADS, D]`` chunks,
+    each loaded once for all the heads (the register footprint of one head's ``[BLOCK_P, D]`` / ``[BLOCK_E, D]``
+    tiles). The same sums per head in another reduction layout: within float32 rounding of the one-head path."""
+    b = pid // (H_Q // HEADS)
+    hq0 = (pid % (H_Q // HEADS)) * HEADS
+    hkv = hq0 // GROUP
+    heads = hq0 + tl.arange(0, HEADS)
+    parts = tl.arange(0, SP)
+    lse_rows = lse_ptr + b * stride_lb + heads[:, None] * stride_lh
+    lse = tl.load(lse_rows + parts[None, :], mask=(parts < n_parts)[None, :], other=float("-inf"))
+    mx = tl.max(lse, 1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.sum(tl.exp2(lse - mx[:, None]), 1)
+    pbase = op_ptr + b * stride_ob + heads[:, None, None] * stride_oh
+    if HAS_R:
+        cols = tl.arange(0, D)
+    else:
+        cols = e_base + tl.arange(0, E_PROG)
+    BP: tl.constexpr = BLOCK_P // HEADS if BLOCK_P // HEADS >= 2 else 2
+    o = tl.zeros([HEADS, cols.shape[0]], tl.float32)
+    for p0 in range(0, n_parts, BP):
+        pp = p0 + tl.arange(0, BP)
+        pm = pp < n_parts
+        w = tl.exp2(tl.load(lse_rows + pp[None, :], mask=pm[None, :], other=float("-inf")) - mx[:, None])
+        tile = tl.load(pbase + pp[None, :, None] * stride_os + cols[None, None, :], mask=pm[None, :, None], other=0.0)
+        o += tl.sum(w[:, :, None] * tile, 1)
+    o = o / tl.where(den > 0, den, 1.0)[:, None]
+    if HAS_MU:
+        o += tl.load(mu_ptr + hkv * stride_muh + cols)[None, :]
+    obase = out_ptr + b * stride_outb + heads[:, None] * stride_outh
+    if HAS_R:
+        BE: tl.constexpr = BLOCK_E // HEADS if BLOCK_E // HEADS >= 8 else 8
+        for c in tl.static_range(E_PROG // BE):
+            e = e_base + c * BE + tl.arange(0, BE)
+            r = tl.load(rv_ptr + hkv * stride_rvh + e[:, None] * D + cols[None, :])  # R_V[e, :]
+            tl.store(obase + e[None, :], tl.sum(r[None, :, :] * o[:, None, :], 2).to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(obase + cols[None, :], o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _merge_rotate_kernel(
     op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partials (see stage 1)
     mu_ptr, stride_muh,  # mu_V [H_r, D] float32 (rotated space)
@@ -915,19 +961,28 @@ def _merge_rotate_kernel(
     n_parts,  # S + TIER_PARTS
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr, HAS_MU: tl.constexpr, HAS_R: tl.constexpr, E_PROG: tl.constexpr, PDL: tl.constexpr,
+    HEADS: tl.constexpr = 1,
 ):
     """Stage 2: LSE merge over the partials, ``+ mu_V``, ``@ R_Vᵀ``, cast; output dims ``[e0, e0 + E_PROG)`` of
-    one query head per program, in chunks of ``BLOCK_E`` (each program merges what its dims need: all of ``o``
-    when rotating back, so ``E_PROG < D`` re-reads the partials ``D / E_PROG`` times for more programs).
+    ``HEADS`` query heads of one KV head per program, in chunks of ``BLOCK_E`` (each program merges what its dims
+    need: all of ``o`` when rotating back, so ``E_PROG < D`` re-reads the partials ``D / E_PROG`` times for more
+    programs).
 
-    Grid: ``(B * H_q, D / E_PROG)``: small batches get more programs (the merge is latency there), large batches
-    read every partial once (``E_PROG = D``; bytes there). ``PDL``: wait for stage 1 with ``griddepcontrol``
-    (launched as a programmatic dependent launch, the program starts while stage 1 drains).
+    Grid: ``(B * H_q / HEADS, D / E_PROG)``: small batches get more programs (the merge is latency there), large
+    batches read every partial once (``E_PROG = D``; bytes there). ``HEADS > 1`` (:func:`_merge_heads`): each
+    ``R_V`` chunk is loaded once for the program's heads instead of once per head. ``PDL``: wait for stage 1 with
+    ``griddepcontrol`` (launched as a programmatic dependent launch, the program starts while stage 1 drains).
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     e_base = tl.program_id(1) * E_PROG
+    if HEADS > 1:
+        _merge_heads(op_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, mu_ptr, stride_muh,
+                     rv_ptr, stride_rvh, out_ptr, stride_outb, stride_outh, n_parts, pid, e_base, H_Q=H_Q,
+                     GROUP=GROUP, D=D, SP=SP, BLOCK_E=BLOCK_E, BLOCK_P=BLOCK_P, HAS_MU=HAS_MU, HAS_R=HAS_R,
+                     E_PROG=E_PROG, HEADS=HEADS)
+        return
     b = pid // H_Q
     hq = pid % H_Q
     hkv = hq // GROUP

@@ -50,6 +50,9 @@
 #   bash scripts/gpu_session.sh gputests      (the kernels' gpu-marked tests: rotation, tier ops, quantize-on-write,
 #                                              INT4 keys through the decode kernel plus the low plane's bias)
 #   bash scripts/gpu_session.sh wbench        (scripts/gpu_write_bench.py: the decode write path's kernels, µs each)
+#   bash scripts/gpu_session.sh mbench [CELLS] (carry .stage/whl; no model: the query rotation at QB sequences a
+#                                              program, 1-512 queries, and the decode with merge_heads 1 / 2 / 4 at
+#                                              CELLS (1x4096,1x131072,16x32768,80x32768), BF16 in the run; ~3 min)
 #   bash scripts/gpu_session.sh rbench [N...] (no model, nothing carried: the K/V rotation by row count, 16-512 rows,
 #                                              ops.rotate_kv per tile size against torch's float32 GEMM + casts)
 #   bash scripts/gpu_session.sh fwrite        (carry .stage/whl; no model: the fused decode-step write (the default)
@@ -290,6 +293,16 @@ rbench)  # #20: the K/V rotation by row count, ops.rotate_kv (the launcher's til
     ns=${*:2}; ns=${ns:-16 64 80 96 128 160 256 512}
     PYTHONPATH=$PWD timeout 300 python3 scripts/gpu_write_bench.py --ops rotate_kv,torch_rotate \
         --n $ns --out /tmp/res/rotate-rows.json 2>&1 | grep -v Warning | tail -40
+    ;;
+mbench)  # #20: after c2ff4a3 / merge_heads: the query rotation with QB sequences a program (rbench's rows with the
+    # decode's queries), then the decode with 1 / 2 / 4 query heads per merge program (DecodeConfig.merge_heads)
+    # against BF16 at the cells the engine runs (80 x 32K: the 73-request step); nothing carried but .stage/whl
+    site || exit 1
+    PYTHONPATH=$PWD timeout 120 python3 scripts/gpu_write_bench.py --ops rotate_kv,torch_rotate --n 1 8 80 512 \
+        --out /tmp/res/rotate-rows-qb.json 2>&1 | grep -v Warning | grep -v block_t | tail -16
+    mkdir -p /tmp/res/mh && OUT=/tmp/res/mh CELLS=${2:-1x4096,1x131072,16x32768,80x32768} \
+        VARIANTS='[{"merge_heads":2},{"merge_heads":4}]' PYTHONPATH=.:/tmp/site timeout 420 \
+        python3 scripts/gpu_decode_sweep.py variants 2>&1 | grep -v Warning | tail -20
     ;;
 wbench)  # the decode write path's kernels, one by one (CUDA graphs)
     site || exit 1

@@ -8,6 +8,9 @@ per code" figure of docs/KERNELS.md. Usage:
         [--rope tf32x3|tf32|ieee]   (the position-dependent key mean's in-tile term, at that precision)
         [--meta8 bytes|words]   (formula 10's 8-bit scale/zero decoded in the tile, META8; words: DecodeConfig.meta_words)
         [--low-plane]   (INT4 keys: the low plane's codes read in the tile, HAS_LO)
+    python scripts/sass_stats.py --merge HEADS
+        (instead: the decode's merge + R_V kernel, ``int2_decode._merge_rotate_kernel``, HEADS query heads per
+        program (DecodeConfig.merge_heads), Qwen3-8B's shape: registers, stack, FFMA, global loads, spills)
     python scripts/sass_stats.py --rotate-kv BLOCK_T [--warps 4]
         (instead: the vLLM backend's K/V rotation kernel, ``rotate_kv._rotate_kv_kernel``, at rows per program
         BLOCK_T, bf16 rows, D 128, BLOCK_E 32: registers, stack, and its local-memory spills (STL / LDL) against its
@@ -96,6 +99,34 @@ def rotate_kv_stats(block_t: int, warps: int = 4) -> dict[str, int]:
             "ffma": ops_["FFMA"], "stl": ops_["STL"], "ldl": ops_["LDL"]}
 
 
+def compile_merge(heads: int, e_prog: int = 128) -> object:
+    """``int2_decode._merge_rotate_kernel`` for sm_90 as a large batch's decode plan launches it on Qwen3-8B's shape
+    (32 query heads over 8 KV heads, D 128, ``R_V`` and ``mu_V``, ``E_PROG`` all of D, 20 partials), with ``HEADS``
+    query heads per program (``DecodeConfig.merge_heads``)."""
+    from oscar_kernels import int2_decode
+
+    fn = int2_decode._merge_rotate_kernel
+    const = dict(H_Q=32, GROUP=4, D=128, SP=32, BLOCK_E=32, BLOCK_P=64, HAS_MU=True, HAS_R=True, E_PROG=e_prog,
+                 PDL=True, HEADS=heads)
+    types = {"op_ptr": "*fp32", "lse_ptr": "*fp32", "mu_ptr": "*fp32", "rv_ptr": "*fp32", "out_ptr": "*bf16"}
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and n not in ("n_parts",)}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def merge_stats(heads: int) -> dict[str, int]:
+    """Registers, stack bytes and instruction counts (all, FFMA, global loads LDG, spills STL / LDL) of
+    :func:`compile_merge`'s SASS."""
+    cubin = compile_merge(heads).asm["cubin"]  # type: ignore[attr-defined]
+    sass = tool("nvdisasm", "-c", cubin=cubin)
+    regs, stack = resources(cubin)
+    ops_ = collections.Counter(m.group(2).split(".")[0] for m in map(INSN.match, sass.splitlines()) if m)
+    return {"heads": heads, "registers": regs, "stack_bytes": stack, "instructions": sum(ops_.values()),
+            "ffma": ops_["FFMA"], "ldg": ops_["LDG"], "stl": ops_["STL"], "ldl": ops_["LDL"]}
+
+
 def tool(name: str, *args: str, cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -152,7 +183,15 @@ def main() -> None:
     p.add_argument("--low-plane", action="store_true", help="INT4 keys' low plane read in the tile (HAS_LO)")
     p.add_argument("--sass", type=Path)
     p.add_argument("--rotate-kv", type=int, metavar="BLOCK_T", help="the K/V rotation kernel at BLOCK_T rows instead")
+    p.add_argument("--merge", type=int, metavar="HEADS", help="the decode's merge + R_V kernel, HEADS query heads per "
+                   "program, instead")
     a = p.parse_args()
+    if a.merge:
+        st = merge_stats(a.merge)
+        print(f"triton {triton.__version__}, sm_90, merge HEADS {st['heads']}, 4 warp(s): {st['registers']} registers, "
+              f"stack {st['stack_bytes']} B; {st['instructions']} instructions, {st['ffma']} FFMA, {st['ldg']} LDG, "
+              f"spills {st['stl']} STL + {st['ldl']} LDL")
+        return
     if a.rotate_kv:
         st = rotate_kv_stats(a.rotate_kv, a.warps)
         print(f"triton {triton.__version__}, sm_90, rotate_kv BLOCK_T {st['block_t']}, {a.warps} warp(s): "

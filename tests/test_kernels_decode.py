@@ -499,6 +499,25 @@ def test_decode_merge_column_split(merge_cols: int) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("merge_heads", "merge_cols"), [(2, 64), (4, 64), (4, 32)],
+                         ids=["two-heads-all-cols", "four-heads-all-cols", "four-heads-32-cols"])
+def test_decode_merge_heads_share_the_rotation(merge_heads: int, merge_cols: int) -> None:
+    """``merge_heads``: one merge program for several query heads of a KV head (each ``R_V`` chunk loaded once for
+    them) gives the one-head merge's output within float32 rounding (another reduction layout), for every batch row
+    and head; a count that is not a power of two dividing the group is refused by name."""
+    dev = "cuda" if CUDA else "cpu"
+    c = make_case(9, 3, 8, 2, 64, [40, 7, 90], [2, 3, 1], [3, 0, 2], 16, torch.float16, dev, meta=torch.float16)
+    base = run_op(c, num_splits=3, config=replace(TINY, merge_cols=merge_cols), out=_poisoned(c))
+    got = run_op(c, num_splits=3, config=replace(TINY, merge_cols=merge_cols, merge_heads=merge_heads),
+                 out=_poisoned(c))
+    assert_budget(got, c)
+    torch.testing.assert_close(got, base, rtol=0, atol=2e-3)
+    for bad in (3, 8):  # not a power of two; does not divide the group of 4
+        with pytest.raises(ValueError, match="merge_heads"):
+            run_op(c, num_splits=3, config=replace(TINY, merge_heads=bad))
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("hist", [40, 150])
 def test_decode_contiguous_entry_matches_paged(hist: int) -> None:
     """The non-paged layout (values in token-quad rows of 64 tokens: 150 tokens are three row blocks)."""

@@ -43,3 +43,17 @@ def test_stage1_compiles_and_counts_its_int2_loop() -> None:
     stdout = _run()
     assert re.search(r"sm_90: \d+ registers, stack \d+ B", stdout), stdout
     assert re.search(r"INT2 loop: \d+ instructions/warp/iteration = [0-9.]+ warp-instructions per code", stdout), stdout
+
+
+@pytest.mark.parametrize("heads", [1, 4], ids=["one-head", "four-heads"])
+def test_merge_heads_keep_their_operands_in_registers(heads: int) -> None:
+    """The merge + ``R_V`` kernel with one and with four query heads a program (``DecodeConfig.merge_heads``;
+    Qwen3-8B's shape): no stack and no local-memory spills, the four-head program's FMAs about four times one
+    head's (the rotation back of four heads' outputs)."""
+    stdout = _run("--merge", str(heads))
+    m = re.search(rf"merge HEADS {heads}, 4 warp\(s\): (\d+) registers, stack (\d+) B; (\d+) instructions, (\d+) FFMA,"
+                  r" (\d+) LDG, spills (\d+) STL \+ (\d+) LDL", stdout)
+    assert m, stdout
+    regs, stack, insns, ffma, ldg, stl, ldl = map(int, m.groups())
+    assert 0 < regs <= 255 and stack == 0 and stl == 0 and ldl == 0 and 0 < ffma < insns and ldg > 0
+    assert (ffma >= 64 * heads) and (ffma <= 128 * heads)
