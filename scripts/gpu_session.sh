@@ -260,6 +260,9 @@ gputests)  # the kernels' gpu-marked tests (CUDA, no interpreter)
     site || exit 1
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rotate_ops.py \
         tests/test_tier_ops.py tests/test_kernels_pack.py tests/test_int4_keys.py 2>&1 | tail -15
+    # the query rotation's QB sequences a program and the merge's merge_heads, compiled (their unit tests on CUDA)
+    PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m unit -p no:cacheprovider tests/test_rotate_ops.py \
+        tests/test_tier_ops.py tests/test_kernels_decode.py -k "query or sequences or merge" 2>&1 | tail -6
     # the prefill's history dequantization at 128K: bitwise the torch twin, both paths' µs printed (-s)
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_history_ops.py 2>&1 | tail -8
     ;;
