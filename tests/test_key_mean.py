@@ -157,8 +157,10 @@ def test_triton_decode_with_a_rope_mean_matches_the_reference_path(pad: int) -> 
         a, b = caches[0].oscar_layers[0].history(which), caches[1].oscar_layers[0].history(which)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), which
     assert (ref - fast).abs().max().item() < 2e-3 * max(1.0, ref.abs().max().item())
-    const = decode_logits(model, replace(meth, key_mean="constant"), "triton", "cpu", 3, pad=pad, length=90)
-    assert (const - fast).abs().max().item() > 1e-2  # the term matters: without it the logits differ
+    # the term matters: without it the logits differ by far more than the Triton path from the reference (the
+    # reference path stands in for a second interpreted Triton run, 23 s)
+    const = decode_logits(model, replace(meth, key_mean="constant"), "reference", "cpu", 3, pad=pad, length=90)
+    assert (const - ref).abs().max().item() > 1e-2 > 5 * (ref - fast).abs().max().item()
 
 
 @pytest.mark.gpu
