@@ -291,7 +291,7 @@ lstep)  # #20: one layer's decode step through the backend's layer (no vLLM), th
         --batch "${3:-1}" --out "/tmp/res/layer-step-b${3:-1}.json" 2>&1 | grep -v Warning | tail -20
     ;;
 rbench)  # #20: the K/V rotation by row count, ops.rotate_kv (the launcher's tile and block_t 16 / 32 / 64) against torch
-    # (cuBLAS float32 + casts), where core.ROTATE_TRITON_MAX_ROWS switches (64) and the 73-request step's 80 rows sit
+    # (cuBLAS float32 + casts): core.ROTATE_TRITON_MAX_ROWS (4,096) came from it; the 73-request 32K step has 80 rows
     # (rbench N...: other row counts, e.g. prefill chunks)
     ns=${*:2}; ns=${ns:-16 64 80 96 128 160 256 512}
     PYTHONPATH=$PWD timeout 300 python3 scripts/gpu_write_bench.py --ops rotate_kv,torch_rotate \

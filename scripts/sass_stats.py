@@ -91,10 +91,7 @@ def compile_rotate_kv(block_t: int, warps: int = 4) -> object:
 def rotate_kv_stats(block_t: int, warps: int = 4) -> dict[str, int]:
     """Registers, stack bytes and instruction counts (all, FFMA, spill stores STL, spill loads LDL) of
     :func:`compile_rotate_kv`'s SASS."""
-    cubin = compile_rotate_kv(block_t, warps).asm["cubin"]  # type: ignore[attr-defined]
-    sass = tool("nvdisasm", "-c", cubin=cubin)
-    regs, stack = resources(cubin)
-    ops_ = collections.Counter(m.group(2).split(".")[0] for m in map(INSN.match, sass.splitlines()) if m)
+    regs, stack, ops_ = opcodes(compile_rotate_kv(block_t, warps).asm["cubin"])  # type: ignore[attr-defined]
     return {"block_t": block_t, "registers": regs, "stack_bytes": stack, "instructions": sum(ops_.values()),
             "ffma": ops_["FFMA"], "stl": ops_["STL"], "ldl": ops_["LDL"]}
 
@@ -119,12 +116,16 @@ def compile_merge(heads: int, e_prog: int = 128) -> object:
 def merge_stats(heads: int) -> dict[str, int]:
     """Registers, stack bytes and instruction counts (all, FFMA, global loads LDG, spills STL / LDL) of
     :func:`compile_merge`'s SASS."""
-    cubin = compile_merge(heads).asm["cubin"]  # type: ignore[attr-defined]
-    sass = tool("nvdisasm", "-c", cubin=cubin)
-    regs, stack = resources(cubin)
-    ops_ = collections.Counter(m.group(2).split(".")[0] for m in map(INSN.match, sass.splitlines()) if m)
+    regs, stack, ops_ = opcodes(compile_merge(heads).asm["cubin"])  # type: ignore[attr-defined]
     return {"heads": heads, "registers": regs, "stack_bytes": stack, "instructions": sum(ops_.values()),
             "ffma": ops_["FFMA"], "ldg": ops_["LDG"], "stl": ops_["STL"], "ldl": ops_["LDL"]}
+
+
+def opcodes(cubin: bytes) -> tuple[int, int, collections.Counter]:
+    """(registers, stack bytes, count of every opcode) of a whole kernel's SASS."""
+    sass = tool("nvdisasm", "-c", cubin=cubin)
+    regs, stack = resources(cubin)
+    return regs, stack, collections.Counter(m.group(2).split(".")[0] for m in map(INSN.match, sass.splitlines()) if m)
 
 
 def tool(name: str, *args: str, cubin: bytes) -> str:
