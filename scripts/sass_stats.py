@@ -26,6 +26,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -57,19 +58,25 @@ def compile_stage1(warps: int, block_n: int, gp: int, stages: int, block_nb: int
                  TIER_PARTS=ops.TIER_PARTS, PDL=False, HIST_STAGES=hist_stages or stages,
                  HOIST_Q=hoist_q, PREFETCH=prefetch, HAS_ROPE=bool(rope), ROPE_PREC=rope or "tf32x3",
                  META8=meta8, HAS_LO=low_plane)
-    # every other constexpr at its default: one left out would compile as a runtime argument (both sides of its
-    # branches, e.g. DIRECT_TIERS', which do not type-check together)
-    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty} | const
     ptrs = (PTRS | {"lo_ptr": "*u8", "lo_first_ptr": "*i32"}
             | ({n: "*u8" for n in ("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr")} if meta8 else {}))
-    sig = {n: "constexpr" if n in const else ptrs.get(n, ("*fp16" if act == "fp16" else "*bf16") if n.endswith("_ptr") else "i32")
-           for n in fn.arg_names}
-    # like the JIT's specialisation: pointers and strides divisible by 16 (the split count is not)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in const and n not in ("num_splits", "rope_scale")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90(fn, const, ptrs, ("num_splits", "rope_scale"), opts, "*fp16" if act == "fp16" else "*bf16")
+
+
+def compile_sm90(fn: Any, const: dict[str, Any], types: dict[str, str], unaligned: tuple[str, ...],
+                 options: dict[str, Any], default_ptr: str = "*bf16") -> object:
+    """``fn`` compiled for sm_90 as the JIT specialises a launch: ``const`` and every other constexpr at its default
+    (one left out would compile as a runtime argument, both sides of its branches, which need not type-check
+    together), pointers ``types[name]`` (else ``default_ptr``), other arguments ``types[name]`` or i32, and every
+    runtime argument but ``unaligned`` divisible by 16 (pointers, strides)."""
+    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty} | const
+    sig = {n: "constexpr" if n in const else types.get(n, default_ptr if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and n not in unaligned}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_rotate_kv(block_t: int, warps: int = 4) -> object:
@@ -77,15 +84,10 @@ def compile_rotate_kv(block_t: int, warps: int = 4) -> object:
     8 KV heads, no query jobs)."""
     from oscar_kernels import rotate_kv
 
-    fn = rotate_kv._rotate_kv_kernel
     const = dict(H_KV=8, D=128, BLOCK_T=block_t, BLOCK_E=32, Q_JOBS=False, GROUP=1, GP=16)
-    types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "yk_ptr": "*bf16", "yv_ptr": "*bf16", "q_ptr": "*bf16",
-             "rk_ptr": "*fp32", "rv_ptr": "*fp32", "rq_ptr": "*fp32", "qo_ptr": "*fp32", "qk_scale": "fp32"}
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in const and n not in ("n_rows", "t_tiles", "qk_scale")}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    types = {"rk_ptr": "*fp32", "rv_ptr": "*fp32", "rq_ptr": "*fp32", "qo_ptr": "*fp32", "qk_scale": "fp32"}
+    return compile_sm90(rotate_kv._rotate_kv_kernel, const, types, ("n_rows", "t_tiles", "qk_scale", "n_q"),
+                        {"num_warps": warps})
 
 
 def rotate_kv_stats(block_t: int, warps: int = 4) -> dict[str, int]:
@@ -100,17 +102,10 @@ def compile_merge(heads: int, e_prog: int = 128) -> object:
     """``int2_decode._merge_rotate_kernel`` for sm_90 as a large batch's decode plan launches it on Qwen3-8B's shape
     (32 query heads over 8 KV heads, D 128, ``R_V`` and ``mu_V``, ``E_PROG`` all of D, 20 partials), with ``HEADS``
     query heads per program (``DecodeConfig.merge_heads``)."""
-    from oscar_kernels import int2_decode
-
-    fn = int2_decode._merge_rotate_kernel
     const = dict(H_Q=32, GROUP=4, D=128, SP=32, BLOCK_E=32, BLOCK_P=64, HAS_MU=True, HAS_R=True, E_PROG=e_prog,
                  PDL=True, HEADS=heads)
-    types = {"op_ptr": "*fp32", "lse_ptr": "*fp32", "mu_ptr": "*fp32", "rv_ptr": "*fp32", "out_ptr": "*bf16"}
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in const and n not in ("n_parts",)}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_sm90(int2_decode._merge_rotate_kernel, const, {"out_ptr": "*bf16"}, ("n_parts",),
+                        {"num_warps": 4}, "*fp32")
 
 
 def merge_stats(heads: int) -> dict[str, int]:
