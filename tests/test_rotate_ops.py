@@ -90,10 +90,10 @@ def _check(got: tuple[torch.Tensor, torch.Tensor], got32: tuple[torch.Tensor, to
         # the CPU), by at most one ulp more than the float32 difference spans (cancellation makes that several ulps
         # of a small output)
         dist = (_ordered(y) - _ordered(torch_rotate(x, r, dtype))).abs()
-        same = y32 == want32
+        same = (y32 == want32).cpu()  # (_ordered's integers are on the CPU)
         if bool(same.any()):
             assert int(dist[same].max()) == 0, f"{name}: equal float32 sums rounded apart"
-        allowed = 1 + torch.ceil((y32 - want32).abs() / _ulp(want32, dtype)).to(torch.int32)
+        allowed = 1 + torch.ceil((y32 - want32).abs() / _ulp(want32, dtype)).to(torch.int32).cpu()
         assert bool((dist <= allowed).all()), f"{name}: {int((dist - allowed).max())} ulps past the float32 difference"
         mismatched += int((dist != 0).sum())
         total += dist.numel()
