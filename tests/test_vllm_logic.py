@@ -494,23 +494,24 @@ class TorchKernels(TorchTiers):
         mean = mean.transpose(0, 1) if mean.dim() == 3 else mean  # one mean per row (rope): [H, N, D]
         q = ref.quantize_rows(x.transpose(0, 1), None, mean, clip, None, cache.scale.dtype)  # [H, N, D/4]
         codes = ref.unpack_int2(q.packed)
+        pg = int(cache.scale.shape[2])  # the page size (tokens)
         for i, slot in enumerate(slots.tolist()):
             if slot < 0:
                 continue
-            page, off = divmod(slot, P)
+            page, off = divmod(slot, pg)
             cache.scale[page, :, off], cache.zero[page, :, off] = q.scale[:, i], q.zero[:, i]
             if layout_name == "rows":
                 cache.packed[page, :, off] = q.packed[:, i]
             else:
-                c = ref.unpack_token_quads(cache.packed[page], P, D)
+                c = ref.unpack_token_quads(cache.packed[page], pg, D)
                 c[:, off] = codes[:, i]
-                cache.packed[page] = ref.pack_token_quads(c, ref.token_quad_row(P))
+                cache.packed[page] = ref.pack_token_quads(c, ref.token_quad_row(pg))
 
     def decode(self, q, kp, vp, table, hist_len, sink, sink_len, recent, recent_len, t, scale, out, rope=None,
                low=None):
         """``low``: INT4 keys' low plane (paged): its logit term ``sm_scale·(scale/4)·(q·R_K)·lo`` joins the
         history's (formula 9 on top of the high plane in the pages)."""
-        g = HQ // HKV
+        g, P = HQ // HKV, int(kp.scale.shape[2])  # (the page size from the pages)
         for b in range(q.shape[0]):
             hl, sl, rl = int(hist_len[b]), int(sink_len[b]), int(recent_len[b])
             pos = torch.arange(hl)
@@ -541,14 +542,15 @@ class TorchKernels(TorchTiers):
 
 
 class _Request:
-    def __init__(self, name: str, prompt: list[int], decodes: int, blocks: list[int], seed: int, t) -> None:
+    def __init__(self, name: str, prompt: list[int], decodes: int, blocks: list[int], seed: int, t,
+                 sink: int = S0) -> None:
         g = torch.Generator().manual_seed(seed)
         total = sum(prompt) + decodes
         self.q = torch.randn(total, HQ, D, generator=g).to(ACT)
         self.k = (torch.randn(total, HKV, D, generator=g) * 1.5 + 0.3).to(ACT)
         self.v = torch.randn(total, HKV, D, generator=g).to(ACT)
-        self.blocks, self.done, self.name, self.prompt = blocks, 0, name, sum(prompt)
-        meth = oscar_method([t], sink=S0, recent=W)
+        self.blocks, self.done, self.name, self.prompt, self.sink = blocks, 0, name, sum(prompt), sink
+        meth = oscar_method([t], sink=sink, recent=W)
         if t.k_mean_pre is not None:
             meth = replace(meth, key_mean="rope")
             self.ref = Int2Layer(meth, meth.layer(0), rope_table=_FixedRope(INV_FREQ, ROPE_SCALING))  # type: ignore[arg-type]
@@ -558,7 +560,7 @@ class _Request:
 
     def set_format(self, meta_dtype: torch.dtype, int4_keys: bool) -> None:
         """The reference cache with this metadata dtype, and INT4 keys on its layer when ``int4_keys``."""
-        meth = replace(oscar_method([self.t], sink=S0, recent=W, meta_dtype=meta_dtype),
+        meth = replace(oscar_method([self.t], sink=self.sink, recent=W, meta_dtype=meta_dtype),
                        int4_key_layers=(0,) if int4_keys else ())
         meth = replace(meth, key_mean="rope") if self.t.k_mean_pre is not None else meth
         rope = _FixedRope(INV_FREQ, ROPE_SCALING) if self.t.k_mean_pre is not None else None
@@ -584,6 +586,7 @@ def _step(layer: PagedInt2Layer, kv: torch.Tensor, rows: layout.SequenceRows, st
           batch: list[tuple[_Request, int, bool]], pad: int):
     """One vLLM step: decodes first, then prefill chunks; ``pad`` padding tokens (slot -1) at the end."""
     qs, ks, vs, slots, qsl, seq, table = [], [], [], [], [0], [], []
+    P = layer.block_size
     for r, n, _ in batch:
         a = r.done
         qs.append(r.q[a:a + n]), ks.append(r.k[a:a + n]), vs.append(r.v[a:a + n])
@@ -664,13 +667,36 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     ``OSCAR_VLLM_FUSED_WRITE=0``); ``triton-fused-gather``: that, and the decode's query rotation in the tier
     gather's launch (``OSCAR_VLLM_FUSED_GATHER=1``); ``triton-direct-tiers``: no gather, the decode reading the tiers
     in place and its query rotation in the K/V rotation's launch (``OSCAR_VLLM_DIRECT_TIERS=1``)."""
+    _simulated_run(kernels, key_mean, fmt)
+
+
+@pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
+                                     pytest.param("triton-fused-gather", marks=pytest.mark.slow),
+                                     pytest.param("triton-direct-tiers", marks=pytest.mark.slow)])
+def test_simulated_vllm_run_with_64_token_pages(kernels: str) -> None:
+    """The same run with ``--block-size 64`` pages (one 64-token tile per page: one block-table entry per tile in
+    the decode) and a sink of one page, in the recipes' format (rope mean, INT4 keys, 8-bit metadata): the pages
+    hold the reference cache's bytes and the outputs are within its error, through both tier reads."""
+    _simulated_run(kernels, "rope", "int4-keys-meta8", page=64)
+
+
+def _simulated_run(kernels: str, key_mean: str, fmt: str, page: int = 16) -> None:
+    sink = S0 if page == 16 else page  # (the sink is whole pages)
     g = torch.Generator().manual_seed(3)
     pre = 3.0 * torch.randn(HKV, D, generator=g) if key_mean == "rope" else None
     t = LayerTransform(k_rotation=random_orthogonal(HKV, D, 5), v_rotation=random_orthogonal(1, D, 6),
                        k_mean=0.2 * torch.randn(HKV, D, generator=g), v_mean=0.1 * torch.randn(1, D, generator=g),
                        k_clip=0.92, v_clip=0.9, k_mean_pre=pre)
-    a = _Request("A", [40, 30], 10, [7, 3, 11, 2, 9, 14], 1, t)
-    b = _Request("B", [20, 25], 9, [5, 13, 1, 8], 2, t)
+    if page == 16:
+        a = _Request("A", [40, 30], 10, [7, 3, 11, 2, 9, 14], 1, t)
+        b = _Request("B", [20, 25], 9, [5, 13, 1, 8], 2, t)
+        batches = [[(a, 40, False)], [(a, 30, True), (b, 20, False)], [(a, 1, True), (b, 25, True)],
+                   [(a, 1, True), (b, 1, True)]]
+    else:  # 64-token pages: the sink one page, prompts long enough for an INT2 history past it
+        a = _Request("A", [100, 60], 10, [7, 3, 11], 1, t, sink=page)
+        b = _Request("B", [60, 50], 9, [5, 13], 2, t, sink=page)
+        batches = [[(a, 100, False)], [(a, 60, True), (b, 60, False)], [(a, 1, True), (b, 50, True)],
+                   [(a, 1, True), (b, 1, True)]]
     if pre is not None:  # keys with that mean at their positions (the reference and the backend see the same keys)
         for r in (a, b):
             cos, sin = ref.rope_cos_sin(INV_FREQ, ROPE_SCALING, torch.arange(r.k.shape[0])[None])
@@ -678,15 +704,15 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
                    ).to(ACT)
     int4 = fmt == "int4-keys-meta8"
     md = torch.uint8 if int4 else torch.bfloat16
-    s = layout.Int2Settings(sink=S0, recent=W, meta_dtype=md, int4_layers=(0,) if int4 else ())
+    s = layout.Int2Settings(sink=sink, recent=W, meta_dtype=md, int4_layers=(0,) if int4 else ())
     kern = TorchKernels() if kernels == "torch" else None
     from oscar_cli.vllm.core import TritonKernels
 
-    meth = oscar_method([t], sink=S0, recent=W)
+    meth = oscar_method([t], sink=sink, recent=W)
     meth = replace(meth, key_mean="rope") if pre is not None else meth
     rope = layout.RopeFrequencies(INV_FREQ, ROPE_SCALING, 256) if pre is not None else None
     layer = PagedInt2Layer(layout.layer_tensors(meth, 1, HKV, D)[0], s, 4, HQ, HKV, D,
-                           P, ACT, _cpu_simulation(kernels),
+                           page, ACT, _cpu_simulation(kernels),
                            kernels=kern or TritonKernels(CFG, fused_write=kernels != "triton",  # type: ignore[arg-type]
                                                          fused_gather=kernels in ("triton-fused-gather",
                                                                                   "triton-by-batch"),
@@ -694,12 +720,10 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
                                                          kernels == "triton-direct-tiers"),
                            rope=rope,
                            key_bits=s.key_bits(0))
-    kv = torch.zeros(16, P, HKV, spec.slot_bytes(D, s.meta_bytes, s.key_bits(0)), dtype=torch.uint8)
+    kv = torch.zeros(16, page, HKV, spec.slot_bytes(D, s.meta_bytes, s.key_bits(0)), dtype=torch.uint8)
     for r in (a, b):  # the reference cache: the same format
         r.set_format(md, int4)
     rows, state = layout.SequenceRows(4), torch.zeros(5, 2, dtype=torch.int32)
-    batches = [[(a, 40, False)], [(a, 30, True), (b, 20, False)], [(a, 1, True), (b, 25, True)],
-               [(a, 1, True), (b, 1, True)]]
     if kernels == "torch":  # B's recent tier reaches W + 8 at its 8th decode, A's at its 8th
         batches += [[(a, 1, True), (b, 1, True)]] * 8
     worst = 0.0
@@ -708,9 +732,11 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
         assert torch.isfinite(got).all()
         worst = max(worst, (got - want).abs().max().item())
     assert worst < 5e-3, worst
-    for r in (a, b):  # INT2 pages == reference history, bitwise (positions S0 .. S0 + n_hist)
+    P = page
+    for r in (a, b):  # INT2 pages == reference history, bitwise (positions sink .. sink + n_hist)
         n_hist = r.ref.tier_sizes()[1]
-        pos = torch.arange(S0, S0 + n_hist)
+        assert n_hist > 0, r.name
+        pos = torch.arange(sink, sink + n_hist)
         blocks = torch.tensor(r.blocks)[pos // P]
         hk, hv = r.ref.history("k"), r.ref.history("v")
         assert hk is not None and hv is not None
