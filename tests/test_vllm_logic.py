@@ -671,13 +671,26 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
 
 
 @pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
-                                     pytest.param("triton-fused-gather", marks=pytest.mark.slow),
-                                     pytest.param("triton-direct-tiers", marks=pytest.mark.slow)])
-def test_simulated_vllm_run_with_64_token_pages(kernels: str) -> None:
+                                     pytest.param("triton-by-batch", marks=pytest.mark.slow)])
+def test_simulated_vllm_run_with_64_token_pages(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same run with ``--block-size 64`` pages (one 64-token tile per page: one block-table entry per tile in
     the decode) and a sink of one page, in the recipes' format (rope mean, INT4 keys, 8-bit metadata): the pages
-    hold the reference cache's bytes and the outputs are within its error, through both tier reads."""
+    hold the reference cache's bytes and the outputs are within its error. The Triton run is the engine's default
+    path with its switch lowered to 2 decode requests, so both tier reads run: the step with one decode gathers
+    the tiers (the query rotated in the gather's launch), the step with two reads them in place."""
+    from oscar_cli.vllm import core
+
+    monkeypatch.setattr(core, "DIRECT_TIERS_FROM_BATCH", 2)
+    seen: list[bool] = []
+    decode = core.TritonKernels.decode
+
+    def spy_decode(self: object, q: torch.Tensor, *args: object, **kw: object) -> object:
+        seen.append(kw.get("tier_index") is not None)
+        return decode(self, q, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(core.TritonKernels, "decode", spy_decode)
     _simulated_run(kernels, "rope", "int4-keys-meta8", page=64)
+    assert seen == ([] if kernels == "torch" else [False, True])
 
 
 def _simulated_run(kernels: str, key_mean: str, fmt: str, page: int = 16) -> None:
