@@ -57,8 +57,8 @@ class DecodeConfig:
     pdl: bool = True  # CUDA: stage 1 and the merge as programmatic dependent launches (griddepcontrol)
     merge_block_p: int = 64  # partials per merge iteration (a power of two)
     # query heads per merge program (a power of two dividing the GQA group): each R_V chunk is loaded once for them
-    # instead of once per head. 1 (one head a program) until timed: at 80 x 32K on an H100 the merge took 29.2 us per
-    # layer where its partials' bytes need ~9 (docs/VLLM.md, "The K/V rotation by row count")
+    # instead of once per head. 1: on an H100 2 and 4 were slower at 1 x 4K, 1 x 128K and 16 x 32K and level at
+    # 80 x 32K (docs/VLLM.md, "The K/V rotation by row count")
     merge_heads: int = 1
     # CUDA: before stage 1 waits for the q rotation, each program prefetches its first tile (INT2 codes, metadata) or
     # its BF16 tier rows into L2 (the DRAM latency overlaps the rotation kernel; at short contexts that is all of it)
