@@ -619,11 +619,13 @@ ROPE_SCALING = 1.07  # YaRN x2's attention factor: the term and the means scale 
 
 
 @pytest.mark.slow
-def test_simulated_vllm_run_switches_tier_reads_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("page", [16, 64], ids=["pages-16", "pages-64"])
+def test_simulated_vllm_run_switches_tier_reads_by_batch(page: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's default (``OSCAR_VLLM_DIRECT_TIERS`` unset: ``direct_tiers=None``) with the switch lowered to 2
     decode requests: the run's one-decode step gathers the tiers (the fused gather, q rotated in its launch), its
     two-decode steps read them in place (q rotated in the K/V rotation's launch), and the pages and outputs are
-    the reference cache's as in every other path (the rope format with INT4 keys, the most arguments)."""
+    the reference cache's as in every other path (the rope format with INT4 keys, the most arguments); with vLLM's
+    default 16-token pages and with ``--block-size 64`` (one block-table entry per 64-token tile, a one-page sink)."""
     from oscar_cli.vllm import core
 
     monkeypatch.setattr(core, "DIRECT_TIERS_FROM_BATCH", 2)
@@ -641,7 +643,7 @@ def test_simulated_vllm_run_switches_tier_reads_by_batch(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(core.TritonKernels, "tier_gather", spy_gather)
     monkeypatch.setattr(core.TritonKernels, "decode", spy_decode)
-    test_simulated_vllm_run_matches_the_reference_cache("triton-by-batch", "rope", "int4-keys-meta8")
+    _simulated_run("triton-by-batch", "rope", "int4-keys-meta8", page=page)
     assert seen == [(1, False), (2, True)]
 
 
@@ -670,27 +672,11 @@ def test_simulated_vllm_run_matches_the_reference_cache(kernels: str, key_mean: 
     _simulated_run(kernels, key_mean, fmt)
 
 
-@pytest.mark.parametrize("kernels", [pytest.param("torch", marks=pytest.mark.unit),
-                                     pytest.param("triton-by-batch", marks=pytest.mark.slow)])
-def test_simulated_vllm_run_with_64_token_pages(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same run with ``--block-size 64`` pages (one 64-token tile per page: one block-table entry per tile in
-    the decode) and a sink of one page, in the recipes' format (rope mean, INT4 keys, 8-bit metadata): the pages
-    hold the reference cache's bytes and the outputs are within its error. The Triton run is the engine's default
-    path with its switch lowered to 2 decode requests, so both tier reads run: the step with one decode gathers
-    the tiers (the query rotated in the gather's launch), the step with two reads them in place."""
-    from oscar_cli.vllm import core
-
-    monkeypatch.setattr(core, "DIRECT_TIERS_FROM_BATCH", 2)
-    seen: list[bool] = []
-    decode = core.TritonKernels.decode
-
-    def spy_decode(self: object, q: torch.Tensor, *args: object, **kw: object) -> object:
-        seen.append(kw.get("tier_index") is not None)
-        return decode(self, q, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(core.TritonKernels, "decode", spy_decode)
-    _simulated_run(kernels, "rope", "int4-keys-meta8", page=64)
-    assert seen == ([] if kernels == "torch" else [False, True])
+@pytest.mark.unit
+def test_simulated_vllm_run_with_64_token_pages() -> None:
+    """The torch twin's run with ``--block-size 64`` pages and a one-page sink, in the recipes' format (the Triton
+    path at 64-token pages: ``test_simulated_vllm_run_switches_tier_reads_by_batch[pages-64]``)."""
+    _simulated_run("torch", "rope", "int4-keys-meta8", page=64)
 
 
 def _simulated_run(kernels: str, key_mean: str, fmt: str, page: int = 16) -> None:
@@ -745,23 +731,22 @@ def _simulated_run(kernels: str, key_mean: str, fmt: str, page: int = 16) -> Non
         assert torch.isfinite(got).all()
         worst = max(worst, (got - want).abs().max().item())
     assert worst < 5e-3, worst
-    P = page
     for r in (a, b):  # INT2 pages == reference history, bitwise (positions sink .. sink + n_hist)
         n_hist = r.ref.tier_sizes()[1]
         assert n_hist > 0, r.name
         pos = torch.arange(sink, sink + n_hist)
-        blocks = torch.tensor(r.blocks)[pos // P]
+        blocks = torch.tensor(r.blocks)[pos // page]
         hk, hv = r.ref.history("k"), r.ref.history("v")
         assert hk is not None and hv is not None
-        assert torch.equal(kp.packed[blocks, :, pos % P], hk[0][0].transpose(0, 1))
-        assert torch.equal(kp.scale[blocks, :, pos % P], hk[1][0].transpose(0, 1))
-        assert torch.equal(kp.zero[blocks, :, pos % P], hk[2][0].transpose(0, 1)) and kp.scale.dtype == md
+        assert torch.equal(kp.packed[blocks, :, pos % page], hk[0][0].transpose(0, 1))
+        assert torch.equal(kp.scale[blocks, :, pos % page], hk[1][0].transpose(0, 1))
+        assert torch.equal(kp.zero[blocks, :, pos % page], hk[2][0].transpose(0, 1)) and kp.scale.dtype == md
         if int4:  # the low plane: the reference's, slot n of its history at the page of position S0 + n
             low = layout.carve_low_plane(kv, D, md)
             assert r.ref.k_lo is not None
-            assert torch.equal(low[blocks, :, pos % P], r.ref.k_lo[0, :, :n_hist].transpose(0, 1))
-        vcodes = torch.stack([ref.unpack_token_quads(vp.packed[pg], P, D)[:, o] for pg, o in
-                              zip(blocks, pos % P, strict=True)], 1)
+            assert torch.equal(low[blocks, :, pos % page], r.ref.k_lo[0, :, :n_hist].transpose(0, 1))
+        vcodes = torch.stack([ref.unpack_token_quads(vp.packed[pg], page, D)[:, o] for pg, o in
+                              zip(blocks, pos % page, strict=True)], 1)
         assert torch.equal(vcodes, ref.unpack_int2(hv[0][0]))
 
 
