@@ -322,6 +322,20 @@ def test_model_card_metadata_and_determinism() -> None:
     assert "base_model" not in yaml.safe_load(render_model_card(m, "org/x").split("---")[1])
 
 
+@pytest.mark.parametrize(("sink", "flag"), [(64, True), (128, True), (32, False), (96, False)])
+def test_model_card_serve_line_asks_for_64_token_pages_only_when_the_sink_fits(sink: int, flag: bool) -> None:
+    """The vLLM backend refuses pages that split the sink, so the card's `vllm serve` line names --block-size 64
+    (its faster page size) only for a sink of whole 64-token blocks; otherwise vLLM's default 16 serves it."""
+    from helpers.fakehub.artifacts import make_manifest
+
+    from oscar_cli.artifact.card import render_model_card
+
+    m = make_manifest(0).to_dict()
+    m["quant"]["sink"] = sink
+    serve = [ln for ln in render_model_card(m, "org/x").splitlines() if ln.startswith("vllm serve")]
+    assert len(serve) == 1 and ("--block-size 64" in serve[0]) == flag
+
+
 def test_token_from_the_hf_login_file(fake_hub: FakeHub, tmp_path: Path) -> None:
     from huggingface_hub import constants
 

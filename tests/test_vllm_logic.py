@@ -396,6 +396,23 @@ def test_geometry_refusals_are_one_line() -> None:
         layout.layer_index("vision.attn")
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("block_size", "sink", "hinted"), [
+    (16, 64, True), (32, 128, True), (16, 0, True),    # the sink fits 64-token pages: suggest them
+    (64, 64, False),                                   # already there
+    (16, 32, False), (32, 96, False),                  # 64-token pages would split the sink: the engine refuses them
+])
+def test_page_size_hint_names_64_token_pages_only_where_they_are_served(block_size: int, sink: int,
+                                                                         hinted: bool) -> None:
+    hint = layout.page_size_hint(block_size, sink)
+    assert (hint is not None) == hinted
+    if hint is not None:
+        assert "--block-size 64" in hint and f"{block_size}-token pages" in hint and "\n" not in hint
+        # what it suggests, the geometry check accepts
+        layout.check_geometry(head_dim=128, block_size=64, settings=layout.Int2Settings(sink=sink, recent=256),
+                              group_size=None)
+
+
 @pytest.mark.parametrize("scheme", ["bf16", "kivi", "identity", "hadamard"])
 def test_an_artifact_with_a_fallback_layer_is_refused_or_served_as_stored(tmp_path, scheme: str) -> None:
     """The calibration's per-layer fallback (calibration.layers[i].scheme): a layer it keeps in BF16 or serves by

@@ -45,6 +45,12 @@ def base_model_of(manifest: Mapping[str, Any]) -> str | None:
     return ALIAS_BASE_MODELS.get(str(model.get("reference") or "").lower())
 
 
+def _block_flag(quant: Mapping[str, Any]) -> str:
+    """`` --block-size 64`` for the card's `vllm serve` line when the sink is whole 64-token pages (the vLLM
+    backend's faster page size, docs/VLLM.md "Pages of 64 tokens in the engine"), else nothing (vLLM's 16)."""
+    return " --block-size 64" if int(quant.get("sink", DEFAULT_SINK)) % 64 == 0 else ""
+
+
 def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:
     """Bits per K/V element at 4k, 32k and 128k tokens as the artifact is served: its quant settings (sink/recent
     in BF16, the BF16 keep budget with its side and layers, a BF16 key subspace, INT4 keys) and its per-layer schemes
@@ -201,7 +207,7 @@ def render_model_card(manifest: Mapping[str, Any], repo_id: str | None = None) -
             "Serve it in vLLM 0.25 (`pip install 'oscar-kv[vllm]'`; the plugin registers the INT2 attention backend):",
             "",
             "```bash",
-            f"vllm serve {base or 'MODEL'} --attention-backend CUSTOM --max-num-seqs 64 \\",
+            f"vllm serve {base or 'MODEL'} --attention-backend CUSTOM --max-num-seqs 64{_block_flag(quant)} \\",
             f"    --additional-config '{{\"oscar_artifact\": \"hf://{repo_id}@<tag-or-commit-sha>\"}}'",
             "```",
             "",

@@ -77,6 +77,9 @@ def _load(vllm_config: Any, ref: str, num_kv_heads: int, head_dim: int, block_si
               "recent tiers for %d sequences (--max-num-seqs): %.2f GB over %d layers", ref, meth.sink, meth.recent,
               8 * settings.meta_bytes, list(settings.int4_layers) or "none", num_rows,
               (num_rows + 1) * tiers * int(cfg.num_hidden_layers) / 1e9, int(cfg.num_hidden_layers))
+    hint = layout.page_size_hint(block_size, meth.sink)
+    if hint is not None:
+        _log.info(hint)
     if rope is not None:
         _log.info("oscar: keys centred by position (quant.key_mean rope): RoPE scaling %.4g, position table of %d rows",
                   rope.scaling, rope.positions)
