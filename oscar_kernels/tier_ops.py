@@ -22,7 +22,7 @@ def query_rows(group: int, rows: int = 16) -> tuple[int, int]:
     """(``GP``, ``QB``) of a query-rotation program for GQA groups of ``group`` heads: its MMA's rows (``group``
     padded to a power of two, at least ``rows``) and the sequences it rotates, ``GP // group`` (the heads of one
     sequence fill the rows the next sequences' heads would leave as padding: Qwen3-8B's groups of 4 take 4 sequences
-    a program; on an H100 80 queries' rotation took 7.5 µs so against 21.3 with one sequence a program, docs/VLLM.md)."""
+    a program; on an H100 80 queries' rotation took 7.5 µs against 21.3 with one sequence a program, docs/VLLM.md)."""
     gp = max(rows, next_pow2(group))
     return gp, gp // group
 

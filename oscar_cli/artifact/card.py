@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from oscar_cli.artifact.manifest import model_slug
+from oscar_cli.vllm.spec import FAST_BLOCK_SIZE, fast_pages_fit
 from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK
 
 if TYPE_CHECKING:
@@ -46,9 +47,9 @@ def base_model_of(manifest: Mapping[str, Any]) -> str | None:
 
 
 def _block_flag(quant: Mapping[str, Any]) -> str:
-    """`` --block-size 64`` for the card's `vllm serve` line when the sink is whole 64-token pages (the vLLM
-    backend's faster page size, docs/VLLM.md "Pages of 64 tokens in the engine"), else nothing (vLLM's 16)."""
-    return " --block-size 64" if int(quant.get("sink", DEFAULT_SINK)) % 64 == 0 else ""
+    """`` --block-size 64`` for the card's `vllm serve` line when the backend's fastest pages can hold the sink,
+    else nothing (vLLM's 16)."""
+    return f" --block-size {FAST_BLOCK_SIZE}" if fast_pages_fit(int(quant.get("sink", DEFAULT_SINK))) else ""
 
 
 def bpe_table(manifest: Mapping[str, Any]) -> dict[str, float]:

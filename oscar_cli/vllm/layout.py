@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from oscar_cli.errors import OscarError, UnsupportedModelError
-from oscar_cli.vllm.spec import DEMOTION_BLOCK, ring_tokens
+from oscar_cli.vllm.spec import DEMOTION_BLOCK, FAST_BLOCK_SIZE, fast_pages_fit, ring_tokens
 from oscar_kernels.layout import UNIFORM_INNER
 from oscar_kernels.reference import QuantizedRows, token_quad_row
 
@@ -234,11 +234,10 @@ def page_size_hint(block_size: int, sink: int) -> str | None:
     The decode reads the INT2 history in 64-token tiles; with 64-token pages each tile is one block-table entry
     (docs/VLLM.md, "Pages of 64 tokens in the engine": on an H100 the 32K step at capacity took 27.18 against
     28.18 ms). vLLM's default is 16; 64 needs the sink to be whole 64-token blocks."""
-    best = max(BLOCK_SIZES)
-    if block_size >= best or sink % best:
+    if block_size >= FAST_BLOCK_SIZE or not fast_pages_fit(sink):
         return None
-    return (f"oscar: --block-size {best} decodes faster than {block_size}-token pages (one block-table entry per "
-            f"{best}-token decode tile; the sink of {sink} tokens is whole blocks): docs/VLLM.md, "
+    return (f"oscar: --block-size {FAST_BLOCK_SIZE} decodes faster than {block_size}-token pages (one block-table "
+            f"entry per {FAST_BLOCK_SIZE}-token decode tile; the sink of {sink} tokens is whole blocks): docs/VLLM.md, "
             f"'Pages of 64 tokens in the engine'")
 
 

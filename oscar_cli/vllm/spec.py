@@ -22,6 +22,16 @@ from dataclasses import dataclass, replace
 
 from oscar_kernels.layout import DEFAULT_RECENT, DEFAULT_SINK, DEMOTION_BLOCK
 
+# The page size the backend decodes fastest: one block-table entry per 64-token decode tile (docs/VLLM.md, "Pages of
+# 64 tokens in the engine"); vLLM's default is 16.
+FAST_BLOCK_SIZE = 64
+
+
+def fast_pages_fit(sink: int) -> bool:
+    """Whether ``--block-size FAST_BLOCK_SIZE`` can serve an artifact with this BF16 sink (the backend refuses pages
+    that split the sink)."""
+    return sink % FAST_BLOCK_SIZE == 0
+
 
 def meta_bytes(meta_dtype: str) -> int:
     """Bytes of one scale or zero: 1 for uint8 (formula 10), 2 for bfloat16/float16, 4 for float32."""
