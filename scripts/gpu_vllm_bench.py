@@ -21,7 +21,8 @@ Stages:
               last prefill: those steps decode the full batch and nothing else. Needs --max-num-seqs >= n (auto:
               from --kv-tokens-hint); --decode-max-prefill-s skips a ctx whose estimated prefill (n x the TTFT that
               the tpot stage measured earlier in the same call) is longer
-  tpot        time per output token at batch 1 for each --ctx (4k,32k,128k): (t(257 tokens) - t(1 token)) / 256
+  tpot        time per output token at batch 1 for each --ctx (4k,32k,128k): the 256 tokens after the first over
+              their steps' time, TTFT to the first, both from one run (tpot_of)
   profile     a torch-profiler trace of one --ctx request generating --profile-tokens tokens (--profile-dir; vLLM
               writes the trace and a table of CUDA time per op there): where a decode step's time goes
   ruler       RULER NIAH through vLLM (oscar's sample generator and scoring: the samples `oscar eval-ruler` builds for
@@ -727,22 +728,43 @@ def decode(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list
         save(args.out, f"{base}/decode/{ctx}", facts | rec)
 
 
+def tpot_of(log: StepLog) -> tuple[float, float, int]:
+    """One request's ``(TTFT s, TPOT ms, tokens after the first)`` from its own run's step log (:func:`run_steps`):
+    TTFT is the time to the end of the step that gave the first token (adding the request included), TPOT the time
+    of every later step over the tokens they gave. Both from the same run, so nothing that happens in another run
+    (a kernel compiled on a length's first request) enters one and not the other."""
+    first = next((i for i, t in enumerate(log.tokens) if t), None)
+    if first is None:
+        raise ValueError("the run gave no token")
+    later = sum(log.tokens[first + 1:])
+    if later <= 0:
+        raise ValueError("the run gave no token after its first: no TPOT")
+    return sum(log.ms[:first + 1]) / 1e3, sum(log.ms[first + 1:]) / later, later
+
+
 def tpot(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[int], base: str) -> dict[int, float]:
-    """TPOT per ctx at batch 1; returns the TTFTs (the decode stage's prefill estimate)."""
+    """TPOT per ctx at batch 1; returns the TTFTs (the decode stage's prefill estimate).
+
+    Each length runs twice: once for one token (``ttft_first_s``: a length's first request, which pays for any kernel
+    variant the engine's warm-up did not compile), then the timed request of ``--out-tokens + 1`` tokens stepped one
+    engine step at a time, its TTFT and TPOT both from that run's steps (:func:`tpot_of`). Until 2026-12-08 TPOT was
+    ``(t(257 tokens) - t(1 token)) / 256`` over two runs; a compile in the first run made it low or negative (4K with
+    64-token pages on an H100: 1.04, 1.36 and -1.02 ms; 2026-12-02: 32K "1.91 ms")."""
     generate(llm, prompts(1, 64, args.vocab, 7), 8)  # warm-up
     # and a prompt of more than one chunk: later chunks attend through the cache's history (oscar: its Triton
-    # dequantization kernel), whose first launch compiles; without this the first multi-chunk ctx's TTFT holds the
-    # compile and its TPOT (from the two runs' difference) comes out low (2026-12-02: 32K "1.91 ms")
+    # dequantization kernel), whose first launch compiles
     generate(llm, prompts(1, min(2 * args.chunk + 64, max(ctxs)), args.vocab, 8), 2)
     ttft = {}
     for ctx in ctxs:
         p = prompts(1, ctx, args.vocab, ctx)
-        t1, _ = generate(llm, p, 1)
+        t_first, _ = generate(llm, p, 1)
+        run = generate_steps(llm, p, args.out_tokens + 1)
+        t1, ms, later = tpot_of(run.log)
         ttft[ctx] = t1
-        t2, toks = generate(llm, p, args.out_tokens + 1)
-        save(args.out, f"{base}/tpot/{ctx}", facts | {"prompt_tokens": ctx, "ttft_s": t1, "total_s": t2,
-                                                      "tpot_ms": 1e3 * (t2 - t1) / args.out_tokens,
-                                                      "output_tokens": len(toks[0])})
+        save(args.out, f"{base}/tpot/{ctx}", facts | {"prompt_tokens": ctx, "ttft_first_s": t_first, "ttft_s": t1,
+                                                      "total_s": run.wall_s, "tpot_ms": ms,
+                                                      "output_tokens": len(run.tokens[0]), "tpot_tokens": later,
+                                                      "tpot_method": "one run, step times"})
     return ttft
 
 

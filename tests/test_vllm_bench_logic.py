@@ -349,3 +349,59 @@ def test_dummy_hadamard_artifact_formats(bench: Any, tiny_model_dir: Any, tmp_pa
     assert all((layer.k_mean_pre is not None) is (key_mean == "rope") for layer in art.layers)
     assert len(m.quant.get("int4_keys", [])) == int4
     assert m.quant["meta_dtype"] == ("uint8" if meta == 8 else "bfloat16")
+
+
+@pytest.mark.parametrize("rows, ttft_s, tpot_ms, later", [
+    # one chunk: the first step gives the first token, then one token a step
+    ([(120.0, 1), (7.0, 1), (7.5, 1), (6.5, 1)], 0.120, 7.0, 3),
+    # three prefill chunks without a token, then the first; a later step without a token still costs its time
+    ([(400.0, 0), (400.0, 0), (300.0, 1), (8.0, 1), (2.0, 0), (8.0, 1)], 1.100, 9.0, 2),
+])
+def test_tpot_of_one_run(bench: Any, rows: list[tuple[float, int]], ttft_s: float, tpot_ms: float,
+                         later: int) -> None:
+    log = bench.StepLog()
+    for ms, tok in rows:
+        log.append(ms, tok, tok, 0, 0)
+    t1, ms, n = bench.tpot_of(log)
+    assert t1 == pytest.approx(ttft_s) and ms == pytest.approx(tpot_ms) and n == later
+
+
+@pytest.mark.parametrize("rows, match", [([(5.0, 0), (5.0, 0)], "no token"), ([(5.0, 0), (5.0, 1)], "after its first")])
+def test_tpot_of_refuses_runs_without_a_tpot(bench: Any, rows: list[tuple[float, int]], match: str) -> None:
+    log = bench.StepLog()
+    for ms, tok in rows:
+        log.append(ms, tok, tok, 0, 0)
+    with pytest.raises(ValueError, match=match):
+        bench.tpot_of(log)
+
+
+def test_tpot_stage_times_one_run_and_keeps_the_cold_first_request_apart(bench: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Any) -> None:
+    """The 2026-12-08 failure: a length's first request compiles (2 s); TPOT must not depend on it."""
+    import json
+    from argparse import Namespace
+
+    calls: list[tuple[int, int]] = []
+
+    def generate(llm: Any, ps: list[Any], tokens: int) -> tuple[float, list[list[int]]]:
+        calls.append((len(ps[0]), tokens))
+        cold = len(ps[0]) == 4096 and sum(1 for c in calls if c[0] == 4096) == 1
+        return (2.0 if cold else 0.1), [[1] * tokens]
+
+    def generate_steps(llm: Any, ps: list[Any], tokens: int) -> Any:
+        log = bench.StepLog()
+        log.append(100.0, 1, 1, 0, 0)
+        for _ in range(tokens - 1):
+            log.append(6.0, 1, 1, 0, 0)
+        return bench.StepRun(sum(log.ms) / 1e3, 0.0, log, [[1] * tokens])
+
+    monkeypatch.setattr(bench, "prompts", lambda n, length, vocab, seed: [[5] * length for _ in range(n)])
+    monkeypatch.setattr(bench, "generate", generate)
+    monkeypatch.setattr(bench, "generate_steps", generate_steps)
+    out = tmp_path / "t.json"
+    args = Namespace(chunk=8192, vocab=100, out_tokens=256, out=out)
+    ttft = bench.tpot(args, None, {"backend": "x"}, [4096, 32768], "m/x")
+    assert calls[:2] == [(64, 8), (2 * 8192 + 64, 2)]  # the warm-ups, then per length one token, cold
+    rec = json.loads(out.read_text())["m/x/tpot/4096"]
+    assert rec["tpot_ms"] == pytest.approx(6.0) and rec["tpot_tokens"] == 256 and rec["output_tokens"] == 257
+    assert rec["ttft_first_s"] == 2.0 and rec["ttft_s"] == pytest.approx(0.1) == ttft[4096]
