@@ -34,7 +34,7 @@ from vllm.v1.attention.backend import (
 )
 
 from oscar_cli.errors import OscarError
-from oscar_cli.vllm import debug, layout
+from oscar_cli.vllm import debug, layout, warmup
 from oscar_cli.vllm.core import PagedInt2Layer, Step, TritonKernels, build_step
 from oscar_cli.vllm.spec import Int2KVSpec, slot_bytes
 
@@ -343,15 +343,27 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
     def _core(self, layer: Any, query: torch.Tensor) -> PagedInt2Layer:
         if self.core is None:
             idx = layout.layer_index(layer.layer_name)
-            kernels = TritonKernels(pdl=debug.pdl_override(), torch_rotate=debug.torch_rotate_forced(),
-                                    fused_write=debug.fused_write(), fused_gather=debug.fused_gather(),
-                                    direct_tiers=debug.direct_tiers())
             self.key_bits = self.rt.settings.key_bits(idx)
-            self.core = PagedInt2Layer(self.rt.layers[idx], self.rt.settings, self.rt.num_rows, self.num_heads,
-                                       self.num_kv_heads, self.head_size, self.rt.block_size, query.dtype,
-                                       query.device, sm_scale=self.scale, kernels=kernels, rope=self.rt.rope,
-                                       key_bits=self.key_bits)
+            self.core = self._make_core(idx, self.rt.num_rows, query.dtype, query.device)
         return self.core
+
+    def _make_core(self, idx: int, num_rows: int, dtype: torch.dtype, device: torch.device) -> PagedInt2Layer:
+        """Layer ``idx``'s core with ``num_rows`` rows of BF16 tiers (the served one: the engine's request slots;
+        the warm-up's copy: 2)."""
+        kernels = TritonKernels(pdl=debug.pdl_override(), torch_rotate=debug.torch_rotate_forced(),
+                                fused_write=debug.fused_write(), fused_gather=debug.fused_gather(),
+                                direct_tiers=debug.direct_tiers())
+        return PagedInt2Layer(self.rt.layers[idx], self.rt.settings, num_rows, self.num_heads, self.num_kv_heads,
+                              self.head_size, self.rt.block_size, dtype, device, sm_scale=self.scale, kernels=kernels,
+                              rope=self.rt.rope, key_bits=self.rt.settings.key_bits(idx))
+
+    def _warm(self, layer: Any, core: PagedInt2Layer, device: torch.device) -> None:
+        """Compile the eager steps' kernel variants now (``warmup.warm_once``: once per process and layer format)."""
+        idx = layout.layer_index(layer.layer_name)
+        s = self.rt.settings
+        key = (core.key_bits, core.rope is not None, str(s.meta_dtype), str(core.act), self.num_heads,
+               self.num_kv_heads, self.head_size, self.rt.block_size, s.sink, s.ring)
+        warmup.warm_once(key, lambda rows: self._make_core(idx, rows, core.act, device), _flash_attend, device)
 
     def _carve(self, kv_cache: torch.Tensor) -> Any:
         key = kv_cache.data_ptr()
@@ -372,7 +384,8 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
             raise NotImplementedError("oscar INT2 backend: fused output quantization is not supported")
         assert output is not None
         core = self._core(layer, query)  # first call (the profiling run): the BF16 tiers are allocated here
-        if attn_metadata is None:
+        if attn_metadata is None:  # the profiling run (and vLLM's other dummy forwards)
+            self._warm(layer, core, query.device)
             return output.fill_(0)
         k_pages, v_pages, k_low = self._carve(kv_cache)
         out = output.view(-1, self.num_heads, self.head_size)
