@@ -110,7 +110,8 @@ def test_the_script_covers_both_tile_sizes_the_torch_rotation_and_both_classes_o
     assert warmup.ROWS["C"] == warmup.ROWS["A"] and last_a < first_c
 
 
-def test_warm_once_runs_on_cuda_only_once_and_not_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_once_runs_on_cuda_only_once_and_not_when_switched_off(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     calls: list[object] = []
     monkeypatch.setattr(warmup, "warm_up", lambda make, attend: calls.append(make) or warmup.WarmReport(steps=11))
     monkeypatch.setattr(warmup, "_warmed", set())
@@ -130,3 +131,5 @@ def test_warm_once_runs_on_cuda_only_once_and_not_when_switched_off(monkeypatch:
     assert warmup.warm_once(key, "m", masked_attend, cuda).skipped == "already warmed in this process"  # type: ignore[arg-type]
     assert warmup.warm_once(("fmt", 4), "m", masked_attend, cuda).steps == 11  # type: ignore[arg-type]
     assert calls == ["m", "m"]
+    lines = [r.getMessage() for r in caplog.records if "warmed the INT2 backend" in r.getMessage()]
+    assert len(lines) == 2 and "OSCAR_VLLM_WARMUP=0 skips this" in lines[0]

@@ -363,7 +363,8 @@ class OscarInt2Impl(AttentionImpl[OscarInt2Metadata]):
         s = self.rt.settings
         key = (core.key_bits, core.rope is not None, str(s.meta_dtype), str(core.act), self.num_heads,
                self.num_kv_heads, self.head_size, self.rt.block_size, s.sink, s.ring)
-        warmup.warm_once(key, lambda rows: self._make_core(idx, rows, core.act, device), _flash_attend, device)
+        warmup.warm_once(key, lambda rows: self._make_core(idx, rows, core.act, device), _flash_attend, device,
+                         label=f"{core.key_bits}-bit keys, {self.rt.block_size}-token pages")
 
     def _carve(self, kv_cache: torch.Tensor) -> Any:
         key = kv_cache.data_ptr()

@@ -3,8 +3,8 @@
 vLLM warms what it runs itself: its profiling forward (attention metadata None: the backend returns at once) and the
 CUDA graphs of one-token decode batches. A step with a prefill chunk runs eagerly, and its Triton launches are
 compiled per variant on first use: ``ops.rotate_kv`` takes 16-row tiles up to 64 tokens and 32-row tiles above,
-quantize-on-write and the history dequantization size their tiles from the token count, and Triton compiles one
-variant per value class of each integer argument (1, a multiple of 16, other). A request whose step is the first of
+quantize-on-write sizes its tiles from the token count below 16, and Triton compiles one variant per value class of
+each integer argument (1, a multiple of 16, other). A request whose step is the first of
 a new class pays the compile inside its TTFT. Measured on an H100 (2026-12-08, vLLM 0.25.0, 64-token pages, the
 bench's own warm-up having run a 64-token and a 16,448-token prompt): a 4,096-token prompt's first request took
 1.61-2.23 s to its only token against 0.11 s for vLLM's BF16, while the same prompt's next request generated 257
@@ -62,6 +62,7 @@ def prompts(steps: Script) -> dict[str, int]:
         for name, n in step:
             out[name] = out.get(name, 0) + (n if n > 1 else 0)
     return out
+
 
 _warmed: set[tuple[object, ...]] = set()
 
@@ -143,7 +144,7 @@ def warm_up(make_layer: Callable[[int], PagedInt2Layer], attend: Attend, steps: 
 
 
 def warm_once(key: tuple[object, ...], make_layer: Callable[[int], PagedInt2Layer], attend: Attend,
-              device: torch.device) -> WarmReport:
+              device: torch.device, label: str = "") -> WarmReport:
     """:func:`warm_up` once per process and ``key`` (the layer's format: every layer of one format launches the same
     kernel variants), on CUDA outside a graph capture, unless ``OSCAR_VLLM_WARMUP=0``; logs one line."""
     if not enabled():
@@ -156,6 +157,7 @@ def warm_once(key: tuple[object, ...], make_layer: Callable[[int], PagedInt2Laye
         return WarmReport(skipped="already warmed in this process")
     rep = warm_up(make_layer, attend)
     _warmed.add(key)
-    _log.warning("oscar: compiled the INT2 backend's prefill-step kernels for %s in %.1f s (%d steps of %s tokens; "
-                 "%s=0 skips this)", key, rep.seconds, rep.steps, "/".join(map(str, rep.token_counts)), WARMUP_ENV)
+    _log.warning("oscar: warmed the INT2 backend's prefill-step kernels%s in %.1f s (%d steps of %s tokens; "
+                 "%s=0 skips this)", f" ({label})" if label else "", rep.seconds, rep.steps,
+                 "/".join(map(str, rep.token_counts)), WARMUP_ENV)
     return rep
