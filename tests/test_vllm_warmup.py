@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 from helpers.calib import random_orthogonal
+from helpers.vllm_twin import HKV, HQ, D, TorchKernels
 
 from oscar_cli.quant.methods import LayerTransform, oscar_method
 from oscar_cli.vllm import layout, warmup
 from oscar_cli.vllm.core import PagedInt2Layer, TritonKernels, masked_attend
 from oscar_kernels import ops
 
-HQ, HKV, D = 4, 2, 64  # test_vllm_logic's (its torch twin of the kernels, TorchKernels, assumes them)
 ACT = torch.float16  # interpreter: fp16 operands
 CFG = ops.DecodeConfig(block_n=16, block_nb=16, num_warps=4, num_stages=1)
 # the Triton path in the interpreter: one step of each kind, a history and INT2 decodes (the whole script takes
@@ -71,8 +71,6 @@ def _run(make: Any, steps: warmup.Script, monkeypatch: pytest.MonkeyPatch) -> tu
 @pytest.mark.parametrize("page, sink, int4", [(16, 32, False), (64, 64, True)], ids=["pages-16", "pages-64-int4"])
 def test_warm_up_runs_every_step_through_a_copy_of_the_layer(page: int, sink: int, int4: bool,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_vllm_logic import TorchKernels
-
     _, seen = _run(_factory(page, sink, int4, TorchKernels()), warmup.WARM_STEPS, monkeypatch)
     assert seen[1] == (97, 0, [97]) and seen[3] == (501, 1, [500]) and seen[8] == (4100, 0, [4100])
 
