@@ -747,9 +747,8 @@ def tpot(args: argparse.Namespace, llm: Any, facts: dict[str, Any], ctxs: list[i
 
     Each length runs twice: once for one token (``ttft_first_s``: a length's first request, which pays for any kernel
     variant the engine's warm-up did not compile), then the timed request of ``--out-tokens + 1`` tokens stepped one
-    engine step at a time, its TTFT and TPOT both from that run's steps (:func:`tpot_of`). Until 2026-12-08 TPOT was
-    ``(t(257 tokens) - t(1 token)) / 256`` over two runs; a compile in the first run made it low or negative (4K with
-    64-token pages on an H100: 1.04, 1.36 and -1.02 ms; 2026-12-02: 32K "1.91 ms")."""
+    engine step at a time, its TTFT and TPOT both from that run's steps (:func:`tpot_of`), so a compile in the cold
+    request cannot enter the TPOT (docs/VLLM.md, "TurboQuant `k3v4` and 3-bit against BF16 and oscar at batch 1")."""
     generate(llm, prompts(1, 64, args.vocab, 7), 8)  # warm-up
     # and a prompt of more than one chunk: later chunks attend through the cache's history (oscar: its Triton
     # dequantization kernel), whose first launch compiles

@@ -21,6 +21,8 @@
   ``OSCAR_VLLM_FUSED_GATHER``). ``0``: the gather in every step. Unset: by the step's batch, in place from
   ``core.DIRECT_TIERS_FROM_BATCH`` (8) decode requests on (on an H100 the fused gather measured faster up to 4-6
   requests, reading in place from 8: docs/VLLM.md, "the crossing by batch").
+- ``OSCAR_VLLM_WARMUP=0``: no engine-start compile of the eager steps' kernels (``warmup.warm_once``); a request
+  that is the first of its token-count class then compiles inside its TTFT (``1`` or unset: the warm-up runs).
 - ``OSCAR_VLLM_STACKS_EVERY=N``: every N seconds, Python's :mod:`faulthandler` writes the stack of every thread of
   every vLLM process that loaded the plugin to stderr: a stalled engine shows where it waits.
 
@@ -64,6 +66,7 @@ TORCH_ROTATE_ENV = "OSCAR_VLLM_TORCH_ROTATE"
 FUSED_WRITE_ENV = "OSCAR_VLLM_FUSED_WRITE"
 FUSED_GATHER_ENV = "OSCAR_VLLM_FUSED_GATHER"
 DIRECT_TIERS_ENV = "OSCAR_VLLM_DIRECT_TIERS"
+WARMUP_ENV = "OSCAR_VLLM_WARMUP"
 
 
 def torch_rotate_forced() -> bool:
@@ -82,6 +85,10 @@ def direct_tiers() -> bool | None:
     """True: every decode step reads the tiers in place; False: none does; None (unset): by the step's batch
     (``core.direct_tiers_for``)."""
     return switch(DIRECT_TIERS_ENV)
+
+
+def warmup_enabled() -> bool:
+    return switch(WARMUP_ENV) is not False
 
 
 def steps_enabled() -> bool:

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oscar_cli.vllm import debug, layout, spec
+from oscar_cli.vllm import layout, spec
 from oscar_cli.vllm.core import Attend, PagedInt2Layer, build_step
+from oscar_cli.vllm.debug import WARMUP_ENV, warmup_enabled
 
-WARMUP_ENV = "OSCAR_VLLM_WARMUP"
 _log = logging.getLogger("oscar_cli.vllm")
 
 # One engine step per entry: (sequence, tokens) with decodes (1 token of a sequence whose prompt is done) first, as
@@ -70,14 +70,9 @@ _warmed: set[tuple[object, ...]] = set()
 @dataclass
 class WarmReport:
     steps: int = 0
-    tokens: int = 0
     seconds: float = 0.0
     skipped: str | None = None
     token_counts: list[int] = field(default_factory=list)
-
-
-def enabled() -> bool:
-    return debug.switch(WARMUP_ENV) is not False
 
 
 def _blocks(steps: Script, block_size: int) -> dict[str, list[int]]:
@@ -135,7 +130,6 @@ def warm_up(make_layer: Callable[[int], PagedInt2Layer], attend: Attend, steps: 
         for name, n in step:
             done[name] += n
         rep.steps += 1
-        rep.tokens += n_tok
         rep.token_counts.append(n_tok)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -147,7 +141,7 @@ def warm_once(key: tuple[object, ...], make_layer: Callable[[int], PagedInt2Laye
               device: torch.device, label: str = "") -> WarmReport:
     """:func:`warm_up` once per process and ``key`` (the layer's format: every layer of one format launches the same
     kernel variants), on CUDA outside a graph capture, unless ``OSCAR_VLLM_WARMUP=0``; logs one line."""
-    if not enabled():
+    if not warmup_enabled():
         return WarmReport(skipped=f"{WARMUP_ENV}=0")
     if device.type != "cuda":
         return WarmReport(skipped="not on CUDA (nothing to compile)")
